@@ -1,0 +1,21 @@
+"""hybridflow: RL post-training of LLMs in the HybridFlow programming model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from hybridflow.config import Config, load_config
+
+__all__ = ["Config", "__version__", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `import hybridflow` stays cheap (no torch import for `hybridflow --help`).
+    if name in ("Config", "load_config"):
+        from hybridflow import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -1,0 +1,117 @@
+"""Typed containers passed between roles. Ragged (one list per sequence) or packed; never padded.
+
+Shapes use B = sequences, N = total tokens of a packed micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One tokenized prompt with what its reward needs."""
+
+    index: int
+    """Row number in its dataset (0-based): stable across runs, used for data order and logging."""
+    token_ids: list[int]
+    data_source: str
+    ground_truth: Any = None
+    extra_info: dict = field(default_factory=dict)
+    text: str = ""
+    """The prompt as the model sees it (chat template applied)."""
+
+
+@dataclass
+class Rollouts:
+    """Responses sampled for prompts; every list has one entry per sequence (B entries)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    """Log-prob of each sampled token under the sampling distribution, as the rollout saw it."""
+    finish_reasons: list[str]
+    """'stop' (EOS or stop token) or 'length' (hit max tokens)."""
+    group_ids: list[int]
+    """Sequences sampled from the same prompt share a group id (the prompt's position in the step)."""
+    prompts: list[Prompt]
+    """The prompt of each sequence (repeated n times for n samples)."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, keep: list[int]) -> Rollouts:
+        return Rollouts(
+            prompt_ids=[self.prompt_ids[i] for i in keep],
+            response_ids=[self.response_ids[i] for i in keep],
+            response_logprobs=[self.response_logprobs[i] for i in keep],
+            finish_reasons=[self.finish_reasons[i] for i in keep],
+            group_ids=[self.group_ids[i] for i in keep],
+            prompts=[self.prompts[i] for i in keep],
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        return Rollouts(
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            response_ids=[x for p in parts for x in p.response_ids],
+            response_logprobs=[x for p in parts for x in p.response_logprobs],
+            finish_reasons=[x for p in parts for x in p.finish_reasons],
+            group_ids=[x for p in parts for x in p.group_ids],
+            prompts=[x for p in parts for x in p.prompts],
+        )
+
+
+@dataclass
+class PackedMicroBatch:
+    """Sequences concatenated into one token stream with their boundaries (no padding)."""
+
+    input_ids: torch.Tensor  # [N] int64
+    position_ids: torch.Tensor  # [N] int64, restarting at 0 for every sequence
+    cu_seqlens: torch.Tensor  # [B + 1] int32, sequence b spans input_ids[cu[b]:cu[b+1]]
+    indices: list[int]
+    """Position of each packed sequence in the batch it came from."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def pack_sequences(sequences: list[list[int]], indices: list[int] | None = None) -> PackedMicroBatch:
+    """Concatenate token lists into one packed micro-batch."""
+    lengths = [len(s) for s in sequences]
+    if any(n == 0 for n in lengths):
+        raise ValueError("cannot pack an empty sequence")
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)  # [N]
+    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])  # [N]
+    return PackedMicroBatch(
+        input_ids, position_ids, cu, list(range(len(sequences))) if indices is None else indices
+    )
+
+
+def plan_microbatches(
+    lengths: list[int], max_tokens: int, max_sequences: int | None = None
+) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `max_tokens` tokens (first-fit decreasing).
+
+    A sequence longer than the budget gets a micro-batch of its own. Each micro-batch's indices are
+    sorted, and micro-batches are ordered by their first index, so the plan is deterministic.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            fits_seq = max_sequences is None or len(bins[b]) < max_sequences
+            if lengths[i] <= free and fits_seq:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])

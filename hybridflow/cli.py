@@ -1,0 +1,207 @@
+"""`hybridflow` command line: generate, config, data. Bad input prints one line and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from hybridflow import __version__
+from hybridflow.errors import UserError
+
+log = logging.getLogger("hybridflow")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is available")
+    return name
+
+
+def _prompts_from_file(path: str) -> list:
+    from hybridflow.data.files import read_rows
+
+    rows = read_rows(path)
+    for i, row in enumerate(rows):
+        if "prompt" not in row:
+            raise UserError(f"{path}: row {i} has no 'prompt' key (keys: {', '.join(sorted(row)) or 'none'})")
+    if not rows:
+        raise UserError(f"{path} has no prompts")
+    return [row["prompt"] for row in rows]
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from hybridflow.data.prompts import check_prompt, render_prompt
+    from hybridflow.models import load_causal_lm
+    from hybridflow.rollout import HFBackend, SamplingParams
+
+    if args.out and Path(args.out).exists():
+        raise UserError(f"output file {args.out} exists; choose another path")
+    raw = list(args.prompt or []) + (_prompts_from_file(args.prompts_file) if args.prompts_file else [])
+    if not raw:
+        raise UserError("give --prompt TEXT or --prompts-file FILE.jsonl")
+    where = args.prompts_file or "--prompt"
+    checked = [check_prompt(p, f"{where}: prompt {i}", "prompt") for i, p in enumerate(raw)]
+
+    model, tok = load_causal_lm(args.model, dtype=args.dtype)
+    model.to(_device(args.device))
+    texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
+    prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]
+    backend = HFBackend(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    generations = backend.generate(prompt_ids, params)
+    seconds = time.perf_counter() - start
+
+    records = [
+        {
+            "prompt": texts[g.prompt_index],
+            "completion": tok.decode(g.token_ids, skip_special_tokens=True),
+            "finish_reason": g.finish_reason,
+            "num_tokens": len(g.token_ids),
+        }
+        for g in generations
+    ]
+    if args.out:
+        with open(args.out, "x", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    else:
+        for g, r in zip(generations, records):
+            print(
+                f"--- prompt {g.prompt_index} ({r['finish_reason']}, {r['num_tokens']} tokens)\n{r['completion']}"
+            )
+    tokens = sum(len(g.token_ids) for g in generations)
+    print(f"generated {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)")
+
+
+def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    # The optional recipe is positional, so a first `key=value` lands there: it is an override.
+    if args.recipe is not None and "=" in args.recipe:
+        return None, [args.recipe, *args.overrides]
+    return args.recipe, list(args.overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> None:
+    from hybridflow.config import load_config, to_yaml
+
+    print(to_yaml(load_config(*_recipe_and_overrides(args))), end="")
+
+
+def cmd_data_make(args: argparse.Namespace) -> None:
+    from hybridflow.data.tasks import make_task
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output directory {out} is not empty; choose another")
+    spec = {}
+    if args.task == "arithmetic":
+        spec = dict(
+            min_operands=args.min_operands,
+            max_operands=args.max_operands,
+            max_digits=args.max_digits,
+            operators=args.operators,
+        )
+    paths = make_task(
+        args.task, out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, **spec
+    )
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+
+
+def cmd_data_preprocess(args: argparse.Namespace) -> None:
+    from hybridflow.data.preprocess import preprocess
+
+    print(preprocess(args.dataset, args.input, args.out, split=args.split))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training of LLMs (HybridFlow).")
+    parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="sample completions from a model")
+    gen.add_argument("--model", default="default", help="'default', an HF model directory, or a .gguf file")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument(
+        "--prompts-file", help="jsonl/json/parquet rows with a 'prompt' key (string or messages)"
+    )
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template"
+    )
+    gen.add_argument("--system-prompt")
+    gen.add_argument("--backend", choices=["hf"], default="hf")
+    gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    gen.add_argument("--out", help="write completions as jsonl here instead of printing")
+    gen.set_defaults(func=cmd_generate)
+
+    config = sub.add_parser("config", help="inspect configuration").add_subparsers(
+        dest="action", required=True
+    )
+    show = config.add_parser("show", help="print the resolved config of a recipe with overrides")
+    show.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name)")
+    show.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optim.lr=1e-6")
+    show.set_defaults(func=cmd_config_show)
+
+    data = sub.add_parser("data", help="make or preprocess datasets").add_subparsers(
+        dest="action", required=True
+    )
+    make = data.add_parser("make", help="write a built-in task's train/test parquet files")
+    make.add_argument("task", choices=["arithmetic", "countdown"])
+    make.add_argument("--out", required=True)
+    make.add_argument("--train-size", type=int, default=2000)
+    make.add_argument("--test-size", type=int, default=200)
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--min-operands", type=int, default=2, help="arithmetic only")
+    make.add_argument("--max-operands", type=int, default=2, help="arithmetic only")
+    make.add_argument("--max-digits", type=int, default=2, help="arithmetic only")
+    make.add_argument("--operators", default="+-", help="arithmetic only: subset of +-*")
+    make.set_defaults(func=cmd_data_make)
+    pre = data.add_parser("preprocess", help="convert a local GSM8K/MATH file to the native schema")
+    pre.add_argument("dataset", choices=["gsm8k", "math"])
+    pre.add_argument("--input", required=True)
+    pre.add_argument("--out", required=True, help=".parquet or .jsonl")
+    pre.add_argument("--split", default="train")
+    pre.set_defaults(func=cmd_data_preprocess)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"hybridflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridflow: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

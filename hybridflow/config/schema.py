@@ -1,0 +1,271 @@
+"""Typed configuration: one dataclass per section. Defaults live here and only here.
+
+Units are in the names: `*_tokens` count tokens, `*_prompts` count prompts, `*_sequences` count
+sampled responses (prompts x samples_per_prompt). Validation in `__post_init__` names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.errors import UserError
+
+
+def _check_choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"config {section}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UserError(f"config {section}.{name}={value} must be {bound}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "default"
+    """'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a .gguf file."""
+    impl: str = "auto"
+    """'hf' (transformers), 'native' (our model code), 'auto' (native when supported)."""
+    dtype: str = "float32"
+    """Master weight dtype: float32, bfloat16 or float16. Compute runs in `actor.compute_dtype`."""
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True
+    """Pack sequences without padding (the native model always does; kept for verl recipes)."""
+    trust_remote_code: bool = False
+    cache_dir: str | None = None
+    """Where converted models are cached; default ~/.cache/hybridflow (or $HYBRIDFLOW_CACHE)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "impl", self.impl, ("auto", "hf", "native"))
+        _check_choice("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Prompt datasets: parquet, jsonl/json, or `datasets.save_to_disk` directories."""
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    """Column holding the prompt: chat messages (verl schema) or a plain string."""
+    answer_key: str | None = None
+    """Column holding the ground truth for plain rows; verl rows use reward_model.ground_truth."""
+    data_source: str | None = None
+    """data_source for rows that lack the column (chooses the reward scorer)."""
+    max_prompt_tokens: int = 512
+    max_response_tokens: int = 512
+    prompts_per_step: int = 8
+    """Prompts drawn per RL step; each is sampled `rollout.samples_per_prompt` times."""
+    overlong_prompts: str = "filter"
+    """'filter' drops prompts longer than max_prompt_tokens (and logs the count); 'error' raises."""
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    shuffle: bool = True
+    max_val_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("data", "overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        for name in ("max_prompt_tokens", "max_response_tokens", "prompts_per_step"):
+            _check_positive("data", name, getattr(self, name))
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    """'hf' (transformers generate), 'native' (built-in engine), 'vllm'."""
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    gpu_memory_utilization: float = 0.5
+    max_batch_sequences: int = 256
+    """Most sequences generated together (the hf backend chunks larger batches)."""
+    val_samples_per_prompt: int = 1
+    val_temperature: float = 0.0
+    """0 means greedy."""
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout", "backend", self.backend, ("hf", "native", "vllm"))
+        _check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
+        _check_positive("rollout", "temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"config rollout.top_p={self.top_p} must be in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(
+                f"config rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_scheduler: str = "constant"
+    """'constant' or 'cosine' (both after linear warmup)."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("optim", "lr_scheduler", self.lr_scheduler, ("constant", "cosine"))
+        _check_positive("optim", "lr", self.lr, allow_zero=True)
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sequences_per_update: int | None = None
+    """Sequences per optimizer step (a mini-batch); None = the whole step's sequences (one update)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward/backward; gradients accumulate over micro-batches."""
+    sequences_per_microbatch: int | None = None
+    """Optional cap on sequences per micro-batch (verl's ppo_micro_batch_size_per_gpu)."""
+    ppo_epochs: int = 1
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    compute_dtype: str = "bfloat16"
+    """Autocast dtype for forward/backward (bf16 uses AMX on CPU); 'float32' disables autocast."""
+    sequence_parallel_size: int = 1
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "actor",
+            "loss_agg_mode",
+            self.loss_agg_mode,
+            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        )
+        _check_choice("actor", "compute_dtype", self.compute_dtype, ("bfloat16", "float16", "float32"))
+        _check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        _check_positive("actor", "ppo_epochs", self.ppo_epochs)
+        _check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)
+
+
+@dataclass
+class RefConfig:
+    max_tokens_per_microbatch: int = 16384
+    offload_params: bool = False
+
+
+@dataclass
+class CriticConfig:
+    model_path: str | None = None
+    """None initialises the critic from the policy's backbone."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    max_tokens_per_microbatch: int = 8192
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    warmup_steps: int = 0
+    """RL steps during which only the critic is updated (verl's critic_warmup)."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    buffer_tokens: int = 64
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    custom_function_path: str | None = None
+    """A Python file defining the reward function (verl's custom_reward_function.path)."""
+    custom_function_name: str = "compute_score"
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model_path: str | None = None
+    """Optional reward model (sequence classification) scored alongside rule rewards."""
+    model_weight: float = 1.0
+    rule_weight: float = 1.0
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.kl_ctrl", "type", self.type, ("fixed", "adaptive"))
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose scores all agree, regenerate to fill the step."""
+    max_generation_rounds: int = 4
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_is_cap: float | None = None
+    """Truncated importance sampling cap for rollout/trainer log-prob mismatch; None disables."""
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int | None = None
+    """None: run `total_epochs` passes over the training prompts."""
+    total_epochs: int = 1
+    save_freq: int = -1
+    """Save a checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "hybridflow"
+    experiment_name: str = "run"
+    run_dir: str = "runs/${trainer.experiment_name}"
+    resume: str = "auto"
+    keep_last_checkpoints: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("trainer", "resume", self.resume, ("auto", "disable"))
+
+
+@dataclass
+class ResourcesConfig:
+    device: str = "auto"
+    """'auto' (cuda when present), 'cpu' or 'cuda'."""
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    num_workers: int = 1
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)

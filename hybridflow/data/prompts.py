@@ -1,0 +1,120 @@
+"""Turn dataset rows (verl schema or plain question/answer rows) into tokenized Prompts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hybridflow.batch import Prompt
+from hybridflow.config.schema import DataConfig
+from hybridflow.data.files import read_rows
+from hybridflow.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str:
+    """Validate a prompt cell: a non-empty string or a list of {role, content} messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise UserError(f"{where}: '{key}' is an empty string")
+        return value
+    if hasattr(value, "tolist"):  # numpy arrays from parquet object columns
+        value = value.tolist()
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise UserError(
+        f"{where}: '{key}' must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
+    )
+
+
+def _ground_truth(row: dict, answer_key: str | None) -> Any:
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        return reward_model["ground_truth"]
+    if answer_key is not None:
+        return row.get(answer_key)
+    return None
+
+
+def render_prompt(
+    prompt: list[dict[str, str]] | str, tokenizer, *, chat: bool, system_prompt: str | None
+) -> str:
+    """The text the model sees: the tokenizer's own chat template, or the raw string."""
+    if not chat:
+        if isinstance(prompt, str):
+            return prompt
+        return "\n".join(m["content"] for m in prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if tokenizer.chat_template is None:
+        raise UserError("the tokenizer has no chat template; set data.apply_chat_template=false")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def rows_to_prompts(
+    rows: Sequence[dict], tokenizer, config: DataConfig, *, source: str = "dataset", index_offset: int = 0
+) -> list[Prompt]:
+    """Validate, render and tokenize rows; overlong prompts are filtered (logged) or rejected."""
+    prompts, overlong = [], 0
+    for i, row in enumerate(rows):
+        where = f"{source}: row {i}"
+        if config.prompt_key not in row:
+            keys = ", ".join(sorted(row)) or "none"
+            raise UserError(f"{where} has no '{config.prompt_key}' key (keys: {keys}); set data.prompt_key")
+        content = check_prompt(row[config.prompt_key], where, config.prompt_key)
+        text = render_prompt(
+            content, tokenizer, chat=config.apply_chat_template, system_prompt=config.system_prompt
+        )
+        ids = tokenizer(text, add_special_tokens=not config.apply_chat_template)["input_ids"]
+        if len(ids) > config.max_prompt_tokens:
+            if config.overlong_prompts == "error":
+                raise UserError(
+                    f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={config.max_prompt_tokens}"
+                )
+            overlong += 1
+            continue
+        extra = row.get("extra_info")
+        prompts.append(
+            Prompt(
+                index=index_offset + i,
+                token_ids=ids,
+                data_source=str(row.get("data_source") or config.data_source or "unknown"),
+                ground_truth=_ground_truth(row, config.answer_key),
+                extra_info=dict(extra) if isinstance(extra, dict) else {},
+                text=text,
+            )
+        )
+    if overlong:
+        log.warning(
+            "%s: filtered %d of %d prompts longer than data.max_prompt_tokens=%d",
+            source,
+            overlong,
+            len(rows),
+            config.max_prompt_tokens,
+        )
+    if not prompts:
+        raise UserError(f"{source}: no prompts left ({len(rows)} rows, {overlong} over max_prompt_tokens)")
+    return prompts
+
+
+def load_prompts(files: Sequence[str], tokenizer, config: DataConfig) -> list[Prompt]:
+    """Prompts from several files, in file order; Prompt.index counts rows across all files."""
+    if not files:
+        raise UserError("no data files given (set data.train_files)")
+    prompts: list[Prompt] = []
+    offset = 0
+    for f in files:
+        rows = read_rows(f)
+        prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset)
+        offset += len(rows)
+    return prompts

@@ -1,0 +1,40 @@
+"""Built-in tasks that write a dataset offline from a seed: arithmetic and countdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.data.files import write_rows
+from hybridflow.data.tasks import arithmetic, countdown
+from hybridflow.errors import UserError
+
+TASKS = {
+    "arithmetic": (arithmetic.make_rows, arithmetic.ArithmeticSpec),
+    "countdown": (countdown.make_rows, countdown.CountdownSpec),
+}
+
+
+def _row_key(task: str, row: dict) -> str:
+    if task == "arithmetic":
+        return row["extra_info"]["expression"]
+    gt = row["reward_model"]["ground_truth"]
+    return f"{sorted(gt['numbers'])}->{gt['target']}"
+
+
+def make_task(
+    task: str, out_dir: str | Path, *, train_size: int = 2000, test_size: int = 200, seed: int = 0, **spec
+) -> dict[str, Path]:
+    """Write OUT/train.parquet and OUT/test.parquet; test problems never appear in train."""
+    if task not in TASKS:
+        raise UserError(f"unknown task {task!r}; built-in tasks: {', '.join(TASKS)}")
+    make_rows, spec_cls = TASKS[task]
+    try:
+        task_spec = spec_cls(**spec)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"task {task}: {e}") from e
+    test = make_rows(test_size, seed=seed, split="test", spec=task_spec)
+    train = make_rows(
+        train_size, seed=seed, split="train", spec=task_spec, exclude={_row_key(task, r) for r in test}
+    )
+    out = Path(out_dir)
+    return {"train": write_rows(train, out / "train.parquet"), "test": write_rows(test, out / "test.parquet")}

@@ -1,0 +1,80 @@
+"""Built-in task: integer arithmetic expressions, with worked solutions for SFT.
+
+Rows follow verl's schema; the ground truth is the value as a string, e.g. '42'.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+INSTRUCTION = 'Compute the value. Give the final answer after "####".'
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass
+class ArithmeticSpec:
+    min_operands: int = 2
+    max_operands: int = 2
+    max_digits: int = 2
+    operators: str = "+-"
+    instruction: str = INSTRUCTION
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_operands <= self.max_operands:
+            raise ValueError("need 2 <= min_operands <= max_operands")
+        if not self.operators or set(self.operators) - set(_APPLY):
+            raise ValueError(f"operators must be a non-empty subset of {''.join(_APPLY)}")
+        if self.max_digits < 1:
+            raise ValueError("max_digits must be >= 1")
+
+
+def solve_steps(numbers: list[int], ops: list[str]) -> tuple[int, list[str]]:
+    """Evaluate with the usual precedence (* before + and -), one written step per operation."""
+    nums, ops = list(numbers), list(ops)
+    steps = []
+    while ops:
+        i = ops.index("*") if "*" in ops else 0
+        a, b = nums[i], nums[i + 1]
+        value = _APPLY[ops[i]](a, b)
+        steps.append(f"{a} {ops[i]} {b} = {value}")
+        nums[i : i + 2] = [value]
+        del ops[i]
+    return nums[0], steps
+
+
+def make_problem(rng: random.Random, spec: ArithmeticSpec) -> tuple[str, int, str]:
+    """(expression, value, worked solution ending in '#### value')."""
+    count = rng.randint(spec.min_operands, spec.max_operands)
+    numbers = [rng.randint(0, 10**spec.max_digits - 1) for _ in range(count)]
+    ops = [rng.choice(spec.operators) for _ in range(count - 1)]
+    expression = " ".join(x for pair in zip(map(str, numbers), ops + [""]) for x in pair).strip()
+    value, steps = solve_steps(numbers, ops)
+    return expression, value, "\n".join(steps) + f"\n#### {value}"
+
+
+def make_rows(
+    count: int, *, seed: int, split: str, spec: ArithmeticSpec, exclude: set[str] = frozenset()
+) -> list[dict]:
+    rng = random.Random(f"arithmetic-{seed}-{split}")
+    rows, seen = [], set(exclude)
+    while len(rows) < count:
+        expression, value, solution = make_problem(rng, spec)
+        if expression in seen:
+            continue
+        seen.add(expression)
+        rows.append(
+            {
+                "data_source": "arithmetic",
+                "prompt": [{"role": "user", "content": f"{expression} = ?\n{spec.instruction}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(value)},
+                "extra_info": {
+                    "split": split,
+                    "index": len(rows),
+                    "expression": expression,
+                    "solution": solution,
+                },
+            }
+        )
+    return rows

@@ -1,0 +1,92 @@
+"""Load a causal LM and its tokenizer from 'default', an HF directory, or a GGUF file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hybridflow.compat import gguf_supported_architectures
+from hybridflow.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+
+
+def load_causal_lm(
+    path: str,
+    *,
+    impl: str = "hf",
+    dtype: str | torch.dtype = "float32",
+    cache_dir: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in eval mode, tokenizer with a pad token) for `path`:
+    'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a `.gguf` file."""
+    if impl not in ("hf", "auto"):
+        raise UserError(f"model impl {impl!r} is not available yet; use 'hf' or 'auto'")
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if path == "default":
+        from hybridflow.models.default import default_model_dir
+
+        path = str(default_model_dir(cache_dir))
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"model path not found: {path}")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise UserError(f"model file {path} is not a .gguf file; pass an HF model directory or a .gguf")
+        model, tokenizer = load_gguf(p, dtype=torch_dtype)
+    else:
+        model, tokenizer = _load_hf_dir(p, torch_dtype, trust_remote_code)
+    _ensure_pad_token(tokenizer)
+    return model.eval(), tokenizer
+
+
+def _load_hf_dir(p: Path, dtype: torch.dtype, trust_remote_code: bool):
+    if not (p / "config.json").is_file():
+        raise UserError(f"model directory {p} has no config.json")
+    if not any(any(p.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise UserError(f"model directory {p} has no weights (expected *.safetensors or pytorch_model*.bin)")
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+    except Exception as e:
+        raise UserError(f"cannot read GGUF file {path}: {e}") from e
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
+    """Dequantise a GGUF checkpoint through transformers (needs the `gguf` package)."""
+    arch = gguf_architecture(path)
+    supported = gguf_supported_architectures()
+    if supported is not None and arch not in supported:
+        raise UserError(f"GGUF file {path} has architecture {arch!r}, which transformers cannot load")
+    log.info("dequantising GGUF %s (%s)", path, arch)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # The weights are dequantised already, but transformers still marks the model as GGUF-quantised,
+    # which blocks save_pretrained. Rebuild a plain model from the config and copy the weights in.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict())
+    return model, tokenizer
+
+
+def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    # Batched generation needs a pad token; the EOS token is the usual stand-in.
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,56 @@
+"""Sampling parameters and the logit warping every backend applies the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Generation stops after any of these (the tokenizer's EOS is always one)."""
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under the sampling distribution (after temperature/top-k/top-p)."""
+    finish_reason: str
+    """'stop' (a stop token was sampled; it ends token_ids) or 'length'."""
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to logits [B, V]; removed tokens get -inf. Greedy: unchanged."""
+    if params.greedy:
+        return logits
+    logits = logits.float() / params.temperature  # [B, V]
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p  # [B, V]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,0 +1,108 @@
+import pytest
+
+from hybridflow.config import load_config, to_yaml, valid_keys
+from hybridflow.config.aliases import RENAMES
+from hybridflow.errors import UserError
+
+
+def test_defaults_live_in_dataclasses():
+    c = load_config()
+    assert c.model.path == "default"
+    assert c.rollout.samples_per_prompt == 4
+    assert c.actor.optim.lr == 1e-6
+    assert c.trainer.run_dir == "runs/run"  # interpolated from experiment_name
+
+
+def test_yaml_then_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  prompts_per_step: 16\nactor:\n  optim:\n    lr: 3.0e-6\n")
+    c = load_config(str(recipe), ["actor.optim.lr=1e-5", "trainer.experiment_name=exp"])
+    assert c.data.prompts_per_step == 16
+    assert c.actor.optim.lr == 1e-5  # the override wins
+    assert c.trainer.run_dir == "runs/exp"
+
+
+def test_verl_aliases_rename_and_convert_units(tmp_path):
+    recipe = tmp_path / "verl.yaml"
+    recipe.write_text(
+        "actor_rollout_ref:\n"
+        "  model: {path: /models/x}\n"
+        "  rollout: {n: 8, temperature: 0.6, name: hf}\n"
+        "  actor: {ppo_mini_batch_size: 4, optim: {lr: 2.0e-6}, use_kl_loss: true, clip_ratio: 0.28}\n"
+        "data: {train_batch_size: 32, max_prompt_length: 256, max_response_length: 1024}\n"
+        "trainer: {default_local_dir: /tmp/run, logger: [console, file], n_gpus_per_node: 8}\n"
+    )
+    c = load_config(str(recipe), ["train.total_training_steps=7"])
+    assert c.model.path == "/models/x"
+    assert c.rollout.samples_per_prompt == 8
+    assert c.rollout.temperature == 0.6
+    # verl's mini-batch counts prompts and is multiplied by n: 4 prompts x 8 samples = 32 sequences
+    assert c.actor.sequences_per_update == 32
+    assert c.actor.optim.lr == 2e-6 and c.actor.use_kl_loss
+    assert c.actor.clip_ratio_low == c.actor.clip_ratio_high == 0.28
+    assert (c.data.prompts_per_step, c.data.max_prompt_tokens, c.data.max_response_tokens) == (32, 256, 1024)
+    assert c.trainer.run_dir == "/tmp/run"
+    assert c.trainer.logger == ["console", "jsonl"]
+    assert c.resources.n_gpus_per_node == 8
+    assert c.trainer.total_training_steps == 7
+
+
+def test_mini_batch_alias_uses_final_n_whatever_the_order():
+    c = load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=5"])
+    assert c.actor.sequences_per_update == 10
+
+
+def test_every_alias_targets_a_real_key():
+    keys = set(valid_keys())
+    assert set(RENAMES.values()) <= keys
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.optim.lrr=1", "unknown config key 'actor.optim.lrr' (did you mean 'actor.optim.lr'?)"),
+        ("data.train_batch_sz=3", "did you mean 'data.train_batch_size'?"),
+        (
+            "actor.optim.lr=abc",
+            "config actor.optim.lr: Value 'abc' of type 'str' could not be converted to Float",
+        ),
+        ("data.prompts_per_step=many", "config data.prompts_per_step"),
+        ("rollout.backend=sglang", "rollout.backend='sglang' is not one of hf, native, vllm"),
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0 must be > 0"),
+        ("novalue", "must look like key=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_culprit(override, message):
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_broken_recipes(tmp_path):
+    with pytest.raises(UserError, match="recipe file not found: nope.yaml"):
+        load_config("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(UserError, match="cannot parse recipe"):
+        load_config(str(bad))
+    bad.write_text("data:\n  nope: 1\n")
+    with pytest.raises(UserError, match="unknown config key 'data.nope'"):
+        load_config(str(bad))
+
+
+def test_yaml_round_trip(tmp_path):
+    c = load_config(None, ["rollout.samples_per_prompt=3"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(c))
+    assert load_config(str(path)) == c
+
+
+def test_docs_table_lists_every_alias():
+    from pathlib import Path
+
+    from hybridflow.config.aliases import all_alias_keys
+
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    missing = [k for k in all_alias_keys() if f"`{k}`" not in doc]
+    assert not missing, f"docs/config.md lacks {missing}"

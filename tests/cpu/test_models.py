@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hybridflow.errors import UserError
+from hybridflow.models import byte_tokenizer, load_causal_lm, save_hf, tiny_model
+from hybridflow.models.tiny import FAMILIES
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = byte_tokenizer()
+    text = "héllo 12+3=15 ✓\n"
+    ids = tok(text)["input_ids"]
+    assert ids[:5] == [104, 195, 169, 108, 108]  # raw UTF-8 bytes
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_reloads_in_transformers_with_identical_logits(family, tmp_path):
+    model, tok = tiny_model(family, seed=3), byte_tokenizer()
+    save_hf(model, tok, tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = tok("12 + 7 = ?")["input_ids"]
+    assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
+    assert AutoTokenizer.from_pretrained(tmp_path)("12 + 7 = ?")["input_ids"] == ids
+    # and through our own loader
+    ours, ours_tok = load_causal_lm(str(tmp_path))
+    assert torch.equal(_logits(ours, ids), _logits(model, ids))
+    assert ours_tok.pad_token is not None
+
+
+def test_export_refuses_non_empty_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        save_hf(tiny_model(), byte_tokenizer(), tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_same_seed_same_weights():
+    a, b = tiny_model("qwen2", seed=5), tiny_model("qwen2", seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(UserError, match="model path not found"):
+        load_causal_lm(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="has no weights"):
+        load_causal_lm(str(tmp_path))
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(UserError, match="is not a .gguf file"):
+        load_causal_lm(str(other))
+
+
+def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "not-a-real-arch")
+    writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="architecture 'not-a-real-arch', which transformers cannot load"):
+        load_causal_lm(str(path))
+
+
+def test_unknown_tiny_family():
+    with pytest.raises(UserError, match="unknown tiny model family 'gpt9'"):
+        tiny_model("gpt9")
+
+
+@pytest.mark.slow
+def test_default_model_loads_from_gguf_and_exports_same_tokens(tmp_path):
+    from hybridflow.models.default import default_model_dir
+
+    model, tok = load_causal_lm("default")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (default_model_dir() / "model.safetensors").is_file()  # cached for the next load
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(ids, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    save_hf(model, tok, tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert torch.equal(reloaded.generate(ids, max_new_tokens=12, do_sample=False), out)
+    assert "5" in tok.decode(out[0, ids.shape[1] :])
