@@ -115,3 +115,57 @@ def plan_microbatches(
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+@dataclass
+class TrainingBatch:
+    """What the actor and critic train on: ragged token lists plus response-aligned scalars.
+
+    Token-level tensors are [B, T] with T = the longest response; `response_mask` marks real tokens.
+    Only these per-token scalars are padded; model inputs are built per micro-batch.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_mask: torch.Tensor  # [B, T] float
+    advantages: torch.Tensor | None = None  # [B, T]
+    old_logprobs: torch.Tensor | None = None  # [B, T]
+    ref_logprobs: torch.Tensor | None = None  # [B, T]
+    rollout_logprobs: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T] (critic)
+    old_values: torch.Tensor | None = None  # [B, T] (critic)
+    importance_weights: torch.Tensor | None = None  # [B, T] truncated IS weights (rollout mismatch)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, rows: list[int]) -> TrainingBatch:
+        """Rows `rows`, with token tensors trimmed to their longest response."""
+        width = max((len(self.response_ids[i]) for i in rows), default=0)
+        index = torch.tensor(rows, dtype=torch.long)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)[:, :width]
+
+        return TrainingBatch(
+            prompt_ids=[self.prompt_ids[i] for i in rows],
+            response_ids=[self.response_ids[i] for i in rows],
+            response_mask=pick(self.response_mask),
+            advantages=pick(self.advantages),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            returns=pick(self.returns),
+            old_values=pick(self.old_values),
+            importance_weights=pick(self.importance_weights),
+        )
+
+
+def pad_ragged(rows: list[list[float]] | list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Right-pad ragged float rows into [B, T] with zeros."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out

@@ -101,6 +101,20 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     print(to_yaml(load_config(*_recipe_and_overrides(args))), end="")
 
 
+DEMO_RECIPE = "demo_arithmetic_grpo"
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from hybridflow.config import load_config
+    from hybridflow.controller.trainer import RLTrainer
+
+    recipe, overrides = _recipe_and_overrides(args)
+    if recipe is None:
+        recipe = DEMO_RECIPE
+        print(f"no recipe given: running the demo recipe {recipe}", flush=True)
+    RLTrainer(load_config(recipe, overrides)).fit()
+
+
 def cmd_data_make(args: argparse.Namespace) -> None:
     from hybridflow.data.tasks import make_task
 
@@ -155,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     gen.add_argument("--out", help="write completions as jsonl here instead of printing")
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser(
+        "train", help="RL training (PPO, GRPO, ...) from a recipe; no recipe runs the demo"
+    )
+    train.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name)")
+    train.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10"
+    )
+    train.set_defaults(func=cmd_train)
 
     config = sub.add_parser("config", help="inspect configuration").add_subparsers(
         dest="action", required=True

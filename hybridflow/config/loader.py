@@ -30,13 +30,27 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def mapping_keys(cls: type = Config, prefix: str = "") -> set[str]:
+    """Dotted keys of fields that hold a free-form mapping (their contents are not schema keys)."""
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys |= mapping_keys(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is dict:
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
 def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict) and tree:
+    key = prefix.rstrip(".")
+    if isinstance(tree, dict) and tree and key not in mapping_keys():
         items = []
         for k, v in tree.items():
             items += _flatten(v, f"{prefix}{k}.")
         return items
-    return [(prefix.rstrip("."), tree)]
+    return [(key, tree)]
 
 
 def _unflatten(items: list[tuple[str, Any]]) -> dict:
@@ -82,6 +96,9 @@ def _parse_override(item: str) -> list[tuple[str, Any]]:
     value = OmegaConf.to_container(OmegaConf.from_dotlist([item.lstrip("+")]), resolve=False)
     for part in key.split("."):
         value = value[part]
+    for mapping in mapping_keys():  # data.task_options.max_digits=3 sets one entry of a mapping
+        if key.startswith(mapping + "."):
+            return [(mapping, {key[len(mapping) + 1 :]: value})]
     return [(key, value)]
 
 

@@ -7,6 +7,7 @@ sampled responses (prompts x samples_per_prompt). Validation in `__post_init__` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridflow.errors import UserError
 
@@ -46,6 +47,10 @@ class ModelConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
     """Prompt datasets: parquet, jsonl/json, or `datasets.save_to_disk` directories."""
+    task: str | None = None
+    """A built-in task ('arithmetic', 'countdown') written into the cache and used when train_files is empty."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the built-in task: train_size, test_size, seed, and the task's own (e.g. max_digits)."""
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     """Column holding the prompt: chat messages (verl schema) or a plain string."""

@@ -38,3 +38,24 @@ def make_task(
     )
     out = Path(out_dir)
     return {"train": write_rows(train, out / "train.parquet"), "test": write_rows(test, out / "test.parquet")}
+
+
+def cached_task(task: str, options: dict, cache_root: Path) -> dict[str, Path]:
+    """The task's train/test files under the cache, written once per distinct set of options."""
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps({"task": task, **options}, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_root / "tasks" / f"{task}-{key}"
+    paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
+    if not all(p.is_file() for p in paths.values()):
+        import shutil
+        import tempfile
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        make_task(task, tmp, **options)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return paths

@@ -1,0 +1,98 @@
+"""Checkpoints: written atomically (temporary directory, then rename), newest K kept, loaded safely.
+
+Layout of RUN_DIR/checkpoints/global_step_N/:
+  policy/            HF directory of the policy (transformers loads it as-is)
+  critic/            HF directory of the value model (GAE only)
+  optim.pt           optimizer + LR scheduler states (loaded with weights_only=True)
+  trainer_state.json step, data position, KL controller, RNG states, counters
+  config.yaml        the resolved config
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (a half-written one has a temporary name and is never listed), by step."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and child.is_dir() and (child / "trainer_state.json").is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def rng_state() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    return {"python": [version, list(state), gauss], "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    write_models: dict[str, Any],
+    optim_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    keep_last: int,
+) -> Path:
+    """Write global_step_{step} atomically; `write_models` maps a sub-directory name to a function that
+    writes into it. Older checkpoints beyond `keep_last` are deleted (only ones this run's layout names)."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"global_step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
+    try:
+        for name, write in write_models.items():
+            write(tmp / name)
+        torch.save(optim_state, tmp / "optim.pt")
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        # the state file is written last: its presence marks a complete checkpoint
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state), encoding="utf-8")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old)
+    return target
+
+
+def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trainer_state, optim_state); tensors only, no pickled code (weights_only=True)."""
+    trainer_state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    optim_state = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    return trainer_state, optim_state

@@ -1,0 +1,41 @@
+"""One call for every estimator: the controller's `advantages` step (pure function)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import advantages as adv
+from hybridflow.config.schema import AlgorithmConfig
+
+
+def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores [B] placed on each response's last token -> [B, T]."""
+    rewards = torch.zeros_like(mask)
+    lengths = mask.sum(-1).long()  # [B]
+    rows = torch.nonzero(lengths > 0)[:, 0]
+    rewards[rows, lengths[rows] - 1] = scores[rows].float()
+    return rewards
+
+
+def compute_advantages(
+    config: AlgorithmConfig,
+    *,
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: list[int],
+    values: torch.Tensor | None = None,
+    baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] with the estimator named by `config.adv_estimator`. Outcome
+    estimators use the sequence total of token rewards (score, minus any KL-in-reward penalty)."""
+    name = config.adv_estimator
+    scores = (token_rewards * mask).sum(-1)  # [B]
+    if name == "gae":
+        return adv.gae(token_rewards, values, mask, gamma=config.gamma, lam=config.lam)
+    if name == "reinforce_plus_plus":
+        return adv.reinforce_plus_plus(token_rewards, mask, gamma=config.gamma)
+    if name == "remax":
+        return adv.remax(token_rewards, baselines, mask)
+    if name in ("grpo", "grpo_passk"):
+        return adv.ESTIMATORS[name](scores, group_ids, mask, norm_by_std=config.norm_adv_by_std_in_grpo)
+    return adv.ESTIMATORS[name](scores, group_ids, mask)

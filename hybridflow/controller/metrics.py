@@ -1,0 +1,95 @@
+"""Metric helpers with verl's names, so dashboards compare across frameworks."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from hybridflow.batch import Rollouts
+
+
+def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {
+        f"{prefix}/mean": v.mean().item(),
+        f"{prefix}/max": v.max().item(),
+        f"{prefix}/min": v.min().item(),
+    }
+
+
+def masked_values(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return t[mask > 0]
+
+
+def data_metrics(
+    rollouts: Rollouts,
+    scores: torch.Tensor,
+    token_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor | None,
+) -> dict[str, float]:
+    """critic/{score,rewards,advantages,returns,values}/*, response_length/*, prompt_length/*."""
+    out = {}
+    out |= stats("critic/score", scores)
+    out |= stats("critic/rewards", (token_rewards * mask).sum(-1))
+    out |= stats("critic/advantages", masked_values(advantages, mask))
+    out |= stats("critic/returns", masked_values(returns, mask))
+    if values is not None:
+        out |= stats("critic/values", masked_values(values, mask))
+    lengths = torch.tensor([len(r) for r in rollouts.response_ids], dtype=torch.float32)
+    out |= stats("response_length", lengths)
+    out["response_length/clip_ratio"] = sum(f == "length" for f in rollouts.finish_reasons) / max(
+        len(rollouts), 1
+    )
+    out |= stats("prompt_length", torch.tensor([len(p) for p in rollouts.prompt_ids], dtype=torch.float32))
+    return out
+
+
+def probs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """training/rollout_probs_diff_*: |p_rollout - p_trainer| over response tokens."""
+    diff = (logp_a.exp() - logp_b.exp()).abs()[mask > 0]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "training/rollout_probs_diff_max": diff.max().item(),
+        "training/rollout_probs_diff_mean": diff.mean().item(),
+        "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
+    }
+
+
+class Timer:
+    """Collects timing_s/{name} for the phases of one step."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+def accuracy_at_n(scores: list[float], preds: list, n: int) -> dict[str, float]:
+    """mean@N, best@N and maj@N of one prompt's N samples (maj: the most common non-empty answer,
+    scored by any response that gave it; first seen wins a tie)."""
+    counts = Counter(p for p in preds if p is not None)
+    if counts:
+        top = max(counts.values())
+        winner = next(p for p in preds if p is not None and counts[p] == top)
+        maj = scores[preds.index(winner)]
+    else:
+        maj = 0.0
+    return {f"mean@{n}": sum(scores) / len(scores), f"best@{n}": max(scores), f"maj@{n}": maj}

@@ -1,0 +1,70 @@
+"""Start-of-run checks and the step plan: everything is rejected or printed before the first step."""
+
+from __future__ import annotations
+
+import math
+
+from hybridflow.algorithms.advantages import ESTIMATORS
+from hybridflow.algorithms.kl import KL_ESTIMATORS
+from hybridflow.algorithms.policy_losses import POLICY_LOSSES
+from hybridflow.config.schema import Config
+from hybridflow.errors import UserError, closest
+
+
+def sequences_per_step(config: Config) -> int:
+    return config.data.prompts_per_step * config.rollout.samples_per_prompt
+
+
+def check_config(config: Config) -> None:
+    """Names that must exist and batch sizes that must divide, with the arithmetic spelled out."""
+    algo, actor = config.algorithm, config.actor
+    for key, value, table in (
+        ("algorithm.adv_estimator", algo.adv_estimator, ESTIMATORS),
+        ("actor.policy_loss", actor.policy_loss, POLICY_LOSSES),
+        ("actor.kl_loss_type", actor.kl_loss_type.rstrip("+"), KL_ESTIMATORS),
+        ("algorithm.kl_penalty", algo.kl_penalty.rstrip("+"), KL_ESTIMATORS),
+    ):
+        if value not in table:
+            raise UserError(
+                f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
+            )
+    per_step = sequences_per_step(config)
+    per_update = actor.sequences_per_update
+    if per_update is not None:
+        if per_update <= 0 or per_step % per_update:
+            raise UserError(
+                f"actor.sequences_per_update={per_update} does not divide the {per_step} sequences of a step "
+                f"(data.prompts_per_step={config.data.prompts_per_step} x "
+                f"rollout.samples_per_prompt={config.rollout.samples_per_prompt})"
+            )
+    if config.critic.warmup_steps and algo.adv_estimator != "gae":
+        raise UserError(
+            "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"
+        )
+    if (
+        config.reward.overlong_buffer.enable
+        and config.reward.overlong_buffer.buffer_tokens >= config.data.max_response_tokens
+    ):
+        raise UserError(
+            f"reward.overlong_buffer.buffer_tokens={config.reward.overlong_buffer.buffer_tokens} must be below "
+            f"data.max_response_tokens={config.data.max_response_tokens}"
+        )
+
+
+def updates_per_step(config: Config) -> int:
+    per_step = sequences_per_step(config)
+    return math.ceil(per_step / (config.actor.sequences_per_update or per_step)) * config.actor.ppo_epochs
+
+
+def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoch: int) -> str:
+    c = config
+    per_update = c.actor.sequences_per_update or sequences_per_step(c)
+    return (
+        f"step plan: {c.data.prompts_per_step} prompts x {c.rollout.samples_per_prompt} samples = "
+        f"{sequences_per_step(c)} sequences per step | {updates_per_step(c)} optimizer update(s) per step "
+        f"({per_update} sequences each, ppo_epochs={c.actor.ppo_epochs}) | micro-batch budget "
+        f"{c.actor.max_tokens_per_microbatch} tokens | prompts <= {c.data.max_prompt_tokens} tokens, "
+        f"responses <= {c.data.max_response_tokens} tokens | {total_steps} steps "
+        f"({num_prompts} training prompts, {steps_per_epoch} steps per epoch) | "
+        f"estimator {c.algorithm.adv_estimator}, policy loss {c.actor.policy_loss}, agg {c.actor.loss_agg_mode}"
+    )

@@ -1,0 +1,410 @@
+"""The RL driver: one step of DESIGN.md's dataflow as role calls and pure functions."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
+from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
+from hybridflow.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from hybridflow.config import Config, to_yaml
+from hybridflow.controller.advantage import compute_advantages, token_level_rewards
+from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
+from hybridflow.controller.setup import check_config, step_plan, updates_per_step
+from hybridflow.controller.validation import validate
+from hybridflow.controller.worker_group import InProcessWorkerGroup
+from hybridflow.data.prompts import load_prompts
+from hybridflow.data.sampler import PromptSampler
+from hybridflow.errors import UserError
+from hybridflow.models import load_causal_lm, save_hf
+from hybridflow.roles.actor import Actor
+from hybridflow.roles.critic import Critic, value_model_from_policy
+from hybridflow.roles.reference import Reference
+from hybridflow.roles.reward import Reward, RewardResult
+from hybridflow.roles.rollout import Rollout
+from hybridflow.rollout.hf import HFBackend
+from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
+
+log = logging.getLogger(__name__)
+MAX_BAD_STEPS = 3
+
+
+class TrainingDiverged(UserError):
+    pass
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class RLTrainer:
+    """`RLTrainer(config).fit()` trains the policy with the configured RL algorithm."""
+
+    def __init__(self, config: Config) -> None:
+        check_config(config)
+        self.config = c = config
+        self.run_dir = Path(c.trainer.run_dir)
+        self._refuse_foreign_run_dir()
+        torch.manual_seed(c.trainer.seed)
+        self.device = _device(c.resources.device)
+        model, self.tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        model.to(self.device)
+        if c.data.task and not c.data.train_files:
+            from hybridflow.data.tasks import cached_task
+            from hybridflow.models.default import cache_root
+
+            files = cached_task(c.data.task, dict(c.data.task_options), cache_root(c.model.cache_dir))
+            c.data.train_files, c.data.val_files = (
+                [str(files["train"])],
+                c.data.val_files or [str(files["test"])],
+            )
+        self.train_prompts = load_prompts(c.data.train_files, self.tokenizer, c.data)
+        self.val_prompts = (
+            load_prompts(c.data.val_files, self.tokenizer, c.data)[: c.data.max_val_prompts]
+            if c.data.val_files
+            else []
+        )
+        self.sampler = PromptSampler(
+            self.train_prompts, c.data.prompts_per_step, seed=c.trainer.seed, shuffle=c.data.shuffle
+        )
+        self.total_steps = (
+            c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
+        )
+
+        pad = self.tokenizer.pad_token_id
+        reward = Reward(self.tokenizer, c.reward, max_response_tokens=c.data.max_response_tokens)
+        reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
+        self.reward = InProcessWorkerGroup(reward)
+        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        self.ref = (
+            InProcessWorkerGroup(
+                Reference(
+                    copy.deepcopy(model),
+                    max_tokens_per_microbatch=c.ref.max_tokens_per_microbatch,
+                    compute_dtype=c.actor.compute_dtype,
+                    pad_token_id=pad,
+                )
+            )
+            if needs_ref
+            else None
+        )
+        total_updates = self.total_steps * updates_per_step(c)
+        self.critic = (
+            InProcessWorkerGroup(
+                Critic(
+                    value_model_from_policy(model),
+                    c.critic,
+                    total_updates=self.total_steps,
+                    compute_dtype=c.actor.compute_dtype,
+                    pad_token_id=pad,
+                )
+            )
+            if c.algorithm.adv_estimator == "gae"
+            else None
+        )
+        self.actor = InProcessWorkerGroup(
+            Actor(
+                model,
+                c.actor,
+                total_updates=total_updates,
+                max_response_tokens=c.data.max_response_tokens,
+                pad_token_id=pad,
+                gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            )
+        )
+        # Colocated in one process, the rollout backend generates with the actor's own module.
+        eos = [self.tokenizer.eos_token_id]
+        self.rollout = InProcessWorkerGroup(
+            Rollout(
+                HFBackend(
+                    model,
+                    pad_token_id=pad,
+                    eos_token_ids=eos,
+                    max_batch_sequences=c.rollout.max_batch_sequences,
+                )
+            )
+        )
+        kl = c.algorithm.kl_ctrl
+        self.kl_ctl = (
+            FixedKLController(kl.kl_coef)
+            if kl.type == "fixed"
+            else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+        )
+        self.step = 0
+        self.bad_steps = 0
+        self.last_checkpoint: Path | None = None
+        self._resume()
+        self.sinks = make_sinks(c.trainer.logger, self.run_dir)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        c = self.config
+        print(
+            step_plan(c, self.total_steps, len(self.train_prompts), self.sampler.steps_per_epoch), flush=True
+        )
+        metrics: dict[str, float] = {}
+        if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
+            self._log(self._validate(), step=0)
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            last = self.step == self.total_steps
+            if self.val_prompts and (
+                last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)
+            ):
+                start = time.perf_counter()
+                metrics |= self._validate()
+                metrics["timing_s/testing"] = time.perf_counter() - start
+            if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+                start = time.perf_counter()
+                self.save()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+            self._log(metrics, step=self.step)
+        for sink in self.sinks:
+            sink.close()
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        c, timer = self.config, Timer()
+        with timer("step"):
+            with timer("gen"):
+                rollouts, scored, metrics = self._generate()
+            mask = pad_ragged([[1.0] * len(r) for r in rollouts.response_ids])  # [B, T]
+            batch = TrainingBatch(
+                rollouts.prompt_ids,
+                rollouts.response_ids,
+                mask,
+                rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
+            )
+            on_policy = (
+                (c.actor.sequences_per_update or len(batch)) >= len(batch)
+                and c.actor.ppo_epochs == 1
+                and c.algorithm.rollout_is_cap is None
+            )
+            if not on_policy or c.algorithm.use_kl_in_reward:
+                with timer("old_log_prob"):
+                    batch.old_logprobs, _ = self.actor.call("log_probs", batch)
+                metrics |= probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
+                if c.algorithm.rollout_is_cap is not None:
+                    batch.importance_weights = truncated_importance_weights(
+                        batch.old_logprobs, batch.rollout_logprobs, mask, cap=c.algorithm.rollout_is_cap
+                    )
+            if self.ref is not None:
+                with timer("ref"):
+                    batch.ref_logprobs = self.ref.call("log_probs", batch)
+            values = None
+            if self.critic is not None:
+                with timer("values"):
+                    values = batch.old_values = self.critic.call("values", batch)
+            with timer("adv"):
+                token_rewards = token_level_rewards(scored.scores, mask)
+                if c.algorithm.use_kl_in_reward:
+                    kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, c.algorithm.kl_penalty) * mask
+                    token_rewards = token_rewards - self.kl_ctl.value * kl
+                    current_kl = (kl.sum() / mask.sum().clamp(min=1)).item()
+                    metrics |= {
+                        "actor/reward_kl_penalty": current_kl,
+                        "actor/reward_kl_penalty_coeff": self.kl_ctl.value,
+                    }
+                    self.kl_ctl.update(current_kl, n_steps=c.data.prompts_per_step)
+                baselines = self._greedy_baselines(rollouts) if c.algorithm.adv_estimator == "remax" else None
+                batch.advantages, batch.returns = compute_advantages(
+                    c.algorithm,
+                    token_rewards=token_rewards,
+                    mask=mask,
+                    group_ids=rollouts.group_ids,
+                    values=values,
+                    baselines=baselines,
+                )
+            if self.critic is not None:
+                with timer("update_critic"):
+                    metrics |= self.critic.call(
+                        "update",
+                        batch,
+                        sequences_per_update=c.actor.sequences_per_update,
+                        epochs=c.actor.ppo_epochs,
+                    )
+            if self.step > c.critic.warmup_steps:
+                with timer("update_actor"):
+                    metrics |= self.actor.call("update", batch)
+                if on_policy and not c.algorithm.use_kl_in_reward:
+                    metrics |= self.actor.role.last_rollout_diff
+                self._check_finite(metrics)
+            with timer("update_weights"):
+                self.rollout.call("update_weights", self.actor.role.model.named_parameters())
+        metrics |= data_metrics(
+            rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
+        )
+        metrics |= timer.metrics()
+        metrics["timing_s/gen"] -= metrics.get("timing_s/reward", 0.0)  # scoring ran inside the gen phase
+        tokens = sum(len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))
+        metrics |= {"perf/total_num_tokens": float(tokens), "perf/time_per_step": timer.times["step"]}
+        devices = c.resources.n_gpus_per_node * c.resources.nnodes if self.device.type == "cuda" else 1
+        metrics["perf/throughput"] = tokens / timer.times["step"] / devices  # tokens/s per device (verl)
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        return metrics
+
+    # ---- pieces of a step ------------------------------------------------------------------------
+    def _sampling(self, round_: int, **overrides) -> SamplingParams:
+        r = self.config.rollout
+        seed = (self.config.trainer.seed * 1_000_003 + self.step * 1_009 + round_) % (2**31)
+        fields = dict(
+            n=r.samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=self.config.data.max_response_tokens,
+            seed=seed,
+        )
+        return SamplingParams(**(fields | overrides))
+
+    def _generate(self) -> tuple[Rollouts, RewardResult, dict[str, float]]:
+        """Sample and score; with DAPO dynamic sampling, keep only informative groups and sample more
+        prompts until the step has prompts_per_step of them or max_generation_rounds is reached."""
+        c = self.config
+        dapo = c.algorithm.filter_groups
+        kept_rollouts, kept_results, groups, rounds, reward_time = [], [], 0, 0, 0.0
+        while True:
+            rounds += 1
+            prompts = self.sampler.next()
+            rollouts = self.rollout.call("generate", prompts, self._sampling(rounds), first_group=groups)
+            result: RewardResult = self.reward.call("score", rollouts)
+            metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
+            reward_time = result.metrics["timing_s/reward"] + (reward_time if rounds > 1 else 0.0)
+            metrics["timing_s/reward"] = reward_time
+            if not dapo.enable:
+                return rollouts, result, metrics
+            keep = filter_zero_variance_groups(result.scores, rollouts.group_ids).nonzero()[:, 0].tolist()
+            kept_rollouts.append(rollouts.select(keep))
+            kept_results.append(result.select(keep))
+            groups += len(prompts)
+            informative = len({g for r in kept_rollouts for g in r.group_ids})
+            if informative >= c.data.prompts_per_step or rounds >= dapo.max_generation_rounds:
+                break
+        rollouts, result = Rollouts.concat(kept_rollouts), RewardResult.concat(kept_results)
+        wanted = sorted(set(rollouts.group_ids))[: c.data.prompts_per_step]
+        rows = [i for i, g in enumerate(rollouts.group_ids) if g in set(wanted)]
+        if not rows:
+            raise UserError(
+                f"DAPO dynamic sampling found no group with differing scores in {rounds} rounds; raise algorithm.filter_groups.max_generation_rounds or check the reward"
+            )
+        metrics |= {"dapo/generation_rounds": float(rounds), "dapo/kept_groups": float(len(wanted))}
+        return rollouts.select(rows), result.select(rows), metrics
+
+    def _greedy_baselines(self, rollouts: Rollouts) -> torch.Tensor:
+        """ReMax: the reward of one greedy response per prompt, broadcast to its samples."""
+        firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
+        prompts = [rollouts.prompts[i] for i in firsts.values()]
+        greedy = self.rollout.call("generate", prompts, self._sampling(0, n=1, temperature=0.0))
+        scores = self.reward.call("score", greedy).scores
+        by_group = dict(zip(firsts, scores.tolist()))
+        return torch.tensor([by_group[g] for g in rollouts.group_ids])
+
+    def _validate(self) -> dict[str, float]:
+        r = self.config.rollout
+        params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
+        metrics, _ = validate(self.rollout.role, self.reward.role, self.val_prompts, params)
+        return metrics
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        if metrics.get("actor/skipped_updates", 0) >= updates_per_step(self.config):
+            self.bad_steps += 1
+            log.warning(
+                "step %d: loss or gradient was not finite; the update was skipped (%d in a row)",
+                self.step,
+                self.bad_steps,
+            )
+            if self.bad_steps >= MAX_BAD_STEPS:
+                where = (
+                    f"resume from {self.last_checkpoint}"
+                    if self.last_checkpoint
+                    else "no checkpoint was saved yet"
+                )
+                raise TrainingDiverged(
+                    f"{MAX_BAD_STEPS} steps in a row had a non-finite loss or gradient (lower actor.optim.lr?); {where}"
+                )
+        else:
+            self.bad_steps = 0
+        metrics["training/nonfinite_steps"] = float(self.bad_steps)
+
+    def _log(self, metrics: dict[str, float], *, step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def _refuse_foreign_run_dir(self) -> None:
+        """Never write into a directory holding something other than this run's own files."""
+        ours = {"checkpoints", "metrics.jsonl"}
+        if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
+            raise UserError(
+                f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
+            )
+        if self.config.trainer.resume == "disable" and self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise UserError(
+                f"run directory {self.run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
+            )
+
+    def save(self) -> Path:
+        actor: Actor = self.actor.role
+        writers = {"policy": lambda d: save_hf(actor.model, self.tokenizer, d)}
+        optim = {"actor": actor.state_dict()}
+        if self.critic is not None:
+            writers["critic"] = lambda d: self.critic.role.model.save_pretrained(d)
+            optim["critic"] = self.critic.role.state_dict()
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "rng": rng_state(),
+            "bad_steps": self.bad_steps,
+        }
+        self.last_checkpoint = save_checkpoint(
+            self.run_dir,
+            self.step,
+            write_models=writers,
+            optim_state=optim,
+            trainer_state=state,
+            config_yaml=to_yaml(self.config),
+            keep_last=self.config.trainer.keep_last_checkpoints,
+        )
+        return self.last_checkpoint
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
+        if path is None:
+            truncate_jsonl(self.run_dir / "metrics.jsonl", 0)  # a fresh start forgets an unsaved attempt
+            return
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        state, optim = load_checkpoint_state(path)
+        self.actor.role.model.load_state_dict(
+            AutoModelForCausalLM.from_pretrained(path / "policy").state_dict()
+        )
+        self.actor.role.load_state_dict(optim["actor"])
+        if self.critic is not None:
+            self.critic.role.model.load_state_dict(
+                AutoModelForTokenClassification.from_pretrained(path / "critic").state_dict()
+            )
+            self.critic.role.load_state_dict(optim["critic"])
+        self.step, self.bad_steps = state["step"], state["bad_steps"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        set_rng_state(state["rng"])
+        self.last_checkpoint = path
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+        print(f"resumed from {path} (step {self.step})", flush=True)

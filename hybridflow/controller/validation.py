@@ -1,0 +1,43 @@
+"""Validation: generate on held-out prompts, score, and report accuracy per data source."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hybridflow.batch import Prompt
+from hybridflow.controller.metrics import accuracy_at_n
+from hybridflow.rollout.sampling import SamplingParams
+
+
+def validate(
+    rollout, reward, prompts: list[Prompt], params: SamplingParams
+) -> tuple[dict[str, float], list[dict]]:
+    """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n), and per-response samples."""
+    rollouts = rollout.generate(prompts, params)
+    result = reward.score(rollouts)
+    per_prompt: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(rollouts.group_ids):
+        per_prompt[g].append(i)
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, int] = defaultdict(int)
+    for rows in per_prompt.values():
+        source = rollouts.prompts[rows[0]].data_source
+        acc = accuracy_at_n(
+            [result.raw_scores[i].item() for i in rows], [result.preds[i] for i in rows], params.n
+        )
+        for k, v in acc.items():
+            sums[source][k] += v
+        counts[source] += 1
+    metrics = {
+        f"val-core/{src}/acc/{k}": v / counts[src] for src, accs in sums.items() for k, v in accs.items()
+    }
+    samples = [
+        {
+            "prompt_index": rollouts.prompts[i].index,
+            "response_ids": rollouts.response_ids[i],
+            "score": result.raw_scores[i].item(),
+            "pred": result.preds[i],
+        }
+        for i in range(len(rollouts))
+    ]
+    return metrics, samples

@@ -1,0 +1,211 @@
+"""The Actor role: the policy being trained — log-probs of sequences and PPO-style updates."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from hybridflow.algorithms.aggregation import aggregate, count_sequences, count_tokens
+from hybridflow.algorithms.kl import kl_penalty
+from hybridflow.algorithms.policy_losses import policy_loss
+from hybridflow.batch import TrainingBatch
+from hybridflow.config.schema import ActorConfig, OptimConfig
+from hybridflow.roles.forward import autocast, microbatches, response_logprobs, right_padded_inputs
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: int):
+    """AdamW (fused on CUDA) and a warmup + constant/cosine schedule over `total_updates` steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, fused=fused or None
+    )
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.lr_scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_updates - optim.warmup_steps))
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Actor:
+    """Policy model + optimizer. `update` runs ppo_epochs over mini-batches of `sequences_per_update`,
+    each split into micro-batches by token budget with gradient accumulation; the loss divides by the
+    mini-batch's global token/sequence counts, so the split never changes the gradient."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ActorConfig,
+        *,
+        total_updates: int,
+        max_response_tokens: int,
+        pad_token_id: int,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.pad_token_id = pad_token_id
+        self.max_response_tokens = max_response_tokens
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
+        self.last_rollout_diff: dict[str, float] = {}
+        """Rollout-vs-trainer probability gap measured during the last on-policy update (no old-log-prob pass)."""
+
+    def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
+        input_ids, attention = right_padded_inputs(
+            batch.prompt_ids, batch.response_ids, self.device, self.pad_token_id
+        )
+        with autocast(self.device, self.config.compute_dtype):
+            logits = self.model(
+                input_ids=input_ids, attention_mask=attention, use_cache=False
+            ).logits  # [b, L, V]
+        return response_logprobs(
+            logits, batch.prompt_ids, batch.response_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
+
+    @torch.no_grad()
+    def log_probs(
+        self, batch: TrainingBatch, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-prob [B, T] of every response token under the current policy (and entropy [B, T])."""
+        self.model.eval()
+        width = batch.response_mask.shape[1]
+        logps = torch.zeros(len(batch), width)
+        entropy = torch.zeros(len(batch), width) if with_entropy else None
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        for rows in microbatches(
+            lengths, self.config.max_tokens_per_microbatch, self.config.sequences_per_microbatch
+        ):
+            lp, ent = self._forward(batch.select(rows), with_entropy=with_entropy)
+            logps[rows, : lp.shape[1]] = lp.float().cpu()
+            if with_entropy:
+                entropy[rows, : ent.shape[1]] = ent.float().cpu()
+        return logps * batch.response_mask, entropy
+
+    def update(self, batch: TrainingBatch) -> dict[str, float]:
+        """PPO epochs over mini-batches; returns averaged metrics (actor/*)."""
+        cfg = self.config
+        per_update = cfg.sequences_per_update or len(batch)
+        sums: dict[str, float] = defaultdict(float)
+        updates = skipped = 0
+        self._rollout_gaps: list[torch.Tensor] = []
+        self.model.train()
+        for _ in range(cfg.ppo_epochs):
+            for start in range(0, len(batch), per_update):
+                metrics = self._update_minibatch(
+                    batch.select(list(range(start, min(start + per_update, len(batch)))))
+                )
+                if metrics is None:
+                    skipped += 1
+                    continue
+                updates += 1
+                for k, v in metrics.items():
+                    sums[k] += v
+        self.model.eval()
+        gaps = torch.cat(self._rollout_gaps) if self._rollout_gaps else torch.zeros(0)
+        self.last_rollout_diff = (
+            {
+                "training/rollout_probs_diff_max": gaps.max().item(),
+                "training/rollout_probs_diff_mean": gaps.mean().item(),
+                "training/rollout_probs_diff_std": gaps.std().item() if gaps.numel() > 1 else 0.0,
+            }
+            if gaps.numel()
+            else {}
+        )
+        out = {f"actor/{k}": v / max(updates, 1) for k, v in sums.items()}
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["actor/skipped_updates"] = float(skipped)
+        return out
+
+    def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
+        cfg = self.config
+        mask = mb.response_mask
+        tokens, seqs = count_tokens(mask), count_sequences(mask)
+        lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
+        sums: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch):
+            micro = mb.select(rows)
+            share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages
+            logp, entropy = self._forward(micro, with_entropy=True, entropy_grad=bool(cfg.entropy_coeff))
+            m = micro.response_mask.to(logp.device)
+            if micro.old_logprobs is not None:
+                old = micro.old_logprobs.to(logp.device)
+            else:  # on-policy shortcut: the policy before this update is the one computing logp
+                old = logp.detach()
+                if micro.rollout_logprobs is not None:
+                    gap = (old.exp() - micro.rollout_logprobs.to(old.device).exp()).abs()[m > 0]
+                    self._rollout_gaps.append(gap.float().cpu())
+            weights = (
+                micro.importance_weights.to(logp.device) if micro.importance_weights is not None else None
+            )
+            pg_loss, pg_metrics = policy_loss(
+                cfg.policy_loss,
+                logp,
+                old,
+                micro.advantages.to(logp.device),
+                m,
+                clip_low=cfg.clip_ratio_low,
+                clip_high=cfg.clip_ratio_high,
+                clip_c=cfg.clip_ratio_c,
+                agg=cfg.loss_agg_mode,
+                importance_weights=weights,
+                global_tokens=tokens,
+                global_seqs=seqs,
+                scale=self.max_response_tokens,
+            )
+            loss = pg_loss
+            entropy_loss = aggregate(
+                entropy,
+                m,
+                cfg.loss_agg_mode,
+                global_tokens=tokens,
+                global_seqs=seqs,
+                scale=self.max_response_tokens,
+            )
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy_loss
+            if cfg.use_kl_loss:
+                kl = kl_penalty(logp, micro.ref_logprobs.to(logp.device), cfg.kl_loss_type)
+                kl_loss = aggregate(
+                    kl,
+                    m,
+                    cfg.loss_agg_mode,
+                    global_tokens=tokens,
+                    global_seqs=seqs,
+                    scale=self.max_response_tokens,
+                )
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                sums["kl_loss"] += kl_loss.item()
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            sums["pg_loss"] += pg_loss.item()
+            sums["entropy"] += entropy_loss.item()
+            for k, v in pg_metrics.items():
+                sums[k] += v.item() * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        self.scheduler.step()
+        sums["grad_norm"] = grad_norm.item()
+        return dict(sums)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,120 @@
+"""The Critic role: a value model (policy backbone + scalar head per token), for GAE."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from hybridflow.algorithms.aggregation import count_sequences, count_tokens
+from hybridflow.algorithms.losses import value_loss
+from hybridflow.batch import TrainingBatch
+from hybridflow.config.schema import CriticConfig
+from hybridflow.roles.actor import build_optimizer
+from hybridflow.roles.forward import autocast, microbatches, response_slices, right_padded_inputs
+
+
+def value_model_from_policy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A token-classification model with one label whose backbone starts as a copy of the policy's;
+    the value head starts at zero, so initial values are 0."""
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    config.num_labels = 1
+    critic = AutoModelForTokenClassification.from_config(config, dtype=next(policy.parameters()).dtype)
+    critic.base_model.load_state_dict(policy.base_model.state_dict())
+    head = critic.score if hasattr(critic, "score") else critic.classifier
+    torch.nn.init.zeros_(head.weight)
+    if getattr(head, "bias", None) is not None:
+        torch.nn.init.zeros_(head.bias)
+    return critic.to(next(policy.parameters()).device)
+
+
+class Critic:
+    """V(s_t) at the position that predicts each response token; clipped value-loss updates."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CriticConfig,
+        *,
+        total_updates: int,
+        compute_dtype: str,
+        pad_token_id: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype
+        self.pad_token_id = pad_token_id
+        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
+
+    def _values(self, batch: TrainingBatch) -> torch.Tensor:
+        input_ids, attention = right_padded_inputs(
+            batch.prompt_ids, batch.response_ids, self.device, self.pad_token_id
+        )
+        with autocast(self.device, self.compute_dtype):
+            out = self.model(input_ids=input_ids, attention_mask=attention).logits[..., 0]  # [b, L]
+        return response_slices(out.float(), batch.prompt_ids, batch.response_mask.shape[1])  # [b, T]
+
+    @torch.no_grad()
+    def values(self, batch: TrainingBatch) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros_like(batch.response_mask)
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        for rows in microbatches(lengths, self.config.max_tokens_per_microbatch, None):
+            v = self._values(batch.select(rows))
+            out[rows, : v.shape[1]] = v.cpu()
+        return out * batch.response_mask
+
+    def update(
+        self, batch: TrainingBatch, *, sequences_per_update: int | None = None, epochs: int = 1
+    ) -> dict[str, float]:
+        per_update = sequences_per_update or len(batch)
+        sums: dict[str, float] = defaultdict(float)
+        updates = 0
+        self.model.train()
+        for _ in range(epochs):
+            for start in range(0, len(batch), per_update):
+                mb = batch.select(list(range(start, min(start + per_update, len(batch)))))
+                tokens, seqs = count_tokens(mb.response_mask), count_sequences(mb.response_mask)
+                lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
+                self.optimizer.zero_grad(set_to_none=True)
+                for rows in microbatches(lengths, self.config.max_tokens_per_microbatch, None):
+                    micro = mb.select(rows)
+                    v = self._values(micro)
+                    loss, metrics = value_loss(
+                        v,
+                        micro.old_values.to(v.device),
+                        micro.returns.to(v.device),
+                        micro.response_mask.to(v.device),
+                        clip=self.config.cliprange_value,
+                        agg=self.config.loss_agg_mode,
+                        global_tokens=tokens,
+                        global_seqs=seqs,
+                    )
+                    loss.backward()
+                    share = count_tokens(micro.response_mask) / max(tokens, 1)
+                    sums["vf_loss"] += loss.item()
+                    sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
+                    sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(
+                        tokens, 1
+                    )
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.config.optim.grad_clip
+                )
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    updates += 1
+                    sums["grad_norm"] += grad_norm.item()
+        self.model.eval()
+        out = {f"critic/{k}": v / max(updates, 1) for k, v in sums.items()}
+        out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

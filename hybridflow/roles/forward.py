@@ -1,0 +1,73 @@
+"""Model forward passes shared by the actor, reference and critic (transformers models, padded
+micro-batches; the native padding-free model replaces this path when it lands)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.algorithms.losses import entropy_from_logits
+from hybridflow.batch import plan_microbatches
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def autocast(device: torch.device, compute_dtype: str):
+    """bf16/fp16 autocast around forward/backward (also on CPU: AMX runs bf16 matmuls); fp32 = off."""
+    if compute_dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[compute_dtype])
+
+
+def right_padded_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], device, pad_id: int = 0):
+    """input_ids and attention_mask [b, L] for prompt+response sequences, right-padded."""
+    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention[i, : len(s)] = 1
+    return input_ids.to(device), attention.to(device)
+
+
+def response_slices(hidden: torch.Tensor, prompt_ids: list[list[int]], width: int) -> torch.Tensor:
+    """Rows of `hidden` [b, L, ...] at the positions that predict each response token -> [b, width, ...].
+    Position P-1+t predicts response token t (P = prompt length)."""
+    b = hidden.shape[0]
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids], device=hidden.device)  # [b]
+    pos = (starts[:, None] + torch.arange(width, device=hidden.device)[None, :]).clamp(
+        max=hidden.shape[1] - 1
+    )  # [b, T]
+    index = pos.view(b, width, *([1] * (hidden.dim() - 2))).expand(b, width, *hidden.shape[2:])
+    return hidden.gather(1, index)
+
+
+def response_logprobs(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each response token [b, T] (float32, zero past each response) and optionally the
+    entropy of each predicting distribution (differentiable only with `entropy_grad`, which costs
+    memory). One row at a time, so float32 [R, V] is the largest temporary."""
+    width = max(len(r) for r in response_ids)
+    logps, entropies = [], []
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        row = logits[i, len(p) - 1 : len(p) - 1 + len(r)].float()  # [R, V]
+        targets = torch.tensor(r, dtype=torch.long, device=logits.device)[:, None]  # [R, 1]
+        logps.append(F.pad(torch.log_softmax(row, -1).gather(-1, targets)[:, 0], (0, width - len(r))))
+        if with_entropy:
+            entropies.append(
+                F.pad(entropy_from_logits(row if entropy_grad else row.detach()), (0, width - len(r)))
+            )
+    return torch.stack(logps), (torch.stack(entropies) if with_entropy else None)
+
+
+def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int | None) -> list[list[int]]:
+    return plan_microbatches(batch_lengths, max_tokens, max_sequences)

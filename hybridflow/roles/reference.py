@@ -1,0 +1,37 @@
+"""The Reference role: a frozen copy of the initial policy, for KL terms."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.batch import TrainingBatch
+from hybridflow.roles.forward import autocast, microbatches, response_logprobs, right_padded_inputs
+
+
+class Reference:
+    """Frozen policy; built only when a KL term (KL loss or KL in reward) is on."""
+
+    def __init__(
+        self, model: torch.nn.Module, *, max_tokens_per_microbatch: int, compute_dtype: str, pad_token_id: int
+    ) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.max_tokens = max_tokens_per_microbatch
+        self.compute_dtype = compute_dtype
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        """Log-prob [B, T] of every response token under the reference policy."""
+        out = torch.zeros_like(batch.response_mask)
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        for rows in microbatches(lengths, self.max_tokens, None):
+            micro = batch.select(rows)
+            input_ids, attention = right_padded_inputs(
+                micro.prompt_ids, micro.response_ids, self.device, self.pad_token_id
+            )
+            with autocast(self.device, self.compute_dtype):
+                logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+            lp, _ = response_logprobs(logits, micro.prompt_ids, micro.response_ids)
+            out[rows, : lp.shape[1]] = lp.float().cpu()
+        return out * batch.response_mask

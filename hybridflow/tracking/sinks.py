@@ -1,0 +1,81 @@
+"""Metric sinks: a compact console line per step and metrics.jsonl with every metric."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+from hybridflow.errors import UserError
+
+
+class Sink(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class ConsoleSink:
+    KEYS = (
+        ("critic/score/mean", "score"),
+        ("actor/pg_loss", "pg_loss"),
+        ("actor/kl_loss", "kl"),
+        ("actor/entropy", "entropy"),
+        ("actor/grad_norm", "grad"),
+        ("critic/vf_loss", "vf_loss"),
+        ("response_length/mean", "resp_len"),
+        ("timing_s/step", "s"),
+    )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        parts = [f"[step {step}]"]
+        for key, label in self.KEYS:
+            if key in metrics:
+                parts.append(f"{label} {metrics[key]:.4g}")
+        parts += [
+            f"{k.split('/', 1)[1]} {v:.3f}"
+            for k, v in metrics.items()
+            if k.startswith("val-core/") and "/mean@" in k
+        ]
+        print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One JSON object per step: {"step": int, metric: value, ...}; appends (a resumed run continues the file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def make_sinks(names: list[str], run_dir: Path) -> list[Sink]:
+    sinks: list[Sink] = []
+    for name in names:
+        if name == "console":
+            sinks.append(ConsoleSink())
+        elif name == "jsonl":
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        else:
+            raise UserError(f"trainer.logger: unknown sink {name!r} (available: console, jsonl)")
+    return sinks
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop lines past `last_step` (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
