@@ -30,13 +30,12 @@ def check_config(config: Config) -> None:
             )
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
-    if per_update is not None:
-        if per_update <= 0 or per_step % per_update:
-            raise UserError(
-                f"actor.sequences_per_update={per_update} does not divide the {per_step} sequences of a step "
-                f"(data.prompts_per_step={config.data.prompts_per_step} x "
-                f"rollout.samples_per_prompt={config.rollout.samples_per_prompt})"
-            )
+    if per_update is not None and (per_update <= 0 or per_step % per_update):
+        raise UserError(
+            f"actor.sequences_per_update={per_update} does not divide the {per_step} sequences of a step "
+            f"(data.prompts_per_step={config.data.prompts_per_step} x "
+            f"rollout.samples_per_prompt={config.rollout.samples_per_prompt})"
+        )
     if config.critic.warmup_steps and algo.adv_estimator != "gae":
         raise UserError(
             "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"
