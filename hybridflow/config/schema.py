@@ -138,8 +138,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    compute_dtype: str = "bfloat16"
-    """Autocast dtype for forward/backward (bf16 uses AMX on CPU); 'float32' disables autocast."""
+    compute_dtype: str = "auto"
+    """Autocast dtype for forward/backward: 'auto' (bfloat16 on CUDA, float32 on CPU, where bf16 matmuls
+    are only fast with AMX), 'bfloat16', 'float16' or 'float32' (no autocast)."""
     sequence_parallel_size: int = 1
     offload_params: bool = False
     offload_optimizer: bool = False
@@ -151,7 +152,9 @@ class ActorConfig:
             self.loss_agg_mode,
             ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         )
-        _check_choice("actor", "compute_dtype", self.compute_dtype, ("bfloat16", "float16", "float32"))
+        _check_choice(
+            "actor", "compute_dtype", self.compute_dtype, ("auto", "bfloat16", "float16", "float32")
+        )
         _check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         _check_positive("actor", "ppo_epochs", self.ppo_epochs)
         _check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)

@@ -35,7 +35,7 @@ from hybridflow.roles.reference import Reference
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.roles.rollout import Rollout
 from hybridflow.rollout.hf import HFBackend
-from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,10 @@ class RLTrainer:
         c, timer = self.config, Timer()
         with timer("step"):
             with timer("gen"):
-                rollouts, scored, metrics = self._generate()
+                try:
+                    rollouts, scored, metrics = self._generate()
+                except NonFiniteLogits as e:
+                    raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
             mask = pad_ragged([[1.0] * len(r) for r in rollouts.response_ids])  # [B, T]
             batch = TrainingBatch(
                 rollouts.prompt_ids,
@@ -341,6 +344,16 @@ class RLTrainer:
         else:
             self.bad_steps = 0
         metrics["training/nonfinite_steps"] = float(self.bad_steps)
+
+    def _diverged(self, what: str) -> TrainingDiverged:
+        where = (
+            f"last good checkpoint: {self.last_checkpoint}"
+            if self.last_checkpoint
+            else "no checkpoint was saved yet"
+        )
+        return TrainingDiverged(
+            f"{what}; the weights have blown up (actor.optim.lr={self.config.actor.optim.lr:g} too high?); {where}"
+        )
 
     def _log(self, metrics: dict[str, float], *, step: int) -> None:
         for sink in self.sinks:

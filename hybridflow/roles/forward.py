@@ -15,7 +15,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def autocast(device: torch.device, compute_dtype: str):
-    """bf16/fp16 autocast around forward/backward (also on CPU: AMX runs bf16 matmuls); fp32 = off."""
+    """bf16/fp16 autocast around forward/backward; 'float32' is off and 'auto' is bf16 on CUDA only
+    (CPUs without AMX run bf16 matmuls far slower than fp32)."""
+    if compute_dtype == "auto":
+        compute_dtype = "bfloat16" if device.type == "cuda" else "float32"
     if compute_dtype == "float32":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[compute_dtype])

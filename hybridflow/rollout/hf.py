@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from hybridflow.rollout.sampling import Generation, SamplingParams, warp_logits
+from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams, warp_logits
 
 
 class _WarpAndRecord(LogitsProcessor):
@@ -23,6 +23,8 @@ class _WarpAndRecord(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.previous is not None:
             self.record(input_ids[:, -1])
+        if not torch.isfinite(scores).all():
+            raise NonFiniteLogits("the model produced NaN or inf logits during generation")
         warped = warp_logits(scores, self.params)  # [B, V]
         self.previous = torch.log_softmax(warped.float(), dim=-1)
         return warped

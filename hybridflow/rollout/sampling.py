@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN/inf logits (typically: weights blown up by a too-high learning rate)."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

@@ -57,8 +57,13 @@ def make_rows(
     count: int, *, seed: int, split: str, spec: ArithmeticSpec, exclude: set[str] = frozenset()
 ) -> list[dict]:
     rng = random.Random(f"arithmetic-{seed}-{split}")
-    rows, seen = [], set(exclude)
+    rows, seen, attempts = [], set(exclude), 0
     while len(rows) < count:
+        attempts += 1
+        if attempts > 100 * count + 10_000:
+            raise ValueError(
+                f"could not find {count} distinct {split} problems with these options; ask for fewer"
+            )
         expression, value, solution = make_problem(rng, spec)
         if expression in seen:
             continue

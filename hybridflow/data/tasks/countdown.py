@@ -45,8 +45,13 @@ def make_rows(
     count: int, *, seed: int, split: str, spec: CountdownSpec, exclude: set[str] = frozenset()
 ) -> list[dict]:
     rng = random.Random(f"countdown-{seed}-{split}")
-    rows, seen = [], set(exclude)
+    rows, seen, attempts = [], set(exclude), 0
     while len(rows) < count:
+        attempts += 1
+        if attempts > 100 * count + 10_000:
+            raise ValueError(
+                f"could not find {count} distinct {split} problems with these options; ask for fewer"
+            )
         numbers = [
             rng.randint(1, spec.max_number) for _ in range(rng.randint(spec.min_numbers, spec.max_numbers))
         ]
