@@ -15,8 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/hybridflow generate --model default --n 2 --max-tokens 48 --temperature 0.7 \
-		--prompt "What is 17 + 25? Answer briefly." --prompt "Write one sentence about the sea."
+	$(VENV)/bin/hybridflow train --overwrite
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check hybridflow tests bench

@@ -8,8 +8,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from hybridflow.config import Config, load_config
+    from hybridflow.controller.trainer import RLTrainer
 
-__all__ = ["Config", "__version__", "load_config"]
+__all__ = ["Config", "RLTrainer", "__version__", "load_config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from hybridflow import config
 
         return getattr(config, name)
+    if name == "RLTrainer":
+        from hybridflow.controller.trainer import RLTrainer
+
+        return RLTrainer
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if recipe is None:
         recipe = DEMO_RECIPE
         print(f"no recipe given: running the demo recipe {recipe}", flush=True)
-    RLTrainer(load_config(recipe, overrides)).fit()
+    RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
 def cmd_data_make(args: argparse.Namespace) -> None:
@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name)")
     train.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10"
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over: delete this run's earlier checkpoints and metrics",
     )
     train.set_defaults(func=cmd_train)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -55,11 +56,15 @@ def _device(name: str) -> torch.device:
 class RLTrainer:
     """`RLTrainer(config).fit()` trains the policy with the configured RL algorithm."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, overwrite: bool = False) -> None:
+        """`overwrite` deletes this run directory's earlier checkpoints and metrics (never other files)."""
         check_config(config)
         self.config = c = config
         self.run_dir = Path(c.trainer.run_dir)
-        self._refuse_foreign_run_dir()
+        self._refuse_foreign_run_dir(overwrite)
+        if overwrite:
+            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
         self.device = _device(c.resources.device)
         model, self.tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
@@ -158,6 +163,11 @@ class RLTrainer:
             step_plan(c, self.total_steps, len(self.train_prompts), self.sampler.steps_per_epoch), flush=True
         )
         metrics: dict[str, float] = {}
+        if self.step >= self.total_steps:
+            print(
+                f"{self.run_dir} already finished {self.step} steps; pass --overwrite to start over",
+                flush=True,
+            )
         if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
             self._log(self._validate(), step=0)
         while self.step < self.total_steps:
@@ -360,14 +370,15 @@ class RLTrainer:
             sink.log(metrics, step)
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def _refuse_foreign_run_dir(self) -> None:
+    def _refuse_foreign_run_dir(self, overwrite: bool) -> None:
         """Never write into a directory holding something other than this run's own files."""
         ours = {"checkpoints", "metrics.jsonl"}
         if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
             raise UserError(
                 f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
             )
-        if self.config.trainer.resume == "disable" and self.run_dir.exists() and any(self.run_dir.iterdir()):
+        resuming = self.config.trainer.resume == "auto" or overwrite
+        if not resuming and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise UserError(
                 f"run directory {self.run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
             )

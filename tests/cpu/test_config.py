@@ -106,3 +106,17 @@ def test_docs_table_lists_every_alias():
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     missing = [k for k in all_alias_keys() if f"`{k}`" not in doc]
     assert not missing, f"docs/config.md lacks {missing}"
+
+
+@pytest.mark.parametrize("recipe", ["demo_arithmetic_grpo", "gsm8k_grpo", "gsm8k_ppo", "countdown_dapo"])
+def test_built_in_recipes_load_and_pass_start_checks(recipe):
+    from hybridflow.controller.setup import check_config
+
+    check_config(load_config(recipe))
+
+
+def test_python_api_exports():
+    import hybridflow
+
+    assert hybridflow.RLTrainer.__name__ == "RLTrainer"
+    assert hybridflow.load_config().model.path == "default"

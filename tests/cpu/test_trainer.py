@@ -177,3 +177,15 @@ def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path):
         match=r"not finite.*actor.optim.lr=1e\+?12 too high\?\); no checkpoint was saved yet",
     ):
         trainer.fit()
+
+
+def test_finished_run_resumes_to_nothing_and_overwrite_starts_over(setup, tmp_path, capsys):
+    RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1")).fit()
+    again = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1"))
+    assert again.step == 1
+    again.fit()
+    assert "already finished 1 steps; pass --overwrite" in capsys.readouterr().out
+    fresh = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1"), overwrite=True)
+    assert fresh.step == 0 and not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(UserError, match="is not empty and trainer.resume=disable"):
+        RLTrainer(config(setup, tmp_path / "run", "trainer.resume=disable", "trainer.total_training_steps=1"))
