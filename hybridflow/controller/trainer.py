@@ -31,7 +31,7 @@ from hybridflow.data.sampler import PromptSampler
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, save_hf
 from hybridflow.roles.actor import Actor
-from hybridflow.roles.critic import Critic, value_model_from_policy
+from hybridflow.roles.critic import Critic, load_value_model, value_model_from_policy
 from hybridflow.roles.reference import Reference
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.roles.rollout import Rollout
@@ -112,9 +112,11 @@ class RLTrainer:
         self.critic = (
             InProcessWorkerGroup(
                 Critic(
-                    value_model_from_policy(model),
+                    load_value_model(c.critic.model_path, self.device)
+                    if c.critic.model_path
+                    else value_model_from_policy(model),
                     c.critic,
-                    total_updates=self.total_steps,
+                    total_updates=total_updates,
                     compute_dtype=c.actor.compute_dtype,
                     pad_token_id=pad,
                 )

@@ -29,6 +29,18 @@ def value_model_from_policy(policy: torch.nn.Module) -> torch.nn.Module:
     return critic.to(next(policy.parameters()).device)
 
 
+def load_value_model(path: str, device: torch.device) -> torch.nn.Module:
+    """A value model from an HF directory (a token-classification checkpoint, or a causal LM whose
+    backbone is reused under a new zero-initialised one-label head)."""
+    from hybridflow.errors import UserError
+
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1)
+    except (OSError, ValueError) as e:
+        raise UserError(f"critic.model_path={path}: cannot load a value model ({str(e).splitlines()[0]})") from e
+    return model.to(device)
+
+
 class Critic:
     """V(s_t) at the position that predicts each response token; clipped value-loss updates."""
 

@@ -120,3 +120,58 @@ def test_python_api_exports():
 
     assert hybridflow.RLTrainer.__name__ == "RLTrainer"
     assert hybridflow.load_config().model.path == "default"
+
+
+ISSUE_VERL_KEYS = {
+    "actor_rollout_ref.model.path": "/m",
+    "actor_rollout_ref.rollout.n": 2,
+    "actor_rollout_ref.rollout.temperature": 0.5,
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.6,
+    "actor_rollout_ref.actor.optim.lr": 1e-5,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+    "actor_rollout_ref.actor.use_kl_loss": True,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+    "actor_rollout_ref.actor.kl_loss_type": "k2",
+    "actor_rollout_ref.actor.entropy_coeff": 0.001,
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
+    "actor_rollout_ref.model.use_remove_padding": True,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "data.train_files": ["a.parquet"],
+    "data.val_files": ["b.parquet"],
+    "data.train_batch_size": 16,
+    "data.max_prompt_length": 100,
+    "data.max_response_length": 200,
+    "algorithm.adv_estimator": "rloo",
+    "algorithm.kl_ctrl.kl_coef": 0.02,
+    "algorithm.use_kl_in_reward": True,
+    "trainer.total_training_steps": 9,
+    "trainer.total_epochs": 3,
+    "trainer.save_freq": 5,
+    "trainer.test_freq": 4,
+    "trainer.logger": ["console"],
+    "trainer.n_gpus_per_node": 2,
+    "trainer.nnodes": 3,
+    "trainer.default_local_dir": "/tmp/r",
+    "trainer.resume_mode": "disable",
+    "trainer.val_before_train": False,
+    "trainer.project_name": "p",
+    "trainer.experiment_name": "e",
+    "trainer.seed": 7,
+    "actor_rollout_ref.rollout.name": "hf",
+    "custom_reward_function.path": "/r.py",
+    "custom_reward_function.name": "fn",
+}
+
+
+def test_every_verl_key_from_the_issue_is_accepted():
+    import json
+
+    c = load_config(None, [f"{k}={json.dumps(v)}" for k, v in ISSUE_VERL_KEYS.items()])
+    assert (c.model.path, c.rollout.samples_per_prompt, c.rollout.gpu_memory_utilization) == ("/m", 2, 0.6)
+    assert (c.actor.sequences_per_update, c.actor.sequences_per_microbatch, c.actor.kl_loss_type) == (8, 2, "k2")
+    assert (c.actor.sequence_parallel_size, c.model.enable_gradient_checkpointing) == (2, True)
+    assert (c.data.prompts_per_step, c.data.max_prompt_tokens, c.data.max_response_tokens) == (16, 100, 200)
+    assert (c.algorithm.adv_estimator, c.algorithm.kl_ctrl.kl_coef, c.algorithm.use_kl_in_reward) == ("rloo", 0.02, True)
+    assert (c.resources.n_gpus_per_node, c.resources.nnodes, c.trainer.run_dir, c.trainer.resume) == (2, 3, "/tmp/r", "disable")
+    assert (c.trainer.seed, c.rollout.backend, c.reward.custom_function_path, c.reward.custom_function_name) == (7, "hf", "/r.py", "fn")
