@@ -37,7 +37,9 @@ def load_value_model(path: str, device: torch.device) -> torch.nn.Module:
     try:
         model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1)
     except (OSError, ValueError) as e:
-        raise UserError(f"critic.model_path={path}: cannot load a value model ({str(e).splitlines()[0]})") from e
+        raise UserError(
+            f"critic.model_path={path}: cannot load a value model ({str(e).splitlines()[0]})"
+        ) from e
     return model.to(device)
 
 

@@ -169,9 +169,27 @@ def test_every_verl_key_from_the_issue_is_accepted():
 
     c = load_config(None, [f"{k}={json.dumps(v)}" for k, v in ISSUE_VERL_KEYS.items()])
     assert (c.model.path, c.rollout.samples_per_prompt, c.rollout.gpu_memory_utilization) == ("/m", 2, 0.6)
-    assert (c.actor.sequences_per_update, c.actor.sequences_per_microbatch, c.actor.kl_loss_type) == (8, 2, "k2")
+    assert (c.actor.sequences_per_update, c.actor.sequences_per_microbatch, c.actor.kl_loss_type) == (
+        8,
+        2,
+        "k2",
+    )
     assert (c.actor.sequence_parallel_size, c.model.enable_gradient_checkpointing) == (2, True)
     assert (c.data.prompts_per_step, c.data.max_prompt_tokens, c.data.max_response_tokens) == (16, 100, 200)
-    assert (c.algorithm.adv_estimator, c.algorithm.kl_ctrl.kl_coef, c.algorithm.use_kl_in_reward) == ("rloo", 0.02, True)
-    assert (c.resources.n_gpus_per_node, c.resources.nnodes, c.trainer.run_dir, c.trainer.resume) == (2, 3, "/tmp/r", "disable")
-    assert (c.trainer.seed, c.rollout.backend, c.reward.custom_function_path, c.reward.custom_function_name) == (7, "hf", "/r.py", "fn")
+    assert (c.algorithm.adv_estimator, c.algorithm.kl_ctrl.kl_coef, c.algorithm.use_kl_in_reward) == (
+        "rloo",
+        0.02,
+        True,
+    )
+    assert (c.resources.n_gpus_per_node, c.resources.nnodes, c.trainer.run_dir, c.trainer.resume) == (
+        2,
+        3,
+        "/tmp/r",
+        "disable",
+    )
+    assert (
+        c.trainer.seed,
+        c.rollout.backend,
+        c.reward.custom_function_path,
+        c.reward.custom_function_name,
+    ) == (7, "hf", "/r.py", "fn")

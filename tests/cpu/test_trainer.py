@@ -193,7 +193,13 @@ def test_finished_run_resumes_to_nothing_and_overwrite_starts_over(setup, tmp_pa
 
 def test_critic_from_a_path(setup, tmp_path):
     trainer = RLTrainer(
-        config(setup, tmp_path / "run", "algorithm.adv_estimator=gae", f"critic.model_path={setup / 'model'}", "trainer.total_training_steps=1")
+        config(
+            setup,
+            tmp_path / "run",
+            "algorithm.adv_estimator=gae",
+            f"critic.model_path={setup / 'model'}",
+            "trainer.total_training_steps=1",
+        )
     )
     metrics = trainer.fit()
     assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics
