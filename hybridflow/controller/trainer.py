@@ -294,6 +294,7 @@ class RLTrainer:
         c = self.config
         dapo = c.algorithm.filter_groups
         kept_rollouts, kept_results, groups, rounds, reward_time = [], [], 0, 0, 0.0
+        round_rollouts, round_results = [], []  # unfiltered rounds, the fallback when nothing is informative
         while True:
             rounds += 1
             prompts = self.sampler.next()
@@ -304,6 +305,8 @@ class RLTrainer:
             metrics["timing_s/reward"] = reward_time
             if not dapo.enable:
                 return rollouts, result, metrics
+            round_rollouts.append(rollouts)
+            round_results.append(result)
             keep = filter_zero_variance_groups(result.scores, rollouts.group_ids).nonzero()[:, 0].tolist()
             kept_rollouts.append(rollouts.select(keep))
             kept_results.append(result.select(keep))
@@ -314,10 +317,14 @@ class RLTrainer:
         rollouts, result = Rollouts.concat(kept_rollouts), RewardResult.concat(kept_results)
         wanted = sorted(set(rollouts.group_ids))[: c.data.prompts_per_step]
         rows = [i for i, g in enumerate(rollouts.group_ids) if g in set(wanted)]
-        if not rows:
-            raise UserError(
-                f"DAPO dynamic sampling found no group with differing scores in {rounds} rounds; raise algorithm.filter_groups.max_generation_rounds or check the reward"
+        if (
+            not rows
+        ):  # every group agreed (e.g. a solved task): train on the last round, whose advantages are 0
+            log.warning(
+                "DAPO: no group with differing scores in %d rounds; this step carries no signal", rounds
             )
+            rollouts, result = round_rollouts[-1], round_results[-1]
+            rows = list(range(len(rollouts)))
         metrics |= {"dapo/generation_rounds": float(rounds), "dapo/kept_groups": float(len(wanted))}
         return rollouts.select(rows), result.select(rows), metrics
 
