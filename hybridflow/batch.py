@@ -23,6 +23,8 @@ class Prompt:
     extra_info: dict = field(default_factory=dict)
     text: str = ""
     """The prompt as the model sees it (chat template applied)."""
+    messages: list[dict] | str | None = None
+    """The prompt before templating (chat messages or a string), for reward models with their own template."""
 
 
 @dataclass

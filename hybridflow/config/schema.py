@@ -191,12 +191,26 @@ class RewardConfig:
     """A Python file defining the reward function (verl's custom_reward_function.path)."""
     custom_function_name: str = "compute_score"
     num_workers: int = 2
+    """Scoring processes; 0 scores in the trainer's process (timeouts still apply, from the main thread)."""
     timeout_s: float = 10.0
+    """Per-response scoring deadline; a response past it scores 0 and counts in reward/timeouts."""
+    guards: bool | None = None
+    """Reward-hacking guards on the final answer; None = the source's default (on, but off for gsm8k)."""
+    max_response_chars: int = 20000
+    """With guards, longer responses earn no correctness score."""
+    format_pattern: str | None = None
+    """'think' (<think>...</think> then an answer) or a regex; scored when format_weight != 0."""
+    format_weight: float = 0.0
+    code_all_or_nothing: bool = False
+    sandbox_timeout_s: float = 5.0
+    sandbox_memory_mb: int = 1024
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     model_path: str | None = None
-    """Optional reward model (sequence classification) scored alongside rule rewards."""
+    """Optional reward model (an HF sequence-classification directory) scored alongside rule rewards."""
     model_weight: float = 1.0
     rule_weight: float = 1.0
+    """score = rule_weight * rule score + model_weight * reward-model score (when a model is set)."""
+    model_max_tokens_per_microbatch: int = 8192
 
 
 @dataclass

@@ -92,7 +92,13 @@ class RLTrainer:
         )
 
         pad = self.tokenizer.pad_token_id
-        reward = Reward(self.tokenizer, c.reward, max_response_tokens=c.data.max_response_tokens)
+        reward = Reward(
+            self.tokenizer,
+            c.reward,
+            max_response_tokens=c.data.max_response_tokens,
+            hide=(str(self.run_dir.resolve()),),  # model-written code never sees the run's files
+            device=self.device,
+        )
         reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         self.reward = InProcessWorkerGroup(reward)
         needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
@@ -189,6 +195,7 @@ class RLTrainer:
             self._log(metrics, step=self.step)
         for sink in self.sinks:
             sink.close()
+        self.reward.role.close()
         return metrics
 
     def train_step(self) -> dict[str, float]:

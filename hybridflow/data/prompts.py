@@ -92,6 +92,7 @@ def rows_to_prompts(
                 ground_truth=_ground_truth(row, config.answer_key),
                 extra_info=dict(extra) if isinstance(extra, dict) else {},
                 text=text,
+                messages=content,
             )
         )
     if overlong:

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from hybridflow.rewards.latex import last_boxed
+from hybridflow.rewards import code as code_rewards
+from hybridflow.rewards import format as format_rewards
+from hybridflow.rewards import math as math_rewards
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -38,9 +40,14 @@ def gsm8k(
     method: str = "strict",
     format_score: float = 0.0,
     score: float = 1.0,
+    *,
+    guards: bool = False,
 ) -> dict:
     """verl-compatible GSM8K: the last 300 characters; strict '#### <number>' (commas and $ stripped)
-    or flexible (the last number). Correct: `score`; a parsed but wrong answer: `format_score`; none: 0."""
+    or flexible (the last number). Correct: `score`; a parsed but wrong answer: `format_score`; none: 0.
+    Guards (off by default, so scores compare with verl): several numbers after '####' earn nothing."""
+    if guards and "####" in solution_str and len(_NUMBER.findall(solution_str.rsplit("####", 1)[1])) > 1:
+        return {"score": 0.0, "pred": None}
     tail = solution_str[-300:]
     if method == "strict":
         matches = _GSM8K_STRICT.findall(tail)
@@ -53,18 +60,22 @@ def gsm8k(
     return {"score": score if _numbers_equal(pred, ground_truth) else format_score, "pred": pred}
 
 
-def arithmetic(solution_str: str, ground_truth: str) -> dict:
+def _final_segment(text: str) -> str:
+    """The final answer's text: after the last '####', else the last line after its last '=' / 'is' / ':'."""
+    if "####" in text:
+        return text.rsplit("####", 1)[1]
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return re.split(r"=|\bis\b|:", last)[-1]
+
+
+def arithmetic(solution_str: str, ground_truth: str, *, guards: bool = True) -> dict:
     """The final answer is the number after the last '####', or else the last number in the response.
-    Guard: an answer that lists several numbers earns nothing."""
-    if "####" in solution_str:
-        answer = solution_str.rsplit("####", 1)[1]
-        numbers = _NUMBER.findall(answer)
-        if len(numbers) != 1:
-            return {"score": 0.0, "pred": None}
-        pred = _clean_number(numbers[0])
-    else:
-        numbers = _NUMBER.findall(solution_str)
-        pred = _clean_number(numbers[-1]) if numbers else None
+    Guard: a final answer that lists several numbers ('7 or 8') earns nothing."""
+    if guards and len(_NUMBER.findall(_final_segment(solution_str))) > 1:
+        return {"score": 0.0, "pred": None}
+    numbers = _NUMBER.findall(solution_str.rsplit("####", 1)[1] if "####" in solution_str else solution_str)
+    pred = _clean_number(numbers[-1]) if numbers else None
     return {"score": float(_numbers_equal(pred, ground_truth)), "pred": pred}
 
 
@@ -106,33 +117,29 @@ def countdown(solution_str: str, ground_truth: dict, format_score: float = 0.1) 
     return {"score": 1.0 if value == int(ground_truth["target"]) else format_score, "pred": equation}
 
 
-def _normalize_latex(answer: str) -> str:
-    answer = answer.strip().replace(" ", "").replace("\\!", "").replace("\\left", "").replace("\\right", "")
-    answer = answer.replace("dfrac", "frac").replace("tfrac", "frac").replace("^\\circ", "").replace("$", "")
-    return answer.rstrip(".")
+def _math(solution_str: str, ground_truth: str, *, guards: bool = True) -> dict:
+    return math_rewards.score(solution_str, ground_truth, guards=guards)
 
 
-def math_answer(solution_str: str, ground_truth: str) -> dict:
-    """The last \\boxed{} answer compared with the ground truth after light LaTeX normalisation,
-    or numerically when both parse as numbers."""
-    pred = last_boxed(solution_str)
-    if pred is None:
-        return {"score": 0.0, "pred": None}
-    same = _normalize_latex(pred) == _normalize_latex(str(ground_truth)) or _numbers_equal(
-        _normalize_latex(pred), _normalize_latex(str(ground_truth))
-    )
-    return {"score": float(same), "pred": pred}
+def _code(solution_str: str, ground_truth, *, guards: bool = True, **options) -> dict:
+    return code_rewards.score(solution_str, ground_truth, **options)
 
 
-SCORERS: dict[str, Callable[[str, Any], dict]] = {
-    "openai/gsm8k": gsm8k,
-    "gsm8k": gsm8k,
-    "arithmetic": arithmetic,
-    "countdown": countdown,
-    "math": math_answer,
-    "lighteval/MATH": math_answer,
-    "DigitalLearningGmbH/MATH-lighteval": math_answer,
-    "HuggingFaceH4/MATH-500": math_answer,
+def _countdown(solution_str: str, ground_truth: dict, *, guards: bool = True) -> dict:
+    return countdown(solution_str, ground_truth)
+
+
+# data_source -> (scorer, guards on by default)
+SCORERS: dict[str, tuple[Callable[..., dict], bool]] = {
+    "openai/gsm8k": (gsm8k, False),
+    "gsm8k": (gsm8k, False),
+    "arithmetic": (arithmetic, True),
+    "countdown": (_countdown, True),
+    "math": (_math, True),
+    "lighteval/MATH": (_math, True),
+    "DigitalLearningGmbH/MATH-lighteval": (_math, True),
+    "HuggingFaceH4/MATH-500": (_math, True),
+    "code": (_code, True),
 }
 
 
@@ -141,13 +148,35 @@ class UnknownDataSource(KeyError):
 
 
 def compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    guards: bool | None = None,
+    max_response_chars: int = 20_000,
+    format_pattern: str | None = None,
+    format_weight: float = 0.0,
+    code_options: dict | None = None,
 ) -> dict:
-    """The built-in scorer for `data_source`."""
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
+    """The built-in scorer for `data_source` -> {'score', 'pred', ...}.
+
+    `guards` (None: the source's default) also withholds the score from responses longer than
+    `max_response_chars`. With `format_weight`, score = correctness + format_weight * format(pattern)."""
+    if data_source not in SCORERS:
         raise UnknownDataSource(
             f"no reward scorer for data_source {data_source!r}; built-in sources: {', '.join(SCORERS)} "
             "(or set reward.custom_function_path)"
         )
-    return scorer(solution_str, ground_truth)
+    scorer, default_guards = SCORERS[data_source]
+    guards = default_guards if guards is None else guards
+    if guards and len(solution_str) > max_response_chars:
+        result = {"score": 0.0, "pred": None}
+    elif scorer is _code:
+        result = scorer(solution_str, ground_truth, guards=guards, **(code_options or {}))
+    else:
+        result = scorer(solution_str, ground_truth, guards=guards)
+    if format_weight:
+        fmt = format_rewards.score(solution_str, format_pattern or "think")
+        result = {**result, "score": result["score"] + format_weight * fmt, "format": fmt}
+    return result

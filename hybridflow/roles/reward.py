@@ -1,15 +1,13 @@
-"""The Reward role: score rollouts with the scorer of each row's data_source or a custom function."""
+"""The Reward role: score rollouts with the scorer of each row's data_source (or a custom function)
+in a process pool with timeouts, optionally plus a reward model, then apply DAPO overlong shaping."""
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-import math
+import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -17,34 +15,16 @@ from hybridflow.algorithms.losses import overlong_penalty
 from hybridflow.batch import Rollouts
 from hybridflow.config.schema import RewardConfig
 from hybridflow.errors import UserError
-from hybridflow.rewards.scorers import SCORERS, compute_score
-
-log = logging.getLogger(__name__)
-
-
-def load_custom_function(path: str, name: str) -> Callable:
-    """Import `name` from the Python file at `path` (only the path the user configured)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UserError(f"reward.custom_function_path: file not found: {file}")
-    spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise UserError(
-            f"reward.custom_function_path: importing {file} failed: {type(e).__name__}: {e}"
-        ) from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"reward.custom_function_name: {file} defines no function {name!r}")
-    return fn
+from hybridflow.rewards.executor import Outcome, RewardExecutor
+from hybridflow.rewards.loading import builtin_function, load_custom_function
+from hybridflow.rewards.sandbox import SandboxLimits
+from hybridflow.rewards.scorers import SCORERS
 
 
 @dataclass
 class RewardResult:
-    scores: torch.Tensor  # [B] final scalar reward per sequence (after shaping)
-    raw_scores: torch.Tensor  # [B] scorer output before shaping (what accuracy is measured on)
+    scores: torch.Tensor  # [B] final scalar reward per sequence (after weighting and shaping)
+    raw_scores: torch.Tensor  # [B] rule score before shaping (what accuracy is measured on)
     preds: list[str | None]
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -65,21 +45,61 @@ class RewardResult:
 
 
 class Reward:
-    """Scores responses; an exception, a non-number or a NaN scores 0 and is counted (reward/errors)."""
+    """Scores responses. An exception, a timeout, a non-number or a NaN scores 0 and is counted
+    (reward/errors, reward/timeouts); scoring never crashes or stalls the step."""
 
-    def __init__(self, tokenizer, config: RewardConfig, *, max_response_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        config: RewardConfig,
+        *,
+        max_response_tokens: int,
+        hide: tuple[str, ...] = (),
+        device="cpu",
+    ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.max_response_tokens = max_response_tokens
-        self.custom = (
-            load_custom_function(config.custom_function_path, config.custom_function_name)
-            if config.custom_function_path
-            else None
+        self.custom = config.custom_function_path is not None
+        if self.custom:
+            loader = functools.partial(
+                load_custom_function, config.custom_function_path, config.custom_function_name
+            )
+            options: dict = {}
+        else:
+            loader = builtin_function
+            limits = SandboxLimits(
+                wall_s=config.sandbox_timeout_s,
+                cpu_s=max(1, int(config.sandbox_timeout_s)),
+                memory_mb=config.sandbox_memory_mb,
+            )
+            options = {
+                "guards": config.guards,
+                "max_response_chars": config.max_response_chars,
+                "format_pattern": config.format_pattern,
+                "format_weight": config.format_weight,
+                "code_options": {
+                    "all_or_nothing": config.code_all_or_nothing,
+                    "limits": limits,
+                    "hide": tuple(hide),
+                },
+            }
+        self.executor = RewardExecutor(
+            loader, num_workers=config.num_workers, timeout_s=config.timeout_s, options=options
         )
+        self.model = None
+        if config.model_path:
+            from hybridflow.rewards.reward_model import RewardModel
+
+            self.model = RewardModel(
+                config.model_path,
+                device=device,
+                max_tokens_per_microbatch=config.model_max_tokens_per_microbatch,
+            )
 
     def check_sources(self, data_sources: set[str]) -> None:
         """Fail at start, not mid-run, when a data_source has no scorer."""
-        if self.custom is None:
+        if not self.custom:
             unknown = sorted(data_sources - set(SCORERS))
             if unknown:
                 raise UserError(
@@ -87,47 +107,29 @@ class Reward:
                     "(set reward.custom_function_path for your own)"
                 )
 
-    def _score_one(
-        self, data_source: str, text: str, ground_truth, extra_info: dict
-    ) -> tuple[float, str | None, dict, bool]:
-        fn = self.custom or compute_score
-        try:
-            out = fn(data_source, text, ground_truth, extra_info)
-        except Exception as e:  # a reward bug must never crash the step
-            log.debug("reward function raised %s: %s", type(e).__name__, e)
-            return 0.0, None, {}, True
-        extras = {}
-        if isinstance(out, dict):
-            extras = {
-                k: v for k, v in out.items() if k not in ("score", "pred") and isinstance(v, (int, float))
-            }
-            pred, out = out.get("pred"), out.get("score")
-        else:
-            pred = None
-        try:
-            value = float(out)
-        except (TypeError, ValueError):
-            return 0.0, pred, extras, True
-        if not math.isfinite(value):
-            return 0.0, pred, extras, True
-        return value, pred, extras, False
+    def submit(self, rollouts: Rollouts) -> tuple[Future, float]:
+        """Start scoring (rule scores run in the pool while the caller goes on)."""
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
+        items = [(p.data_source, t, p.ground_truth, p.extra_info) for p, t in zip(rollouts.prompts, texts)]
+        return self.executor.submit(items), time.perf_counter()
 
-    def score(self, rollouts: Rollouts) -> RewardResult:
-        start = time.perf_counter()
-        raw, preds, errors = [], [], 0
-        extras: dict[str, list[float]] = defaultdict(list)
-        for prompt, response in zip(rollouts.prompts, rollouts.response_ids):
-            text = self.tokenizer.decode(response, skip_special_tokens=True)
-            value, pred, extra, failed = self._score_one(
-                prompt.data_source, text, prompt.ground_truth, prompt.extra_info
-            )
-            raw.append(value)
-            preds.append(pred)
-            errors += failed
-            for k, v in extra.items():
-                extras[k].append(float(v))
-        raw_scores = torch.tensor(raw, dtype=torch.float32)
-        scores = raw_scores.clone()
+    def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
+        future, start = pending
+        outcomes: list[Outcome] = future.result()
+        raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
+        scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
+        metrics = {
+            "reward/errors": float(sum(o.error for o in outcomes)),
+            "reward/timeouts": float(sum(o.timeout for o in outcomes)),
+        }
+        latencies = torch.tensor([o.latency_ms for o in outcomes]) if outcomes else torch.zeros(1)
+        metrics["reward/latency_p95_ms"] = torch.quantile(latencies, 0.95).item()
+        if self.model is not None:
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
+            prompts = [p.messages if p.messages is not None else p.text for p in rollouts.prompts]
+            model_scores = self.model.score(prompts, texts)
+            scores = scores + self.config.model_weight * model_scores
+            metrics["reward/model_score/mean"] = model_scores.mean().item()
         buffer = self.config.overlong_buffer
         if buffer.enable:
             lengths = torch.tensor([len(r) for r in rollouts.response_ids])
@@ -135,9 +137,17 @@ class Reward:
                 lengths, self.max_response_tokens, buffer.buffer_tokens, buffer.penalty_factor
             )
             scores = scores + penalty
-        metrics = {"reward/errors": float(errors), "timing_s/reward": time.perf_counter() - start}
-        if buffer.enable:
-            metrics["reward/overlong_penalty/mean"] = float((scores - raw_scores).mean()) if len(raw) else 0.0
-        for k, values in extras.items():
-            metrics[f"reward/{k}/mean"] = sum(values) / len(values)
-        return RewardResult(scores, raw_scores, preds, metrics)
+            metrics["reward/overlong_penalty/mean"] = penalty.float().mean().item()
+        extras: dict[str, list[float]] = defaultdict(list)
+        for o in outcomes:
+            for k, v in o.extras.items():
+                extras[k].append(v)
+        metrics |= {f"reward/{k}/mean": sum(v) / len(v) for k, v in extras.items()}
+        metrics["timing_s/reward"] = time.perf_counter() - start
+        return RewardResult(scores, raw, [o.pred for o in outcomes], metrics)
+
+    def score(self, rollouts: Rollouts) -> RewardResult:
+        return self.result(rollouts, self.submit(rollouts))
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,194 @@
+"""Score many responses in a process pool with a per-sample timeout. A reward that raises, hangs, or
+returns a non-number scores 0 and is counted; it never crashes or stalls the run.
+
+A reward function is either per-sample, verl's `compute_score(data_source, solution_str, ground_truth,
+extra_info=None) -> float | dict`, or batched, `compute_score(data_sources, solution_strs,
+ground_truths, extra_infos) -> list` (recognised by its first parameter's name); `async def` works
+for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import multiprocessing as mp
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+Item = tuple[str, str, Any, dict]  # (data_source, solution_str, ground_truth, extra_info)
+
+
+@dataclass
+class Outcome:
+    score: float = 0.0
+    pred: str | None = None
+    extras: dict[str, float] = field(default_factory=dict)
+    error: bool = False
+    timeout: bool = False
+    latency_ms: float = 0.0
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout
+
+
+def _normalize(out: Any) -> Outcome:
+    extras, pred = {}, None
+    if isinstance(out, dict):
+        extras = {
+            k: float(v) for k, v in out.items() if k not in ("score", "pred") and isinstance(v, (int, float))
+        }
+        pred, out = out.get("pred"), out.get("score")
+    try:
+        value = float(out)
+    except (TypeError, ValueError):
+        return Outcome(error=True, pred=pred)
+    if not math.isfinite(value):
+        return Outcome(error=True, pred=pred)
+    return Outcome(value, None if pred is None else str(pred), extras)
+
+
+def is_batched(fn: Callable) -> bool:
+    params = list(inspect.signature(fn).parameters)
+    return bool(params) and params[0] in ("data_sources", "data_source_list")
+
+
+def _call(fn: Callable, *args, **kwargs):
+    out = fn(*args, **kwargs)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict) -> list[Outcome]:
+    """Score items here, each under a SIGALRM deadline (main thread of a pool worker)."""
+    use_alarm = timeout_s > 0 and hasattr(signal, "setitimer")
+    if use_alarm:
+        signal.signal(signal.SIGALRM, _alarm)
+    if is_batched(fn):
+        start = time.perf_counter()
+        try:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, timeout_s * max(1, len(items)))
+            outs = _call(fn, *(list(col) for col in zip(*items)), **options)
+            results = [_normalize(o) for o in outs]
+            if len(results) != len(items):
+                results = [Outcome(error=True) for _ in items]
+        except _Timeout:
+            results = [Outcome(timeout=True) for _ in items]
+        except Exception:
+            results = [Outcome(error=True) for _ in items]
+        finally:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        per_item = (time.perf_counter() - start) * 1000 / max(len(items), 1)
+        for r in results:
+            r.latency_ms = per_item
+        return results
+    results = []
+    for item in items:
+        start = time.perf_counter()
+        try:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            result = _normalize(_call(fn, *item, **options))
+        except _Timeout:
+            result = Outcome(timeout=True)
+        except Exception:
+            result = Outcome(error=True)
+        finally:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        result.latency_ms = (time.perf_counter() - start) * 1000
+        results.append(result)
+    return results
+
+
+_WORKER_FN: Callable | None = None
+
+
+def _init_worker(loader: Callable[[], Callable]) -> None:
+    global _WORKER_FN
+    _WORKER_FN = loader()
+
+
+def _worker_run(items: list[Item], timeout_s: float, options: dict) -> list[Outcome]:
+    assert _WORKER_FN is not None
+    return _run_items(_WORKER_FN, items, timeout_s, options)
+
+
+class RewardExecutor:
+    """`submit(items)` returns a Future of Outcomes (scoring runs while the caller goes on);
+    `score(items)` waits for it. `num_workers=0` scores in this process."""
+
+    def __init__(
+        self,
+        loader: Callable[[], Callable],
+        *,
+        num_workers: int,
+        timeout_s: float,
+        options: dict | None = None,
+    ) -> None:
+        self.loader = loader
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.options = options or {}
+        self.fn = loader()
+        self.pool = self._new_pool() if num_workers > 0 else None
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-collector")
+
+    def _new_pool(self):
+        return mp.get_context("spawn").Pool(
+            self.num_workers, initializer=_init_worker, initargs=(self.loader,)
+        )
+
+    def submit(self, items: list[Item]) -> Future:
+        future: Future = Future()
+        if self.pool is None or not items:
+            future.set_result(_run_items(self.fn, items, self.timeout_s, self.options))
+            return future
+        if is_batched(self.fn):
+            chunks = [items]
+        else:
+            size = max(1, math.ceil(len(items) / (self.num_workers * 4)))
+            chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        pending = [
+            self.pool.apply_async(_worker_run, (chunk, self.timeout_s, self.options)) for chunk in chunks
+        ]
+        return self._collector.submit(self._collect, chunks, pending)
+
+    def _collect(self, chunks: list[list[Item]], pending: list) -> list[Outcome]:
+        # A hard deadline backs up the in-worker alarm (code stuck in C ignores signals): past it the
+        # pool is killed and rebuilt, and what did not finish counts as timed out.
+        rounds = math.ceil(len(chunks) / self.num_workers)
+        deadline = time.monotonic() + (self.timeout_s * max(len(c) for c in chunks) + 5.0) * rounds
+        outcomes: list[Outcome] = []
+        killed = False
+        for chunk, result in zip(chunks, pending):
+            try:
+                outcomes += result.get(timeout=max(0.0, deadline - time.monotonic()))
+            except mp.TimeoutError:
+                killed = True
+                outcomes += [Outcome(timeout=True, latency_ms=self.timeout_s * 1000) for _ in chunk]
+            except Exception:
+                outcomes += [Outcome(error=True) for _ in chunk]
+        if killed:
+            self.pool.terminate()
+            self.pool = self._new_pool()
+        return outcomes
+
+    def score(self, items: list[Item]) -> list[Outcome]:
+        return self.submit(items).result()
+
+    def close(self) -> None:
+        self._collector.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None

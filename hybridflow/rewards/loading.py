@@ -1,0 +1,34 @@
+"""Where reward functions come from: the built-in registry, or a file the user configured."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+from hybridflow.errors import UserError
+
+
+def load_custom_function(path: str, name: str) -> Callable:
+    """Import `name` from the Python file at `path` (only the path the user configured)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"reward.custom_function_path: file not found: {file}")
+    spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise UserError(
+            f"reward.custom_function_path: importing {file} failed: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"reward.custom_function_name: {file} defines no function {name!r}")
+    return fn
+
+
+def builtin_function() -> Callable:
+    from hybridflow.rewards.scorers import compute_score
+
+    return compute_score
