@@ -61,7 +61,9 @@ def gsm8k(
 
 
 def _final_segment(text: str) -> str:
-    """The final answer's text: after the last '####', else the last line after its last '=' / 'is' / ':'."""
+    """The final answer's text: after the last '####', else the last line after its last '=' / 'is' / ':'
+    (reasoning inside <think>...</think> is never the answer)."""
+    text = text.rsplit("</think>", 1)[-1]
     if "####" in text:
         return text.rsplit("####", 1)[1]
     lines = [line for line in text.strip().splitlines() if line.strip()]

@@ -1,0 +1,151 @@
+"""The reward service: process pool, timeouts, errors, batch and async functions, the Reward role."""
+
+import functools
+import time
+
+import pytest
+import torch
+
+from hybridflow.batch import Prompt, Rollouts
+from hybridflow.config.schema import RewardConfig
+from hybridflow.errors import UserError
+from hybridflow.models import byte_tokenizer
+from hybridflow.rewards.executor import RewardExecutor
+from hybridflow.rewards.loading import load_custom_function
+from hybridflow.roles.reward import Reward
+
+CUSTOM = """
+import asyncio, math, time
+
+def flaky(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise ValueError("bad")
+    if solution_str == "hang":
+        time.sleep(60)
+    if solution_str == "nan":
+        return math.nan
+    if solution_str == "text":
+        return "not a number"
+    return {"score": float(solution_str == ground_truth), "pred": solution_str, "length": len(solution_str)}
+
+def batched(data_sources, solution_strs, ground_truths, extra_infos):
+    return [float(s == g) for s, g in zip(solution_strs, ground_truths)]
+
+async def async_score(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(0)
+    return float(solution_str == ground_truth)
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "custom.py"
+    path.write_text(CUSTOM)
+    return path
+
+
+def items(*texts, truth="ok"):
+    return [("x", t, truth, {}) for t in texts]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_errors_timeouts_and_non_numbers_score_zero(reward_file, workers):
+    executor = RewardExecutor(
+        functools.partial(load_custom_function, str(reward_file), "flaky"), num_workers=workers, timeout_s=1.0
+    )
+    try:
+        start = time.monotonic()
+        out = executor.score(items("ok", "raise", "hang", "nan", "text", "no"))
+        elapsed = time.monotonic() - start
+    finally:
+        executor.close()
+    assert [o.score for o in out] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [o.error for o in out] == [False, True, False, True, True, False]
+    assert [o.timeout for o in out] == [False, False, True, False, False, False]
+    assert out[0].pred == "ok" and out[0].extras == {"length": 2.0}
+    assert elapsed < 10  # the hanging function did not hold the run for its 60 s
+
+
+def test_batch_and_async_functions(reward_file):
+    for name in ("batched", "async_score"):
+        executor = RewardExecutor(
+            functools.partial(load_custom_function, str(reward_file), name), num_workers=2, timeout_s=2.0
+        )
+        try:
+            assert [o.score for o in executor.score(items("ok", "no", "ok"))] == [1.0, 0.0, 1.0]
+        finally:
+            executor.close()
+
+
+def test_scoring_runs_while_the_caller_goes_on(reward_file):
+    executor = RewardExecutor(
+        functools.partial(load_custom_function, str(reward_file), "flaky"), num_workers=2, timeout_s=1.0
+    )
+    try:
+        future = executor.submit(items("hang"))
+        assert not future.done()  # submit returned at once
+        assert future.result()[0].timeout
+        assert executor.score(items("ok"))[0].score == 1.0  # the pool was rebuilt and still works
+    finally:
+        executor.close()
+
+
+def test_custom_reward_loading_errors(tmp_path):
+    with pytest.raises(UserError, match="file not found"):
+        load_custom_function(str(tmp_path / "nope.py"), "f")
+    (tmp_path / "r.py").write_text("x = 1\n")
+    with pytest.raises(UserError, match="defines no function 'f'"):
+        load_custom_function(str(tmp_path / "r.py"), "f")
+    (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(UserError, match="importing .*bad.py failed: RuntimeError: boom"):
+        load_custom_function(str(tmp_path / "bad.py"), "f")
+
+
+def _rollouts(tok, texts, truth="4", source="arithmetic"):
+    prompt = Prompt(index=0, token_ids=[1], data_source=source, ground_truth=truth, messages="2 + 2 = ?")
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return Rollouts(
+        [[1]] * len(ids),
+        ids,
+        [[0.0] * len(i) for i in ids],
+        ["stop"] * len(ids),
+        [0] * len(ids),
+        [prompt] * len(ids),
+    )
+
+
+def test_reward_role_scores_builtins_with_metrics():
+    tok = byte_tokenizer()
+    reward = Reward(tok, RewardConfig(num_workers=2), max_response_tokens=16)
+    try:
+        result = reward.score(_rollouts(tok, ["4", "5", "2 + 2 = 4", "4 or 5"]))
+    finally:
+        reward.close()
+    assert result.raw_scores.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert result.preds[:3] == ["4", "5", "4"]
+    assert result.metrics["reward/errors"] == 0 and result.metrics["reward/timeouts"] == 0
+    assert "reward/latency_p95_ms" in result.metrics and "timing_s/reward" in result.metrics
+
+
+def test_reward_model_is_weighted_in(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridflow.models.tiny import tiny_config
+
+    config = tiny_config("llama", num_labels=1)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    byte_tokenizer().save_pretrained(tmp_path / "rm")
+    tok = byte_tokenizer()
+    reward = Reward(
+        tok,
+        RewardConfig(num_workers=0, model_path=str(tmp_path / "rm"), model_weight=0.5, rule_weight=2.0),
+        max_response_tokens=16,
+    )
+    rollouts = _rollouts(tok, ["4", "5"])
+    result = reward.score(rollouts)
+    model_scores = reward.model.score(["2 + 2 = ?"] * 2, ["4", "5"])
+    torch.testing.assert_close(result.scores, torch.tensor([2.0, 0.0]) + 0.5 * model_scores)
+    # the reward model's own chat template wraps prompt and response
+    text = reward.model._text("2 + 2 = ?", "4")
+    assert text == "<|im_start|>user\n2 + 2 = ?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"

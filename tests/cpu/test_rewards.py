@@ -1,0 +1,143 @@
+"""Scorer tables, guards, format/code scoring, and property tests that no input breaks a scorer."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridflow.rewards import compute_score
+from hybridflow.rewards.scorers import SCORERS, UnknownDataSource
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("so the total is 72.\n#### 72", "72", 1.0),
+        ("#### -5", "-5", 1.0),
+        ("#### 1,234", "1234", 1.0),  # thousands separator stripped
+        ("#### $18", "18", 0.0),  # verl's strict pattern has no '$' after '####'
+        ("#### 18 dollars", "18", 1.0),
+        ("#### 18.", "18", 1.0),  # trailing period
+        ("The answer is 72", "72", 0.0),  # strict needs ####
+        ("#### 71", "72", 0.0),
+        ("#### 7\n#### 72", "72", 1.0),  # the last one counts
+        ("", "72", 0.0),
+        ("x" * 400 + "#### 72", "72", 1.0),
+        ("#### 72" + "x" * 400, "72", 0.0),  # outside the last 300 characters, as in verl
+    ],
+)
+def test_gsm8k_table(response, truth, expected):
+    assert compute_score("openai/gsm8k", response, truth)["score"] == expected
+    assert compute_score("gsm8k", response, truth)["score"] == expected
+
+
+def test_gsm8k_guards_are_one_switch_away():
+    assert compute_score("openai/gsm8k", "#### 5, 6", "5")["score"] == 1.0  # verl's behaviour by default
+    assert compute_score("openai/gsm8k", "#### 5, 6", "5", guards=True)["score"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        (r"so $x = \boxed{\frac{1}{2}}$", "0.5", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{1/2}", r"\frac12", 1.0),
+        (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}", 1.0),
+        (r"\boxed{[1, 2]}", "[1,2]", 1.0),  # interval
+        (r"\boxed{\{2, 1\}}", r"\{1,2\}", 1.0),  # set
+        (r"\boxed{5 \text{ cm}}", "5", 1.0),  # units stripped
+        (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1.0),  # nested braces
+        (r"first \boxed{3} then \boxed{4}", "4", 1.0),  # the last box counts
+        (r"first \boxed{4} then \boxed{3}", "4", 0.0),
+        (r"\fbox{7}", "7", 1.0),
+        (r"\boxed{-3}", "-3", 1.0),
+        ("the answer is 4", "4", 0.0),  # no box
+        (r"\boxed{}", "4", 0.0),
+        (r"\boxed{3 \text{ or } 4}", "4", 0.0),  # hedging guard
+        (r"\boxed{3, 4}", "4", 0.0),
+        (r"\boxed{(3, 4)}", "(3,4)", 1.0),  # a tuple answer is not hedging
+    ],
+)
+def test_math_table(response, truth, expected):
+    assert compute_score("math", response, truth)["score"] == expected
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("12 + 7 = 19", "19", 1.0),
+        ("The answer is 19.", "19", 1.0),
+        ("#### 19", "19", 1.0),
+        ("-3", "-3", 1.0),
+        ("19 or 20", "19", 0.0),  # several candidates
+        ("#### 19 20", "19", 0.0),
+        ("no idea", "19", 0.0),
+        ("1,000", "1000", 1.0),
+    ],
+)
+def test_arithmetic_table(response, truth, expected):
+    assert compute_score("arithmetic", response, truth)["score"] == expected
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<answer> (7 + 61) + 1 </answer>", 1.0),
+        ("<think>x</think><answer>61 + 7 + 1</answer>", 1.0),
+        ("<answer>61 + 7 + 1 = 69</answer>", 1.0),
+        ("<answer>61 + 8</answer>", 0.1),  # wrong numbers: format score only
+        ("<answer>61 * 7 + 1</answer>", 0.1),  # right numbers, wrong value
+        ("<answer>__import__('os').system('x')</answer>", 0.0),  # never evaluated
+        ("<answer>61 + 7 + 1 + 1</answer>", 0.1),
+        ("61 + 7 + 1", 0.0),
+    ],
+)
+def test_countdown_table(response, expected):
+    assert compute_score("countdown", response, {"target": 69, "numbers": [1, 61, 7]})["score"] == expected
+
+
+def test_format_reward_composes_with_correctness():
+    out = compute_score("arithmetic", "<think>2+2</think> 4", "4", format_weight=0.5)
+    assert out["score"] == 1.5 and out["format"] == 1.0
+    assert compute_score("arithmetic", "4", "4", format_weight=0.5)["score"] == 1.0
+    assert (
+        compute_score("arithmetic", "ANSWER: 4", "4", format_weight=1.0, format_pattern=r"ANSWER: ")["score"]
+        == 2.0
+    )
+
+
+def test_length_guard():
+    long = "7 " * 15_000 + "#### 4"
+    assert compute_score("arithmetic", long, "4")["score"] == 0.0
+    assert compute_score("arithmetic", long, "4", guards=False)["score"] == 1.0
+
+
+def test_unknown_source_lists_the_known_ones():
+    with pytest.raises(
+        UnknownDataSource, match="no reward scorer for data_source 'nope'; built-in sources: openai/gsm8k"
+    ):
+        compute_score("nope", "x", "1")
+
+
+TRUTHS = {
+    "openai/gsm8k": "12",
+    "arithmetic": "12",
+    "math": r"\frac{1}{2}",
+    "countdown": {"target": 5, "numbers": [2, 3]},
+}
+
+
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(max_size=400)
+    | st.from_regex(r"(\\boxed\{[{}0-9a-z\\ ,]*\}|#### [-0-9.,$ ]*|<answer>[-+*/() 0-9]*</answer>){1,3}")
+)
+def test_no_input_makes_a_scorer_raise(text):
+    for source, truth in TRUTHS.items():
+        out = compute_score(source, text, truth)
+        assert 0.0 <= out["score"] <= 1.0
+
+
+def test_every_source_named_in_the_issue_is_registered():
+    for source in ("openai/gsm8k", "gsm8k", "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
+                   "HuggingFaceH4/MATH-500", "arithmetic", "countdown", "code"):  # fmt: skip
+        assert source in SCORERS

@@ -1,0 +1,122 @@
+"""Every sandbox limit, tried: each hostile program is stopped, scores 0, and harms nothing here."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.rewards import compute_score
+from hybridflow.rewards.sandbox import SandboxLimits, available, run_python
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs util-linux unshare/mount/setpriv")  # noqa: see .ci/run
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_bytes=100_000, disk_mb=4)
+
+
+def run(code, stdin="", hide=()):
+    return run_python(code, stdin, limits=LIMITS, hide=hide)
+
+
+def test_ordinary_program_reads_stdin_and_uses_scratch():
+    r = run(
+        "import sys\nopen('f.txt', 'w').write(sys.stdin.read()[::-1])\nprint(open('f.txt').read())", "abc"
+    )
+    assert r.ok and r.stdout.strip() == "cba"
+
+
+def test_infinite_loop_is_stopped():
+    start = time.monotonic()
+    r = run("while True:\n    pass")
+    assert not r.ok and time.monotonic() - start < LIMITS.wall_s + 2
+
+
+def test_fork_bomb_is_contained():
+    start = time.monotonic()
+    r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert not r.ok and time.monotonic() - start < LIMITS.wall_s + 3
+    # killing the namespace's first process takes every process in it down; give the kernel a moment
+    deadline = time.monotonic() + 5
+    while os.system("pgrep -u nobody python >/dev/null") == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.system("pgrep -u nobody python >/dev/null") != 0  # nothing left behind
+
+
+def test_ten_gigabyte_allocation_fails():
+    r = run("x = bytearray(10 * 1024**3)\nprint('allocated')")
+    assert not r.ok and "allocated" not in r.stdout and "MemoryError" in r.stderr
+
+
+def test_writes_outside_scratch_fail(tmp_path):
+    target = tmp_path / "escape.txt"
+    r = run(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')")
+    assert not r.ok and not target.exists()
+    r = run("open('/tmp/hybridflow-escape.txt', 'w').write('x')")
+    assert not r.ok and not Path("/tmp/hybridflow-escape.txt").exists()
+
+
+def test_hidden_run_directory_cannot_be_read(tmp_path):
+    (tmp_path / "secret.txt").write_text("run data")
+    r = run(f"print(open({str(tmp_path / 'secret.txt')!r}).read())", hide=[str(tmp_path)])
+    assert not r.ok and "run data" not in r.stdout
+
+
+def test_network_is_unreachable():
+    r = run("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\nprint('connected')")
+    assert not r.ok and "connected" not in r.stdout
+
+
+def test_huge_print_is_cut():
+    r = run("print('x' * 50_000_000)")
+    assert not r.ok and r.output_truncated and len(r.stdout) <= LIMITS.output_bytes
+
+
+def test_disk_filling_stops_at_the_scratch_quota():
+    r = run("f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 65536)")
+    assert not r.ok
+
+
+def test_environment_is_minimal():
+    os.environ["HYBRIDFLOW_TEST_SECRET"] = "s3cret"
+    try:
+        r = run("import os\nprint(sorted(os.environ))")
+    finally:
+        del os.environ["HYBRIDFLOW_TEST_SECRET"]
+    assert r.ok and "HYBRIDFLOW_TEST_SECRET" not in r.stdout
+
+
+CODE_OK = "Here:\n```python\nn = int(input())\nprint(n * 2)\n```"
+TESTS = {"inputs": ["2", "5", "7"], "outputs": ["4", "10", "14"]}
+
+
+def test_code_scorer_fraction_and_all_or_nothing():
+    assert compute_score("code", CODE_OK, TESTS)["score"] == 1.0
+    half = "```python\nn = int(input())\nprint(4 if n == 2 else 0)\n```"
+    assert compute_score("code", half, TESTS)["score"] == pytest.approx(1 / 3)
+    assert compute_score("code", half, TESTS, code_options={"all_or_nothing": True})["score"] == 0.0
+    asserts = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert (
+        compute_score("code", asserts, {"asserts": ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]})[
+            "score"
+        ]
+        == 0.5
+    )
+    assert compute_score("code", "no code here", TESTS)["score"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "while True:\n    pass",
+        "import os\nwhile True:\n    os.fork()",
+        "x = bytearray(10 * 1024**3)",
+        "import socket\nsocket.create_connection(('127.0.0.1', 80))",
+        "print('x' * 50_000_000)",
+    ],
+)
+def test_hostile_code_scores_zero(body):
+    response = f"```python\n{body}\n```"
+    limits = {"limits": SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=512)}
+    assert (
+        compute_score("code", response, {"inputs": ["1"], "outputs": ["2"]}, code_options=limits)["score"]
+        == 0.0
+    )
