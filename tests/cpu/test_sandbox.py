@@ -120,3 +120,36 @@ def test_hostile_code_scores_zero(body):
         compute_score("code", response, {"inputs": ["1"], "outputs": ["2"]}, code_options=limits)["score"]
         == 0.0
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become an ordinary user")
+def test_sandbox_also_works_for_an_ordinary_user():
+    """As a normal user the namespaces come from a user namespace; the limits hold the same."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import hybridflow.rewards.sandbox as sandbox
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="hybridflow-user-sandbox-"))  # pytest's own tmp dirs are private
+
+    shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
+    (tmp_path / "probe.py").write_text(
+        "import sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import run_python, SandboxLimits\n"
+        "limits = SandboxLimits(wall_s=3, cpu_s=2, memory_mb=512)\n"
+        "print(run_python('print(input()[::-1])', 'abc', limits=limits).stdout.strip())\n"
+        "print(run_python(f\"open('{sys.argv[1]}/x', 'w')\", limits=limits).ok)\n"
+        "print(run_python(\"import socket; socket.create_connection(('127.0.0.1', 80), timeout=1)\", limits=limits).ok)\n"
+        "print(run_python('while True: pass', limits=limits).timed_out)\n"
+    )
+    os.chmod(tmp_path, 0o755)
+    python = sandbox.sandbox_python()
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(tmp_path / "probe.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    try:
+        assert out.stdout.split() == ["cba", "False", "False", "True"], out.stderr
+        assert not (tmp_path / "x").exists()
+    finally:
+        shutil.rmtree(tmp_path)
