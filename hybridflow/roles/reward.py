@@ -97,9 +97,14 @@ class Reward:
                 max_tokens_per_microbatch=config.model_max_tokens_per_microbatch,
             )
 
+    @property
+    def uses_rules(self) -> bool:
+        """A reward model with rule_weight 0 is used alone: no rule scoring at all."""
+        return self.model is None or self.config.rule_weight != 0
+
     def check_sources(self, data_sources: set[str]) -> None:
         """Fail at start, not mid-run, when a data_source has no scorer."""
-        if not self.custom:
+        if not self.custom and self.uses_rules:
             unknown = sorted(data_sources - set(SCORERS))
             if unknown:
                 raise UserError(
@@ -111,11 +116,13 @@ class Reward:
         """Start scoring (rule scores run in the pool while the caller goes on)."""
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
         items = [(p.data_source, t, p.ground_truth, p.extra_info) for p, t in zip(rollouts.prompts, texts)]
+        if not self.uses_rules:
+            items = []
         return self.executor.submit(items), time.perf_counter()
 
     def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
         future, start = pending
-        outcomes: list[Outcome] = future.result()
+        outcomes: list[Outcome] = future.result() or [Outcome() for _ in rollouts.response_ids]
         raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
         scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
         metrics = {
@@ -130,6 +137,8 @@ class Reward:
             model_scores = self.model.score(prompts, texts)
             scores = scores + self.config.model_weight * model_scores
             metrics["reward/model_score/mean"] = model_scores.mean().item()
+            if not self.uses_rules:
+                raw = model_scores
         buffer = self.config.overlong_buffer
         if buffer.enable:
             lengths = torch.tensor([len(r) for r in rollouts.response_ids])

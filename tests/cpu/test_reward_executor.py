@@ -149,3 +149,12 @@ def test_reward_model_is_weighted_in(tmp_path):
     # the reward model's own chat template wraps prompt and response
     text = reward.model._text("2 + 2 = ?", "4")
     assert text == "<|im_start|>user\n2 + 2 = ?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+
+    alone = Reward(
+        tok,
+        RewardConfig(num_workers=0, model_path=str(tmp_path / "rm"), rule_weight=0.0),
+        max_response_tokens=16,
+    )
+    alone.check_sources({"no-scorer-for-this"})  # a reward model alone needs no rule scorer
+    rollouts = _rollouts(tok, ["4", "5"], source="no-scorer-for-this")
+    torch.testing.assert_close(alone.score(rollouts).scores, model_scores)
