@@ -19,6 +19,16 @@ def _mean(x: torch.Tensor, global_seqs: int | float | None) -> torch.Tensor:
     return x.sum() / (x.numel() if global_seqs is None else global_seqs)
 
 
+def _reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> Metrics:
+    """rewards/{chosen,rejected,accuracies,margins} from implicit per-pair rewards [B] (detached)."""
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+    }
+
+
 def _sigmoid(logits, beta, ls):
     return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
 
@@ -63,14 +73,9 @@ def dpo_loss(
         raise ValueError(f"unknown DPO loss {kind!r}; choose one of {', '.join(DPO_VARIANTS)}")
     logits = (pi_chosen - pi_rejected) - (ref_chosen - ref_rejected)  # [B]
     losses = DPO_VARIANTS[kind](logits, beta, label_smoothing)
-    chosen = beta * (pi_chosen - ref_chosen).detach()
-    rejected = beta * (pi_rejected - ref_rejected).detach()
-    metrics = {
-        "rewards/chosen": chosen.mean(),
-        "rewards/rejected": rejected.mean(),
-        "rewards/accuracies": (chosen > rejected).float().mean(),
-        "rewards/margins": (chosen - rejected).mean(),
-    }
+    metrics = _reward_metrics(
+        beta * (pi_chosen - ref_chosen).detach(), beta * (pi_rejected - ref_rejected).detach()
+    )
     return _mean(losses, global_seqs), metrics
 
 
@@ -118,13 +123,7 @@ def simpo_loss(
     -(1-e) log s(beta (c - r) - gamma) - e log s(-(beta (c - r) - gamma))."""
     logits = beta * (chosen_avg_logps - rejected_avg_logps) - gamma  # [B]
     losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
-    chosen, rejected = beta * chosen_avg_logps.detach(), beta * rejected_avg_logps.detach()
-    metrics = {
-        "rewards/chosen": chosen.mean(),
-        "rewards/rejected": rejected.mean(),
-        "rewards/accuracies": (chosen > rejected).float().mean(),
-        "rewards/margins": (chosen - rejected).mean(),
-    }
+    metrics = _reward_metrics(beta * chosen_avg_logps.detach(), beta * rejected_avg_logps.detach())
     return _mean(losses, global_seqs), metrics
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -163,27 +164,23 @@ class Actor:
                 global_seqs=seqs,
                 scale=self.max_response_tokens,
             )
-            loss = pg_loss
-            entropy_loss = aggregate(
-                entropy,
-                m,
-                cfg.loss_agg_mode,
+
+            # KL and entropy terms share the policy loss's denominators
+            agg = functools.partial(
+                aggregate,
+                mask=m,
+                mode=cfg.loss_agg_mode,
                 global_tokens=tokens,
                 global_seqs=seqs,
                 scale=self.max_response_tokens,
             )
+            loss = pg_loss
+            entropy_loss = agg(entropy)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy_loss
             if cfg.use_kl_loss:
                 kl = kl_penalty(logp, micro.ref_logprobs.to(logp.device), cfg.kl_loss_type)
-                kl_loss = aggregate(
-                    kl,
-                    m,
-                    cfg.loss_agg_mode,
-                    global_tokens=tokens,
-                    global_seqs=seqs,
-                    scale=self.max_response_tokens,
-                )
+                kl_loss = agg(kl)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 sums["kl_loss"] += kl_loss.item()
             if not torch.isfinite(loss):
