@@ -171,3 +171,17 @@ def pad_ragged(rows: list[list[float]] | list[torch.Tensor], width: int | None =
         if len(r):
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
     return out
+
+
+def balance_partitions(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split sequence indices into `parts` groups of near-equal work (data-parallel ranks), with work
+    = L + L^2 / 4096 (linear layers plus attention). Greedy LPT: longest first onto the lightest group;
+    the heaviest group is at most 4/3 of the optimum. Groups come back sorted by index."""
+    work = [n + n * n / 4096 for n in lengths]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-work[i], i)):
+        g = min(range(parts), key=lambda g: (load[g], g))
+        groups[g].append(i)
+        load[g] += work[i]
+    return [sorted(g) for g in groups]

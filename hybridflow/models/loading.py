@@ -26,9 +26,11 @@ def load_causal_lm(
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model in eval mode, tokenizer with a pad token) for `path`:
-    'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a `.gguf` file."""
-    if impl not in ("hf", "auto"):
-        raise UserError(f"model impl {impl!r} is not available yet; use 'hf' or 'auto'")
+    'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a `.gguf` file.
+    impl 'native' is our padding-free model (Llama/Mistral/Qwen2/Qwen3; an error for others);
+    'hf' the transformers model; 'auto' native when supported, else transformers (logged)."""
+    if impl not in ("hf", "auto", "native"):
+        raise UserError(f"model impl {impl!r} is unknown; use 'native', 'hf' or 'auto'")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if path == "default":
         from hybridflow.models.default import default_model_dir
@@ -44,6 +46,19 @@ def load_causal_lm(
     else:
         model, tokenizer = _load_hf_dir(p, torch_dtype, trust_remote_code)
     _ensure_pad_token(tokenizer)
+    if impl in ("native", "auto"):
+        from hybridflow.models import native
+
+        if native.supports(model.config):
+            return native.from_hf_model(model), tokenizer
+        if impl == "native":
+            raise UserError(
+                f"model type {model.config.model_type!r} has no native implementation; use model.impl=hf"
+            )
+        log.info(
+            "model type %s has no native implementation; using transformers (padded batches)",
+            model.config.model_type,
+        )
     return model.eval(), tokenizer
 
 

@@ -1,0 +1,64 @@
+"""Our own Llama/Mistral/Qwen2/Qwen3 model (padding-free) and its HF conversion."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.batch import pack_sequences
+from hybridflow.models.native.config import SUPPORTED, NativeConfig, from_hf
+from hybridflow.models.native.logprobs import chunked_token_logprobs
+from hybridflow.models.native.model import NativeCausalLM
+
+__all__ = [
+    "SUPPORTED",
+    "NativeCausalLM",
+    "NativeConfig",
+    "chunked_token_logprobs",
+    "from_hf_model",
+    "sequence_log_probs",
+    "supports",
+    "to_hf_model",
+]
+
+
+def supports(hf_config) -> bool:
+    return getattr(hf_config, "model_type", None) in SUPPORTED and not (
+        hf_config.model_type == "mistral" and getattr(hf_config, "sliding_window", None)
+    )
+
+
+def from_hf_model(hf_model) -> NativeCausalLM:
+    """Our model with the same weights as a transformers model of a supported family."""
+    config = from_hf(hf_model.config)
+    dtype = next(hf_model.parameters()).dtype
+    with torch.device("meta"):
+        model = NativeCausalLM(config)
+    model = model.to_empty(device=next(hf_model.parameters()).device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def to_hf_model(model: NativeCausalLM, hf_config):
+    """A transformers model holding our weights (for export with save_hf)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(model.parameters()).dtype)
+    hf.load_state_dict(model.state_dict(), strict=False)
+    return hf
+
+
+def sequence_log_probs(
+    model: NativeCausalLM, sequences: list[list[int]], *, chunk: int = 2048
+) -> list[torch.Tensor]:
+    """For each sequence, log p(token_t | tokens_<t) for t = 1..L-1 (packed, no padding)."""
+    device = next(model.parameters()).device
+    packed = pack_sequences(sequences)
+    ids = packed.input_ids.to(device)
+    hidden = model.hidden_states(ids, packed.position_ids.to(device), packed.cu_seqlens.to(device))  # [N, H]
+    targets = torch.roll(ids, -1)  # next token; the last position of each sequence is dropped below
+    logp, _ = chunked_token_logprobs(hidden, model.lm_head.weight, targets, chunk=chunk)
+    bounds = packed.cu_seqlens.tolist()
+    return [logp[s : e - 1] for s, e in zip(bounds[:-1], bounds[1:])]

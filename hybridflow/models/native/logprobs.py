@@ -1,0 +1,56 @@
+"""Log-probs (and entropy) of target tokens without ever holding the [tokens, vocab] float32 matrix:
+the LM head and log-softmax run over token chunks, forward and backward (a custom autograd function
+that recomputes each chunk's logits in backward instead of storing them)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        for s in range(0, n, chunk):
+            logits = (hidden[s : s + chunk] @ weight.T).float()  # [c, V]
+            lse = torch.logsumexp(logits, -1)
+            logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None])[:, 0] - lse
+            probs = torch.softmax(logits, -1)
+            entropy[s : s + chunk] = lse - (probs * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            logits = (h @ weight.T).float()  # [c, V]
+            # d logp_t / d logits = onehot(target) - softmax
+            d_logits = -torch.softmax(logits, -1) * grad_logp[s : s + ctx.chunk, None]
+            d_logits.scatter_add_(
+                -1, targets[s : s + ctx.chunk, None], grad_logp[s : s + ctx.chunk, None].float()
+            )
+            if grad_hidden is not None:
+                grad_hidden[s : s + ctx.chunk] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += d_logits.T @ h.float()
+        return grad_hidden, (grad_weight.to(weight.dtype) if grad_weight is not None else None), None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int = 2048
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, H], lm-head weight [V, H], targets [N] -> (log p(target) [N] float32, entropy [N]
+    float32, no gradient). Peak extra memory: one [chunk, V] float32 block."""
+    return _ChunkedLogProbs.apply(hidden, weight, targets, chunk)

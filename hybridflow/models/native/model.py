@@ -1,0 +1,148 @@
+"""Our decoder for the Llama / Mistral / Qwen2 / Qwen3 family: single-device, padding-free.
+
+The input is a packed token stream: input_ids [N] with position_ids [N] restarting at 0 for every
+sequence, and cu_seqlens [B + 1] marking sequence boundaries. Attention runs per sequence only.
+Parameter names equal transformers' (model.layers.N.self_attn.q_proj.weight, ...), so HF
+checkpoints load and save without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.native.config import NativeConfig
+from hybridflow.models.native.rope import rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention within each packed sequence. q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D].
+
+    CUDA: PyTorch's built-in varlen flash attention. Elsewhere: SDPA per sequence (exact, no padding)."""
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # expand KV heads for GQA
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_output_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, Hq, D]
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
+        q = (q * cos + rotate_half(q) * sin).to(v.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(v.dtype)
+        out = packed_causal_attention(q, k, v, cu_seqlens)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class NativeCausalLM(nn.Module):
+    """hidden_states(packed) -> [N, H]; logits via `lm_head`; log-probs via `native.logprobs`."""
+
+    def __init__(self, config: NativeConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
+        x = self.model.embed_tokens(input_ids)  # [N, H]
+        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens)
+        return self.model.norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """Full logits [N, V] (tests, small inputs); training uses chunked log-probs instead."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, cu_seqlens))
