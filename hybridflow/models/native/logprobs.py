@@ -11,10 +11,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
         n = hidden.shape[0]
+        w = weight.to(hidden.dtype)  # matmuls run in the activations' dtype (bf16 under autocast)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         for s in range(0, n, chunk):
-            logits = (hidden[s : s + chunk] @ weight.T).float()  # [c, V]
+            logits = (hidden[s : s + chunk] @ w.T).float()  # [c, V]
             lse = torch.logsumexp(logits, -1)
             logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None])[:, 0] - lse
             probs = torch.softmax(logits, -1)
@@ -27,6 +28,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
         hidden, weight, targets = ctx.saved_tensors
+        w = weight.to(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -35,16 +37,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         )
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
-            logits = (h @ weight.T).float()  # [c, V]
+            logits = (h @ w.T).float()  # [c, V]
             # d logp_t / d logits = onehot(target) - softmax
             d_logits = -torch.softmax(logits, -1) * grad_logp[s : s + ctx.chunk, None]
             d_logits.scatter_add_(
                 -1, targets[s : s + ctx.chunk, None], grad_logp[s : s + ctx.chunk, None].float()
             )
             if grad_hidden is not None:
-                grad_hidden[s : s + ctx.chunk] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[s : s + ctx.chunk] = d_logits.to(w.dtype) @ w
             if grad_weight is not None:
-                grad_weight += d_logits.T @ h.float()
+                grad_weight += (d_logits.to(w.dtype).T @ h).float()
         return grad_hidden, (grad_weight.to(weight.dtype) if grad_weight is not None else None), None, None
 
 
