@@ -176,7 +176,7 @@ def main() -> None:
     results["speedup"] = results["native"]["tokens_per_s"] / results["transformers_padded"]["tokens_per_s"]
     del hf, opt
     torch.cuda.empty_cache()
-    results["logprob_peak_gib_at_%d_tokens" % args.memory_tokens] = logprob_memory(args.memory_tokens)
+    results[f"logprob_peak_gib_at_{args.memory_tokens}_tokens"] = logprob_memory(args.memory_tokens)
     print(json.dumps(results, indent=1), flush=True)
 
 
