@@ -139,9 +139,9 @@ def test_checkpoint_policy_reloads_in_transformers_with_identical_logits(setup, 
         tmp_path / "run" / "checkpoints" / "global_step_2" / "policy"
     )
     ids = torch.tensor([[104, 105, 106, 107]])
-    model = trainer.actor.role.model
+    model = trainer.actor.role.model.cpu()  # compare on one device: kernels differ across devices
     with torch.no_grad():
-        assert torch.equal(exported(ids).logits, model(ids.to(model.device)).logits.cpu())
+        assert torch.equal(exported(ids).logits, model(ids).logits)
 
 
 def test_batch_sizes_that_do_not_divide_are_rejected_with_the_arithmetic(setup, tmp_path):

@@ -8,6 +8,10 @@ checkpoints load and save without renaming.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,8 +38,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass
+class PackedLayout:
+    """Sequence boundaries of a packed batch, computed once per forward (no host sync per layer)."""
+
+    cu_seqlens: torch.Tensor  # [B + 1] int32 on the model's device
+    bounds: list[int]  # the same on the host
+    max_len: int
+
+
+@lru_cache(maxsize=1)
+def _varlen_supports_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D].
 
@@ -43,14 +63,15 @@ def packed_causal_attention(
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
+        cu, n = layout.cu_seqlens, layout.max_len
         groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # expand KV heads for GQA
+        if groups > 1 and _varlen_supports_gqa():
+            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0), enable_gqa=True)
+        if groups > 1:  # older torch: expand the KV heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
+        return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0))
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(layout.bounds[:-1], layout.bounds[1:]):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
@@ -69,7 +90,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout
     ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, Hq, D]
@@ -80,7 +101,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
-        out = packed_causal_attention(q, k, v, cu_seqlens)  # [N, Hq, D]
+        out = packed_causal_attention(q, k, v, layout)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
 
@@ -103,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, layout: PackedLayout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,12 +154,14 @@ class NativeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
         x = self.model.embed_tokens(input_ids)  # [N, H]
+        bounds = cu_seqlens.tolist()
+        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cu_seqlens)
+                x = layer(x, cos, sin, layout)
         return self.model.norm(x)
 
     def forward(
