@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--microbatch-tokens", type=int, default=16384)
     parser.add_argument("--memory-tokens", type=int, default=32768)
+    parser.add_argument("--profile", action="store_true", help="print the native step's top CUDA kernels")
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -161,19 +162,34 @@ def main() -> None:
         "mfu": work / t / (PEAK_TFLOPS * 1e12),
         "peak_gib": mem,
     }
+    print(json.dumps(results), flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            native_step(native, opt, batches)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
     del native, opt
     torch.cuda.empty_cache()
 
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").cuda().train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True)
-    t, mem = timed(hf_step, hf, opt, batches, args.steps)
-    results["transformers_padded"] = {
-        "s_per_step": t,
-        "tokens_per_s": sum(lengths) / t,
-        "mfu": work / t / (PEAK_TFLOPS * 1e12),
-        "peak_gib": mem,
-    }
-    results["speedup"] = results["native"]["tokens_per_s"] / results["transformers_padded"]["tokens_per_s"]
+    try:
+        t, mem = timed(hf_step, hf, opt, batches, args.steps)
+        results["transformers_padded"] = {
+            "s_per_step": t,
+            "tokens_per_s": sum(lengths) / t,
+            "mfu": work / t / (PEAK_TFLOPS * 1e12),
+            "peak_gib": mem,
+        }
+        results["speedup"] = (
+            results["native"]["tokens_per_s"] / results["transformers_padded"]["tokens_per_s"]
+        )
+    except torch.OutOfMemoryError:
+        results["transformers_padded"] = (
+            f"out of memory at {args.microbatch_tokens}-token micro-batches (padded)"
+        )
     del hf, opt
     torch.cuda.empty_cache()
     results[f"logprob_peak_gib_at_{args.memory_tokens}_tokens"] = logprob_memory(args.memory_tokens)
