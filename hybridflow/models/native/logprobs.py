@@ -54,5 +54,9 @@ def chunked_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int = 2048
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], lm-head weight [V, H], targets [N] -> (log p(target) [N] float32, entropy [N]
-    float32, no gradient). Peak extra memory: one [chunk, V] float32 block."""
+    float32, no gradient). Peak extra memory: one [chunk, V] float32 block. Under autocast the
+    matmuls run in the autocast dtype (the final norm hands over float32 activations)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        hidden = hidden.to(torch.get_autocast_dtype(device))
     return _ChunkedLogProbs.apply(hidden, weight, targets, chunk)
