@@ -27,8 +27,9 @@ def _check_positive(section: str, name: str, value: float, *, allow_zero: bool =
 class ModelConfig:
     path: str = "default"
     """'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a .gguf file."""
-    impl: str = "auto"
-    """'hf' (transformers), 'native' (our model code), 'auto' (native when supported)."""
+    impl: str = "hf"
+    """Model code the actor and reference train with: 'hf' (transformers, padded micro-batches),
+    'native' (ours, padding-free; Llama/Mistral/Qwen2/Qwen3) or 'auto' (native when supported)."""
     dtype: str = "float32"
     """Master weight dtype: float32, bfloat16 or float16. Compute runs in `actor.compute_dtype`."""
     enable_gradient_checkpointing: bool = False

@@ -67,8 +67,11 @@ class RLTrainer:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
         self.device = _device(c.resources.device)
-        model, self.tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
-        model.to(self.device)
+        hf_model, self.tokenizer = load_causal_lm(
+            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
+        )
+        hf_model.to(self.device)
+        model = self._policy_model(hf_model)
         if c.data.task and not c.data.train_files:
             from hybridflow.data.tasks import cached_task
             from hybridflow.models.default import cache_root
@@ -120,7 +123,7 @@ class RLTrainer:
                 Critic(
                     load_value_model(c.critic.model_path, self.device)
                     if c.critic.model_path
-                    else value_model_from_policy(model),
+                    else value_model_from_policy(hf_model),
                     c.critic,
                     total_updates=total_updates,
                     compute_dtype=c.actor.compute_dtype,
@@ -140,12 +143,13 @@ class RLTrainer:
                 gradient_checkpointing=c.model.enable_gradient_checkpointing,
             )
         )
-        # Colocated in one process, the rollout backend generates with the actor's own module.
+        # Colocated in one process, the hf rollout backend generates with the transformers model: the
+        # actor's own module, or (native actor) a copy that update_weights refreshes after each update.
         eos = [self.tokenizer.eos_token_id]
         self.rollout = InProcessWorkerGroup(
             Rollout(
                 HFBackend(
-                    model,
+                    hf_model,
                     pad_token_id=pad,
                     eos_token_ids=eos,
                     max_batch_sequences=c.rollout.max_batch_sequences,
@@ -399,9 +403,25 @@ class RLTrainer:
                 f"run directory {self.run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
             )
 
+    def _policy_model(self, hf_model):
+        """The model the actor trains: ours (padding-free) for model.impl native/auto when the family
+        is supported, else the transformers model itself."""
+        from hybridflow.models import native
+
+        impl = self.config.model.impl
+        if impl in ("native", "auto") and native.supports(hf_model.config):
+            return native.from_hf_model(hf_model)
+        if impl == "native":
+            raise UserError(
+                f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"
+            )
+        return hf_model
+
     def save(self) -> Path:
         actor: Actor = self.actor.role
-        writers = {"policy": lambda d: save_hf(actor.model, self.tokenizer, d)}
+        # the rollout's transformers model holds the current weights (synced after every update)
+        policy = self.rollout.role.backend.model
+        writers = {"policy": lambda d: save_hf(policy, self.tokenizer, d)}
         optim = {"actor": actor.state_dict()}
         if self.critic is not None:
             writers["critic"] = lambda d: self.critic.role.model.save_pretrained(d)
@@ -435,6 +455,7 @@ class RLTrainer:
         self.actor.role.model.load_state_dict(
             AutoModelForCausalLM.from_pretrained(path / "policy").state_dict()
         )
+        self.rollout.call("update_weights", self.actor.role.model.named_parameters())
         self.actor.role.load_state_dict(optim["actor"])
         if self.critic is not None:
             self.critic.role.model.load_state_dict(

@@ -13,7 +13,7 @@ from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
-from hybridflow.roles.forward import autocast, microbatches, response_logprobs, right_padded_inputs
+from hybridflow.roles.forward import microbatches, policy_logprobs
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: int):
@@ -56,22 +56,20 @@ class Actor:
         self.pad_token_id = pad_token_id
         self.max_response_tokens = max_response_tokens
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            if hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable()
+            else:  # the native model checkpoints each layer
+                model.gradient_checkpointing = True
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
         self.last_rollout_diff: dict[str, float] = {}
         """Rollout-vs-trainer probability gap measured during the last on-policy update (no old-log-prob pass)."""
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
-        input_ids, attention = right_padded_inputs(
-            batch.prompt_ids, batch.response_ids, self.device, self.pad_token_id
-        )
-        with autocast(self.device, self.config.compute_dtype):
-            logits = self.model(
-                input_ids=input_ids, attention_mask=attention, use_cache=False
-            ).logits  # [b, L, V]
-        return response_logprobs(
-            logits, batch.prompt_ids, batch.response_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
-        )
+        return policy_logprobs(
+            self.model, batch.prompt_ids, batch.response_ids, device=self.device,
+            compute_dtype=self.config.compute_dtype, pad_token_id=self.pad_token_id,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )  # fmt: skip
 
     @torch.no_grad()
     def log_probs(

@@ -74,3 +74,70 @@ def response_logprobs(
 
 def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int | None) -> list[list[int]]:
     return plan_microbatches(batch_lengths, max_tokens, max_sequences)
+
+
+def packed_response_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    *,
+    device: torch.device,
+    compute_dtype: str,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The native model's path: sequences packed without padding, the LM head applied only at the
+    positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`."""
+    from hybridflow.batch import pack_sequences
+    from hybridflow.models.native import chunked_token_logprobs
+
+    packed = pack_sequences([p + r for p, r in zip(prompt_ids, response_ids)])
+    starts = packed.cu_seqlens.tolist()
+    # position s_b + P_b - 1 + t predicts response token t of sequence b
+    index = torch.tensor(
+        [s + len(p) - 1 + t for s, p, r in zip(starts, prompt_ids, response_ids) for t in range(len(r))],
+        dtype=torch.long,
+        device=device,
+    )  # [R]
+    targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=device)  # [R]
+    with autocast(device, compute_dtype):
+        hidden = model.hidden_states(
+            packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device)
+        )  # [N, H]
+        chosen = hidden.index_select(0, index)  # [R, H]
+        logp, entropy = chunked_token_logprobs(chosen, model.lm_head.weight, targets)  # [R] each
+        if with_entropy and entropy_grad:  # differentiable entropy needs the [R, V] logits
+            entropy = entropy_from_logits(model.lm_head(chosen))
+    width = max(len(r) for r in response_ids)
+    lengths = [len(r) for r in response_ids]
+
+    def unflatten(flat: torch.Tensor) -> torch.Tensor:
+        return torch.stack([F.pad(x, (0, width - len(x))) for x in torch.split(flat, lengths)])  # [b, T]
+
+    return unflatten(logp), (unflatten(entropy) if with_entropy else None)
+
+
+def policy_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    *,
+    device: torch.device,
+    compute_dtype: str,
+    pad_token_id: int,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response-token log-probs [b, T] of a policy: packed for the native model, padded for any
+    other transformers model."""
+    if hasattr(model, "hidden_states"):
+        return packed_response_logprobs(
+            model, prompt_ids, response_ids, device=device, compute_dtype=compute_dtype,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )  # fmt: skip
+    input_ids, attention = right_padded_inputs(prompt_ids, response_ids, device, pad_token_id)
+    with autocast(device, compute_dtype):
+        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # [b, L, V]
+    return response_logprobs(
+        logits, prompt_ids, response_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import TrainingBatch
-from hybridflow.roles.forward import autocast, microbatches, response_logprobs, right_padded_inputs
+from hybridflow.roles.forward import microbatches, policy_logprobs
 
 
 class Reference:
@@ -27,11 +27,9 @@ class Reference:
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         for rows in microbatches(lengths, self.max_tokens, None):
             micro = batch.select(rows)
-            input_ids, attention = right_padded_inputs(
-                micro.prompt_ids, micro.response_ids, self.device, self.pad_token_id
-            )
-            with autocast(self.device, self.compute_dtype):
-                logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-            lp, _ = response_logprobs(logits, micro.prompt_ids, micro.response_ids)
+            lp, _ = policy_logprobs(
+                self.model, micro.prompt_ids, micro.response_ids, device=self.device,
+                compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id,
+            )  # fmt: skip
             out[rows, : lp.shape[1]] = lp.float().cpu()
         return out * batch.response_mask
