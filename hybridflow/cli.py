@@ -15,16 +15,6 @@ from hybridflow.errors import UserError
 log = logging.getLogger("hybridflow")
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA device is available")
-    return name
-
-
 def _prompts_from_file(path: str) -> list:
     from hybridflow.data.files import read_rows
 
@@ -51,7 +41,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     checked = [check_prompt(p, f"{where}: prompt {i}", "prompt") for i, p in enumerate(raw)]
 
     model, tok = load_causal_lm(args.model, dtype=args.dtype)
-    model.to(_device(args.device))
+    from hybridflow.devices import resolve_device
+
+    model.to(resolve_device(args.device))
     texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
     prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]
     backend = HFBackend(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])

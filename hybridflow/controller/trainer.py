@@ -28,6 +28,7 @@ from hybridflow.controller.validation import validate
 from hybridflow.controller.worker_group import InProcessWorkerGroup
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
+from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, save_hf
 from hybridflow.roles.actor import Actor
@@ -47,12 +48,6 @@ class TrainingDiverged(UserError):
     pass
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class RLTrainer:
     """`RLTrainer(config).fit()` trains the policy with the configured RL algorithm."""
 
@@ -66,7 +61,7 @@ class RLTrainer:
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
-        self.device = _device(c.resources.device)
+        self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_causal_lm(
             c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
         )

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.compat import gguf_supported_architectures
+from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import plan_microbatches
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from hybridflow.devices import DTYPES
 
 
 def autocast(device: torch.device, compute_dtype: str):
