@@ -1,7 +1,7 @@
 """Run the RL trainer on one GPU: a ~25M-parameter random Qwen2-shaped model learns the synthetic
 'share of letter a' reward with GRPO in bf16 autocast. Prints per-step timings and the curve.
 
-    PYTHONPATH=. python bench/gpu_trainer_smoke.py OUT_DIR
+    PYTHONPATH=. python bench/gpu_trainer_smoke.py OUT_DIR [config overrides, e.g. algorithm.adv_estimator=gae]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return solution_str.count('a') / max(len(solution_str), 1)\n"
 
 
-def main(out: Path) -> None:
+def main(out: Path, overrides: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = tiny_model(
         "qwen2",
@@ -50,14 +50,15 @@ def main(out: Path) -> None:
             "trainer.total_training_steps=15",
             "trainer.logger=[console,jsonl]",
             f"trainer.run_dir={out / 'run'}",
+            *overrides,
         ],
     )
     start = time.perf_counter()
-    RLTrainer(config).fit()
+    RLTrainer(config, overwrite=True).fit()
     print(
         f"device {torch.cuda.get_device_name()} total {time.perf_counter() - start:.1f} s, peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
     )
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

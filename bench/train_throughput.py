@@ -1,8 +1,13 @@
-"""Training throughput of the native model (packed, chunked log-probs) vs transformers (padded),
-same sequences, same run; and peak memory of log-prob computation, chunked vs naive.
+"""Training throughput of the native model (packed, chunked log-probs; eager and with compiled
+layers) vs transformers (padded), same sequences, same run; and peak memory of log-prob computation,
+chunked vs naive.
 
     PYTHONPATH=. python bench/train_throughput.py --shape 0.5b --steps 4
 Random-weight Qwen2.5-shaped models, bf16 autocast over fp32 master weights, fused AdamW.
+Two padded baselines: `sorted` uses our first-fit-decreasing token-budget planner (similar lengths
+share a micro-batch: the least padding a padded trainer can get); `data_order` takes a fixed number
+of sequences per micro-batch in data order (budget / longest length), as TRL's
+per_device_train_batch_size or verl without remove-padding do.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ def hf_step(model, opt, micro_batches):
 
 
 def timed(step, model, opt, batches, steps):
-    step(model, opt, batches)  # warm-up
+    step(model, opt, batches)  # warm-up (and compilation)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -91,6 +96,23 @@ def timed(step, model, opt, batches, steps):
         step(model, opt, batches)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated() / 2**30
+
+
+def measure(step, model, batches, steps, tokens, work) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    try:
+        t, mem = timed(step, model, opt, batches, steps)
+    except torch.OutOfMemoryError:
+        return {"error": f"out of memory at {sum(map(len, batches[0]))}-token micro-batches"}
+    finally:
+        del opt
+        torch.cuda.empty_cache()
+    return {
+        "s_per_step": t,
+        "tokens_per_s": tokens / t,
+        "mfu": work / t / (PEAK_TFLOPS * 1e12),
+        "peak_gib": mem,
+    }
 
 
 def logprob_memory(tokens: int, hidden: int = 1536, vocab: int = 151936) -> dict:
@@ -121,7 +143,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--microbatch-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--hf-microbatch-tokens",
+        type=int,
+        default=16384,
+        help="budget of the padded baselines (padded tokens)",
+    )
     parser.add_argument("--memory-tokens", type=int, default=32768)
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled-layers run")
     parser.add_argument("--profile", action="store_true", help="print the native step's top CUDA kernels")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -154,44 +183,50 @@ def main() -> None:
     del hf
     torch.cuda.empty_cache()
 
-    opt = torch.optim.AdamW(native.parameters(), lr=1e-5, fused=True)
-    t, mem = timed(native_step, native.train(), opt, batches, args.steps)
-    results["native"] = {
-        "s_per_step": t,
-        "tokens_per_s": sum(lengths) / t,
-        "mfu": work / t / (PEAK_TFLOPS * 1e12),
-        "peak_gib": mem,
-    }
+    tokens = sum(lengths)
+    results["native"] = measure(native_step, native.train(), batches, args.steps, tokens, work)
     print(json.dumps(results), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        opt = torch.optim.AdamW(native.parameters(), lr=1e-5, fused=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             native_step(native, opt, batches)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
-    del native, opt
+        del opt
+    if not args.no_compile:
+        start = time.perf_counter()
+        native.compile_layers()
+        results["native_compiled"] = measure(native_step, native, batches, args.steps, tokens, work)
+        results["native_compiled"]["compile_and_warmup_s"] = time.perf_counter() - start
+        print(json.dumps(results), flush=True)
+    del native
     torch.cuda.empty_cache()
 
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").cuda().train()
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True)
-    try:
-        t, mem = timed(hf_step, hf, opt, batches, args.steps)
-        results["transformers_padded"] = {
-            "s_per_step": t,
-            "tokens_per_s": sum(lengths) / t,
-            "mfu": work / t / (PEAK_TFLOPS * 1e12),
-            "peak_gib": mem,
-        }
-        results["speedup"] = (
-            results["native"]["tokens_per_s"] / results["transformers_padded"]["tokens_per_s"]
+    per_micro = max(1, args.hf_microbatch_tokens // max(lengths))
+    padded_plans = {
+        "sorted": [[seqs[i] for i in mb] for mb in plan_microbatches(lengths, args.hf_microbatch_tokens)],
+        "data_order": [seqs[i : i + per_micro] for i in range(0, len(seqs), per_micro)],
+    }
+    for name, plan in padded_plans.items():
+        hf = (
+            AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+            .cuda()
+            .train()
         )
-    except torch.OutOfMemoryError:
-        results["transformers_padded"] = (
-            f"out of memory at {args.microbatch_tokens}-token micro-batches (padded)"
-        )
-    del hf, opt
-    torch.cuda.empty_cache()
+        entry = measure(hf_step, hf, plan, args.steps, tokens, work)
+        entry["padded_tokens"] = sum(len(mb) * max(map(len, mb)) for mb in plan)
+        results[f"transformers_padded_{name}"] = entry
+        del hf
+        torch.cuda.empty_cache()
+    best = max(
+        [results[k] for k in ("native", "native_compiled") if k in results], key=lambda r: r["tokens_per_s"]
+    )
+    for name in padded_plans:
+        base = results[f"transformers_padded_{name}"]
+        if "tokens_per_s" in base:
+            results[f"speedup_vs_padded_{name}"] = best["tokens_per_s"] / base["tokens_per_s"]
     results[f"logprob_peak_gib_at_{args.memory_tokens}_tokens"] = logprob_memory(args.memory_tokens)
     print(json.dumps(results, indent=1), flush=True)
 

@@ -27,12 +27,16 @@ def _check_positive(section: str, name: str, value: float, *, allow_zero: bool =
 class ModelConfig:
     path: str = "default"
     """'default' (embedded SmolLM2-135M-Instruct), an HF model directory, or a .gguf file."""
-    impl: str = "hf"
-    """Model code the actor and reference train with: 'hf' (transformers, padded micro-batches),
-    'native' (ours, padding-free; Llama/Mistral/Qwen2/Qwen3) or 'auto' (native when supported)."""
+    impl: str = "auto"
+    """Model code the actor, reference and critic train with: 'auto' (ours when the family is
+    supported, else transformers), 'native' (ours, padding-free; Llama/Mistral/Qwen2/Qwen3; an error
+    for others) or 'hf' (transformers, padded micro-batches)."""
     dtype: str = "float32"
     """Master weight dtype: float32, bfloat16 or float16. Compute runs in `actor.compute_dtype`."""
     enable_gradient_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile the native model's layers (the parts around attention): fused norms, RoPE and
+    SwiGLU; costs a compile at start and pays off on GPU (see docs/benchmarks.md)."""
     use_remove_padding: bool = True
     """Pack sequences without padding (the native model always does; kept for verl recipes)."""
     trust_remote_code: bool = False

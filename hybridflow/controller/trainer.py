@@ -66,6 +66,7 @@ class RLTrainer:
             c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
         )
         hf_model.to(self.device)
+        self.hf_config = hf_model.config
         model = self._policy_model(hf_model)
         if c.data.task and not c.data.train_files:
             from hybridflow.data.tasks import cached_task
@@ -116,9 +117,7 @@ class RLTrainer:
         self.critic = (
             InProcessWorkerGroup(
                 Critic(
-                    load_value_model(c.critic.model_path, self.device)
-                    if c.critic.model_path
-                    else value_model_from_policy(hf_model),
+                    self._value_model(model),
                     c.critic,
                     total_updates=total_updates,
                     compute_dtype=c.actor.compute_dtype,
@@ -138,6 +137,8 @@ class RLTrainer:
                 gradient_checkpointing=c.model.enable_gradient_checkpointing,
             )
         )
+        if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
+            self._compile_native_models()
         # Colocated in one process, the hf rollout backend generates with the transformers model: the
         # actor's own module, or (native actor) a copy that update_weights refreshes after each update.
         eos = [self.tokenizer.eos_token_id]
@@ -412,6 +413,36 @@ class RLTrainer:
             )
         return hf_model
 
+    def _compile_native_models(self) -> None:
+        from hybridflow.models import native
+
+        models = [g.role.model for g in (self.actor, self.ref, self.critic) if g is not None]
+        if not any(isinstance(m, native.NativeModule) for m in models):
+            raise UserError("model.compile=true applies to the native model; set model.impl=native or auto")
+        for model in models:
+            if isinstance(model, native.NativeModule):
+                model.compile_layers()
+
+    def _value_model(self, policy):
+        """The critic's model: critic.model_path, or a copy of the policy under a zero value head;
+        ours (packed) whenever the policy is."""
+        from hybridflow.models import native
+
+        if not self.config.critic.model_path:
+            return value_model_from_policy(policy)
+        model = load_value_model(self.config.critic.model_path, self.device)
+        if isinstance(policy, native.NativeModule) and native.supports(model.config):
+            return native.score_model_from_hf(model)
+        return model
+
+    def _save_critic(self, directory: Path) -> None:
+        from hybridflow.models import native
+
+        model = self.critic.role.model
+        if isinstance(model, native.NativeScoreModel):
+            model = native.to_hf_score_model(model, self.hf_config)
+        model.save_pretrained(directory)
+
     def save(self) -> Path:
         actor: Actor = self.actor.role
         # the rollout's transformers model holds the current weights (synced after every update)
@@ -419,7 +450,7 @@ class RLTrainer:
         writers = {"policy": lambda d: save_hf(policy, self.tokenizer, d)}
         optim = {"actor": actor.state_dict()}
         if self.critic is not None:
-            writers["critic"] = lambda d: self.critic.role.model.save_pretrained(d)
+            writers["critic"] = self._save_critic
             optim["critic"] = self.critic.role.state_dict()
         state = {
             "step": self.step,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification
 
 from hybridflow.algorithms.aggregation import count_sequences, count_tokens
@@ -12,12 +13,24 @@ from hybridflow.algorithms.losses import value_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.roles.actor import build_optimizer
-from hybridflow.roles.forward import autocast, microbatches, response_slices, right_padded_inputs
+from hybridflow.roles.forward import (
+    autocast,
+    microbatches,
+    packed_inputs,
+    response_slices,
+    right_padded_inputs,
+    unflatten_responses,
+)
 
 
 def value_model_from_policy(policy: torch.nn.Module) -> torch.nn.Module:
-    """A token-classification model with one label whose backbone starts as a copy of the policy's;
-    the value head starts at zero, so initial values are 0."""
+    """A value model whose backbone starts as a copy of the policy's and whose head starts at zero
+    (initial values are 0): ours (packed) for a native policy, else a one-label transformers
+    token-classification model."""
+    if hasattr(policy, "hidden_states"):
+        from hybridflow.models.native.heads import value_model_from_causal_lm
+
+        return value_model_from_causal_lm(policy)
     config = policy.config.__class__.from_dict(policy.config.to_dict())
     config.num_labels = 1
     critic = AutoModelForTokenClassification.from_config(config, dtype=next(policy.parameters()).dtype)
@@ -63,6 +76,12 @@ class Critic:
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
 
     def _values(self, batch: TrainingBatch) -> torch.Tensor:
+        if hasattr(self.model, "token_scores"):  # native: packed, no padding
+            inputs, index = packed_inputs(batch.prompt_ids, batch.response_ids, self.device)
+            with autocast(self.device, self.compute_dtype):
+                flat = self.model.token_scores(*inputs)[:, 0].index_select(0, index)  # [R]
+            values = unflatten_responses(flat.float(), batch.response_ids)  # [b, T']
+            return F.pad(values, (0, batch.response_mask.shape[1] - values.shape[1]))  # [b, T]
         input_ids, attention = right_padded_inputs(
             batch.prompt_ids, batch.response_ids, self.device, self.pad_token_id
         )

@@ -1,5 +1,5 @@
-"""Model forward passes shared by the actor, reference and critic (transformers models, padded
-micro-batches; the native padding-free model replaces this path when it lands)."""
+"""Model forward passes shared by the actor, reference and critic: packed without padding for our
+native models, padded micro-batches for any other transformers model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import entropy_from_logits
-from hybridflow.batch import plan_microbatches
+from hybridflow.batch import pack_sequences, plan_microbatches
 from hybridflow.devices import DTYPES
 
 
@@ -75,6 +75,28 @@ def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int |
     return plan_microbatches(batch_lengths, max_tokens, max_sequences)
 
 
+def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device):
+    """Prompt+response sequences packed without padding -> (input_ids, position_ids, cu_seqlens) on
+    `device`, and the packed positions that predict each response token [R] (flattened in order)."""
+    packed = pack_sequences([p + r for p, r in zip(prompt_ids, response_ids)])
+    starts = packed.cu_seqlens.tolist()
+    # position s_b + P_b - 1 + t predicts response token t of sequence b
+    index = torch.tensor(
+        [s + len(p) - 1 + t for s, p, r in zip(starts, prompt_ids, response_ids) for t in range(len(r))],
+        dtype=torch.long,
+        device=device,
+    )  # [R]
+    inputs = (packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device))
+    return inputs, index
+
+
+def unflatten_responses(flat: torch.Tensor, response_ids: list[list[int]]) -> torch.Tensor:
+    """[R] values of all response tokens in order -> [b, T] right-padded with zeros."""
+    width = max(len(r) for r in response_ids)
+    parts = torch.split(flat, [len(r) for r in response_ids])
+    return torch.stack([F.pad(x, (0, width - len(x))) for x in parts])
+
+
 def packed_response_logprobs(
     model,
     prompt_ids: list[list[int]],
@@ -87,33 +109,19 @@ def packed_response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native model's path: sequences packed without padding, the LM head applied only at the
     positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`."""
-    from hybridflow.batch import pack_sequences
     from hybridflow.models.native import chunked_token_logprobs
 
-    packed = pack_sequences([p + r for p, r in zip(prompt_ids, response_ids)])
-    starts = packed.cu_seqlens.tolist()
-    # position s_b + P_b - 1 + t predicts response token t of sequence b
-    index = torch.tensor(
-        [s + len(p) - 1 + t for s, p, r in zip(starts, prompt_ids, response_ids) for t in range(len(r))],
-        dtype=torch.long,
-        device=device,
-    )  # [R]
+    inputs, index = packed_inputs(prompt_ids, response_ids, device)
     targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=device)  # [R]
     with autocast(device, compute_dtype):
-        hidden = model.hidden_states(
-            packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device)
-        )  # [N, H]
-        chosen = hidden.index_select(0, index)  # [R, H]
+        chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]
         logp, entropy = chunked_token_logprobs(chosen, model.lm_head.weight, targets)  # [R] each
         if with_entropy and entropy_grad:  # differentiable entropy needs the [R, V] logits
             entropy = entropy_from_logits(model.lm_head(chosen))
-    width = max(len(r) for r in response_ids)
-    lengths = [len(r) for r in response_ids]
-
-    def unflatten(flat: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.pad(x, (0, width - len(x))) for x in torch.split(flat, lengths)])  # [b, T]
-
-    return unflatten(logp), (unflatten(entropy) if with_entropy else None)
+    return (
+        unflatten_responses(logp, response_ids),
+        unflatten_responses(entropy, response_ids) if with_entropy else None,
+    )
 
 
 def policy_logprobs(

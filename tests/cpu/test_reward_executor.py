@@ -158,3 +158,26 @@ def test_reward_model_is_weighted_in(tmp_path):
     alone.check_sources({"no-scorer-for-this"})  # a reward model alone needs no rule scorer
     rollouts = _rollouts(tok, ["4", "5"], source="no-scorer-for-this")
     torch.testing.assert_close(alone.score(rollouts).scores, model_scores)
+
+
+def test_reward_model_packed_scores_equal_transformers_padded(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridflow.models.native import NativeScoreModel
+    from hybridflow.models.tiny import tiny_config
+    from hybridflow.rewards.reward_model import RewardModel
+
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(tiny_config("qwen3", num_labels=1)).save_pretrained(
+        tmp_path
+    )
+    byte_tokenizer().save_pretrained(tmp_path)
+    packed, padded = RewardModel(str(tmp_path)), RewardModel(str(tmp_path), impl="hf")
+    assert isinstance(packed.model, NativeScoreModel) and not isinstance(padded.model, NativeScoreModel)
+    prompts, responses = (
+        ["2 + 2 = ?", "a longer question, 3 * 7 = ?", "x"],
+        ["4", "21, because 3 * 7 = 21", ""],
+    )
+    scores = packed.score(prompts, responses)
+    assert scores.std() > 0
+    torch.testing.assert_close(scores, padded.score(prompts, responses), atol=1e-5, rtol=0)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.config import load_config
 from hybridflow.controller.trainer import RLTrainer, TrainingDiverged
@@ -60,6 +60,8 @@ ALGORITHMS = {
     "rloo": ["algorithm.adv_estimator=rloo"],
     "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus"],
     "gae": ["algorithm.adv_estimator=gae", "critic.optim.lr=5e-3"],
+    "grpo_transformers": ["model.impl=hf"],
+    "gae_transformers": ["algorithm.adv_estimator=gae", "critic.optim.lr=5e-3", "model.impl=hf"],
     "dapo": [
         "algorithm.filter_groups.enable=true",
         "actor.clip_ratio_high=0.28",
@@ -133,7 +135,8 @@ def test_resume_gives_exactly_the_uninterrupted_run(setup, tmp_path):
 
 
 def test_checkpoint_policy_reloads_in_transformers_with_identical_logits(setup, tmp_path):
-    trainer = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=2"))
+    """The transformers actor path (model.impl=hf): the checkpoint is the trained module itself."""
+    trainer = RLTrainer(config(setup, tmp_path / "run", "model.impl=hf", "trainer.total_training_steps=2"))
     trainer.fit()
     exported = AutoModelForCausalLM.from_pretrained(
         tmp_path / "run" / "checkpoints" / "global_step_2" / "policy"
@@ -208,8 +211,15 @@ def test_critic_from_a_path(setup, tmp_path):
             "trainer.total_training_steps=1",
         )
     )
+    assert type(trainer.critic.role.model).__name__ == "NativeScoreModel"
     metrics = trainer.fit()
     assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics
+    # the saved critic is a transformers token-classification checkpoint with the trained weights
+    saved = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "run" / "checkpoints" / "global_step_1" / "critic"
+    )
+    trained = trainer.critic.role.model.cpu().state_dict()
+    assert all(torch.equal(trained[k], v) for k, v in saved.state_dict().items())
 
 
 def test_dapo_step_without_informative_groups_trains_on_nothing(setup, tmp_path):

@@ -6,18 +6,29 @@ import torch
 
 from hybridflow.batch import pack_sequences
 from hybridflow.models.native.config import SUPPORTED, NativeConfig, from_hf
+from hybridflow.models.native.heads import (
+    NativeScoreModel,
+    score_model_from_hf,
+    to_hf_score_model,
+    value_model_from_causal_lm,
+)
 from hybridflow.models.native.logprobs import chunked_token_logprobs
-from hybridflow.models.native.model import NativeCausalLM
+from hybridflow.models.native.model import NativeCausalLM, NativeModule
 
 __all__ = [
     "SUPPORTED",
     "NativeCausalLM",
     "NativeConfig",
+    "NativeModule",
+    "NativeScoreModel",
     "chunked_token_logprobs",
     "from_hf_model",
+    "score_model_from_hf",
     "sequence_log_probs",
     "supports",
     "to_hf_model",
+    "to_hf_score_model",
+    "value_model_from_causal_lm",
 ]
 
 

@@ -89,20 +89,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout
-    ) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, H] -> q [N, Hq, D], k and v [N, Hkv, D], RoPE applied."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, Hq, D]
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, Hkv, D]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
-        out = packed_causal_attention(q, k, v, layout)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -117,27 +115,91 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The parts around attention are separate methods so that `torch.compile` can
+    fuse their norms, RoPE and elementwise work while attention (whose sequence boundaries change
+    every micro-batch) stays outside the compiled graphs."""
+
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
+        self.compiled: tuple | None = None  # (before_attention, after_attention) once compiled
+
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [N, H] residual stream, attn [N, Hq, D] -> next residual stream [N, H]."""
+        x = x + self.self_attn.o_proj(attn.flatten(1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def compile(self, **options) -> None:
+        """Compile the parts around attention (dynamic in the token count)."""
+        self.compiled = (
+            torch.compile(self.before_attention, dynamic=True, **options),
+            torch.compile(self.after_attention, dynamic=True, **options),
+        )
 
     def forward(self, x, cos, sin, layout: PackedLayout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        before, after = self.compiled or (self.before_attention, self.after_attention)
+        q, k, v = before(x, cos, sin)
+        return after(x, packed_causal_attention(q, k, v, layout))
 
 
 class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm: packed tokens -> final hidden states."""
+
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
+        self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gradient_checkpointing = False
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
+        x = self.embed_tokens(input_ids)  # [N, H]
+        bounds = cu_seqlens.tolist()
+        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))
+        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, layout)
+        return self.norm(x)
 
 
-class NativeCausalLM(nn.Module):
+class NativeModule(nn.Module):
+    """What every native model shares: a `model` backbone, checkpointing and compile switches."""
+
+    model: Backbone
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        self.model.gradient_checkpointing = on
+
+    def compile_layers(self, **options) -> None:
+        for layer in self.model.layers:
+            layer.compile(**options)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
+        return self.model(input_ids, position_ids, cu_seqlens)
+
+
+class NativeCausalLM(NativeModule):
     """hidden_states(packed) -> [N, H]; logits via `lm_head`; log-probs via `native.logprobs`."""
 
     def __init__(self, config: NativeConfig) -> None:
@@ -147,22 +209,6 @@ class NativeCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.gradient_checkpointing = False
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
-    ) -> torch.Tensor:
-        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
-        x = self.model.embed_tokens(input_ids)  # [N, H]
-        bounds = cu_seqlens.tolist()
-        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))
-        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
-        for layer in self.model.layers:
-            if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, layout)
-        return self.model.norm(x)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
