@@ -411,6 +411,12 @@ class RLTrainer:
             raise UserError(
                 f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"
             )
+        if impl == "auto":
+            print(
+                f"model type {hf_model.config.model_type!r} has no native implementation: training it "
+                "with transformers (padded micro-batches)",
+                flush=True,
+            )
         return hf_model
 
     def _compile_native_models(self) -> None:

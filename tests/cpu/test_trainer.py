@@ -264,3 +264,29 @@ def test_native_model_trains_resumes_and_exports(setup, tmp_path):
         assert (
             ma["critic/score/mean"] == mb["critic/score/mean"] and ma["actor/pg_loss"] == mb["actor/pg_loss"]
         )
+
+
+def test_unsupported_family_trains_with_transformers_and_says_so(setup, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    config_ = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=256)
+    torch.manual_seed(0)
+    save_hf(AutoModelForCausalLM.from_config(config_), byte_tokenizer(), tmp_path / "gpt2")
+    trainer = RLTrainer(
+        config(
+            setup,
+            tmp_path / "run",
+            f"model.path={tmp_path / 'gpt2'}",
+            "algorithm.adv_estimator=gae",
+            "trainer.total_training_steps=2",
+        )
+    )
+    assert (
+        "model type 'gpt2' has no native implementation: training it with transformers"
+        in capsys.readouterr().out
+    )
+    assert type(trainer.actor.role.model).__name__ == "GPT2LMHeadModel"
+    metrics = trainer.fit()
+    assert metrics["actor/grad_norm"] > 0 and "critic/vf_loss" in metrics
+    with pytest.raises(UserError, match="model.impl=native: model type 'gpt2' has no native implementation"):
+        RLTrainer(config(setup, tmp_path / "run2", f"model.path={tmp_path / 'gpt2'}", "model.impl=native"))
