@@ -39,6 +39,9 @@ class Generation:
     """Log-prob of each sampled token under the sampling distribution (after temperature/top-k/top-p)."""
     finish_reason: str
     """'stop' (a stop token was sampled; it ends token_ids) or 'length'."""
+    unscaled_logprobs: list[float] | None = None
+    """Log-prob of each sampled token under the model's own distribution (no temperature/top-k/top-p),
+    where the backend reports it."""
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""The rollout engine: `generate`, `update_weights`, `sleep`, `wake` — nothing else is public."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.runner import Runner
+from hybridflow.engine.sampler import sample, step_keys
+from hybridflow.engine.scheduler import Scheduler
+from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.engine.weights import copy_weights, engine_model, weight_targets
+from hybridflow.errors import UserError
+from hybridflow.models.native.model import NativeCausalLM
+from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    max_batch_sequences: int = 256
+    """Most sequences decoded together (and the largest captured CUDA graph)."""
+    max_prefill_tokens: int = 16384
+    """Token budget of one prefill step (a longer prompt is prefilled alone)."""
+    max_context_tokens: int = 4096
+    """Longest prompt + response; a sequence that reaches it stops with finish_reason 'length'."""
+    page_size: int = 64
+    kv_cache_tokens: int | None = None
+    """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory,
+    or room for every sequence at full context on CPU."""
+    gpu_memory_utilization: float = 0.5
+    cuda_graphs: bool = True
+    compute_dtype: str = "auto"
+    """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
+
+
+class Engine:
+    """Paged, continuously batched generation with our model. With `share_weights` (same device and
+    dtype as the trainer, e.g. CPU) the engine runs the trainer's module itself and
+    `update_weights` has nothing to copy; otherwise it keeps its own copy."""
+
+    def __init__(
+        self,
+        model: NativeCausalLM,
+        *,
+        eos_token_ids: list[int],
+        config: EngineConfig | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = c = config or EngineConfig()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        master = next(model.parameters()).dtype
+        if c.compute_dtype == "auto":
+            self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else master
+        else:
+            self.compute_dtype = getattr(torch, c.compute_dtype)
+        shared = self.device == next(model.parameters()).device and self.compute_dtype == master
+        self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
+        self.targets = weight_targets(self.model)
+        self.eos_token_ids = list(eos_token_ids)
+        mc = self.model.config
+        kv_dtype = self.compute_dtype
+        page_bytes = KVCache.bytes_per_page(
+            mc.num_hidden_layers, c.page_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        self.num_pages = self._pool_pages(page_bytes)
+        self.cache = KVCache(
+            num_layers=mc.num_hidden_layers,
+            num_pages=self.num_pages,
+            page_size=c.page_size,
+            kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+        )
+        self.runner = Runner(
+            self.model,
+            self.cache,
+            compute_dtype=self.compute_dtype,
+            max_batch=c.max_batch_sequences,
+            max_context=c.max_context_tokens,
+            cuda_graphs=c.cuda_graphs,
+        )
+        self.asleep = False
+        self.stats: dict[str, float] = {}
+
+    def _pool_pages(self, page_bytes: int) -> int:
+        c = self.config
+        per_seq = -(-c.max_context_tokens // c.page_size)
+        if c.kv_cache_tokens is not None:
+            pages = -(-c.kv_cache_tokens // c.page_size)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            pages = int(free * c.gpu_memory_utilization) // page_bytes
+        else:
+            pages = per_seq * c.max_batch_sequences
+        if pages < per_seq + 1:
+            raise UserError(
+                f"engine KV cache of {pages} pages ({c.page_size} tokens each) cannot hold one sequence of "
+                f"max_context_tokens={c.max_context_tokens}; raise the cache size or lower the context"
+            )
+        return pages + 1  # page 0 is reserved
+
+    # ----------------------------------------------------------------------------------- public
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep; call wake() first")
+        c = self.config
+        for i, prompt in enumerate(prompt_token_ids):
+            if not prompt or len(prompt) >= c.max_context_tokens:
+                raise UserError(
+                    f"prompt {i} has {len(prompt)} tokens; the engine takes 1 to "
+                    f"{c.max_context_tokens - 1} (max_context_tokens={c.max_context_tokens})"
+                )
+        total = len(prompt_token_ids) * params.n
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        seeds = step_keys(torch.full((total,), base, dtype=torch.int64), torch.arange(total)).tolist()
+        scheduler = Scheduler(
+            self.cache, max_sequences=c.max_batch_sequences, max_prefill_tokens=c.max_prefill_tokens
+        )
+        seqs: list[Sequence] = []
+        for i, prompt in enumerate(prompt_token_ids):
+            group = [
+                Sequence(len(seqs) + j, i, list(prompt), len(prompt), seeds[len(seqs) + j])
+                for j in range(params.n)
+            ]
+            seqs += group
+            scheduler.add(PrefillJob(group))
+        stops = set(self.eos_token_ids) | set(params.stop_token_ids)
+        start, steps = time.perf_counter(), 0
+        while scheduler.has_work:
+            jobs = scheduler.schedule_prefill()
+            if jobs:
+                logits = self.runner.prefill(jobs)  # [J, V]
+                batch = [s for job in jobs for s in job.seqs]
+                rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
+                logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
+                for s in batch:
+                    s.cached = len(s.tokens)
+            else:
+                batch = scheduler.schedule_decode()
+                if not batch:
+                    raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
+                logits = self.runner.decode(batch)  # [B, V]
+                for s in batch:
+                    s.cached += 1
+            self._append(batch, logits, params, stops, scheduler)
+            steps += 1
+        assert self.cache.pool.num_free == self.cache.pool.num_pages, "pages leaked"
+        seconds = time.perf_counter() - start
+        new_tokens = sum(s.num_generated for s in seqs)
+        self.stats = {
+            "steps": steps,
+            "preemptions": scheduler.preemptions,
+            "tokens": new_tokens,
+            "seconds": seconds,
+        }
+        return [
+            Generation(
+                s.prompt_index, s.tokens[s.prompt_len :], s.logprobs, s.finish_reason, s.unscaled_logprobs
+            )
+            for s in seqs
+        ]
+
+    def _append(self, batch, logits, params, stops, scheduler: Scheduler) -> None:
+        """Sample one token per sequence (one host sync), record it, and retire finished sequences."""
+        dev = logits.device
+        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64, device=dev)
+        steps = torch.tensor([s.num_generated for s in batch], dtype=torch.int64, device=dev)
+        tokens, logp, unscaled = sample(logits, params, seeds, steps)
+        host = torch.stack([tokens.double(), logp.double(), unscaled.double()]).cpu()
+        if not torch.isfinite(host[1:]).all():
+            raise NonFiniteLogits("the model produced NaN or inf logits during generation")
+        limit = self.config.max_context_tokens
+        for s, token, lp, ulp in zip(batch, host[0].long().tolist(), host[1].tolist(), host[2].tolist()):
+            s.tokens.append(token)
+            s.logprobs.append(lp)
+            s.unscaled_logprobs.append(ulp)
+            if token in stops:
+                s.finish_reason = "stop"
+            elif s.num_generated >= params.max_tokens or len(s.tokens) >= limit:
+                s.finish_reason = "length"
+            if s.finished:
+                scheduler.finish(s)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
+        returns the bytes written (0 when the engine runs the trainer's own module)."""
+        return copy_weights(self.targets, named_tensors)
+
+    def sleep(self) -> None:
+        """Free the KV pool and the captured graphs so that training gets the memory."""
+        self.runner.drop_graphs()
+        self.cache.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.cache.allocate()
+        self.asleep = False

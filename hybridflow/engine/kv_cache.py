@@ -1,0 +1,80 @@
+"""The paged KV cache: one preallocated pool of pages per layer, and a page allocator with
+reference counts so that the samples of one prompt share the prompt's pages."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagePool:
+    """Host-side bookkeeping of physical pages: a free list and a reference count per page. Page 0 is
+    never handed out: padded rows of a captured decode batch write their K/V there."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages - 1  # usable pages
+        self.refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        page = self._free.pop()
+        self.refs[page] = 1
+        return page
+
+    def share(self, page: int) -> None:
+        self.refs[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self._free.append(page)
+            assert self.refs[page] >= 0, f"page {page} released twice"
+
+
+class KVCache:
+    """K and V of every layer in one tensor each: [layers, pages * page_size, kv_heads, head_dim].
+    A token's slot is page * page_size + offset. `release()` drops the tensors (sleep) and
+    `allocate()` makes them again (wake); the page table lives in the sequences."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.dtype, self.device = dtype, device
+        self.pool = PagePool(num_pages)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def allocate(self) -> None:
+        if self.k is None:
+            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        if self.pool.num_free != self.pool.num_pages:
+            raise RuntimeError("cannot free the KV cache while sequences hold pages")
+        self.k = self.v = None
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write: a sequence about to write into a shared page gets its own copy."""
+        s, d, n = src * self.page_size, dst * self.page_size, self.page_size
+        self.k[:, d : d + n] = self.k[:, s : s + n]
+        self.v[:, d : d + n] = self.v[:, s : s + n]

@@ -1,0 +1,162 @@
+"""Prefill and decode steps of our model over the paged KV cache; decode steps replay CUDA graphs
+captured at bucketed batch sizes. The layers are the trainer's own modules (`before_attention` /
+`after_attention`), so rollout and trainer compute the same numbers."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from hybridflow.batch import pack_sequences
+from hybridflow.engine.attention import paged_decode_attention, prefill_attention, store_kv
+from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.models.native.model import NativeCausalLM, PackedLayout
+from hybridflow.models.native.rope import rope_cos_sin
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16 up to max_batch."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return sorted(set(small + list(range(16, max_batch, 16)) + [max_batch]))
+
+
+class Runner:
+    def __init__(
+        self,
+        model: NativeCausalLM,
+        cache: KVCache,
+        *,
+        compute_dtype: torch.dtype,
+        max_batch: int,
+        max_context: int,
+        cuda_graphs: bool,
+    ) -> None:
+        self.model, self.cache, self.page_size = model, cache, cache.page_size
+        self.device = cache.device
+        self.compute_dtype = compute_dtype
+        self.max_batch = max_batch
+        self.max_pages = -(-max_context // self.page_size)  # block-table width
+        embed_dtype = model.model.embed_tokens.weight.dtype
+        positions = torch.arange(self.max_pages * self.page_size, device=self.device)
+        self.cos, self.sin = rope_cos_sin(model.config, positions, embed_dtype)  # [T, D], as the trainer
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.static: dict[str, torch.Tensor] = {}
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden states [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
+        backbone = self.model.model
+        x = backbone.embed_tokens(input_ids)  # [N, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
+        for i, layer in enumerate(backbone.layers):
+            q, k, v = layer.before_attention(x, cos, sin)
+            x = layer.after_attention(x, attend(i, q, k, v))
+        return backbone.norm(x)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()  # [B, V]
+
+    def _slots(self, pages: list[int], start: int, end: int) -> list[int]:
+        ps = self.page_size
+        return [pages[i // ps] * ps + i % ps for i in range(start, end)]
+
+    @torch.no_grad()
+    def prefill(self, jobs: list[PrefillJob]) -> torch.Tensor:
+        """K/V of every job's tokens into its pages; logits at each job's last token [J, V]."""
+        packed = pack_sequences([job.tokens for job in jobs])
+        slots = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
+        dev = self.device
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        bounds = packed.cu_seqlens.tolist()
+        layout = PackedLayout(
+            packed.cu_seqlens.to(dev), bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        )
+        cache = self.cache
+
+        def attend(i, q, k, v):
+            store_kv(cache.k[i], cache.v[i], slots_t, k, v)
+            return prefill_attention(q, k, v, layout)
+
+        with self._autocast():
+            hidden = self._hidden(packed.input_ids.to(dev), packed.position_ids.to(dev), attend)
+            last = torch.tensor(bounds[1:], device=dev) - 1
+            return self._logits(hidden.index_select(0, last))
+
+    def _decode_inputs(self, seqs: list[Sequence], rows: int) -> dict[str, torch.Tensor]:
+        """Host tensors of a decode step, padded to `rows` (padded rows: token 0 at position 0,
+        writing to the never-allocated page 0, with no context)."""
+        ps, b = self.page_size, len(seqs)
+        ids = torch.zeros(rows, dtype=torch.int64)
+        pos = torch.zeros(rows, dtype=torch.int64)
+        slots = torch.zeros(rows, dtype=torch.int64)
+        ctx = torch.zeros(rows, dtype=torch.int32)
+        table = torch.zeros(rows, self.max_pages, dtype=torch.int32)
+        ids[:b] = torch.tensor([s.tokens[-1] for s in seqs])
+        pos[:b] = torch.tensor([s.cached for s in seqs])
+        slots[:b] = torch.tensor([s.pages[s.cached // ps] * ps + s.cached % ps for s in seqs])
+        ctx[:b] = pos[:b].to(torch.int32) + 1
+        for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        return {"ids": ids, "pos": pos, "slots": slots, "ctx": ctx, "table": table}
+
+    def _decode_step(self, ids, pos, slots, ctx, table) -> torch.Tensor:
+        cache, ps = self.cache, self.page_size
+
+        def attend(i, q, k, v):
+            store_kv(cache.k[i], cache.v[i], slots, k, v)
+            return paged_decode_attention(q, cache.k[i], cache.v[i], table, ctx, ps)
+
+        with self._autocast():
+            return self._logits(self._hidden(ids, pos, attend))
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence: feeds each last token, caches its K/V, returns logits [B, V]."""
+        b = len(seqs)
+        if self.use_graphs and b <= self.max_batch:
+            if not self.graphs:
+                self.capture()
+            bucket = next(x for x in sorted(self.graphs) if x >= b)
+            host = self._decode_inputs(seqs, bucket)
+            for name, tensor in host.items():
+                self.static[name][:bucket].copy_(tensor, non_blocking=True)
+            graph, logits = self.graphs[bucket]
+            graph.replay()
+            return logits[:b]
+        host = self._decode_inputs(seqs, b)
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+        return self._decode_step(dev["ids"], dev["pos"], dev["slots"], dev["ctx"], dev["table"])
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture a decode graph per bucket (largest first, one shared memory pool)."""
+        dev, n = self.device, self.max_batch
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(n, dtype=torch.int64, device=dev),
+            "slots": torch.zeros(n, dtype=torch.int64, device=dev),
+            "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
+            "table": torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
+        }
+        pool = None
+        for bucket in sorted(graph_buckets(n), reverse=True):
+            args = [self.static[k][:bucket] for k in ("ids", "pos", "slots", "ctx", "table")]
+            self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_step(*args)
+            pool = graph.pool()
+            self.graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.static.clear()

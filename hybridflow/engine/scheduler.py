@@ -1,0 +1,98 @@
+"""Continuous batching: admit prompts while pages and the prefill token budget allow, decode every
+running sequence, free a finished sequence's pages at once, preempt by recompute when pages run out."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.sequence import PrefillJob, Sequence
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, *, max_sequences: int, max_prefill_tokens: int) -> None:
+        self.cache, self.pool, self.page_size = cache, cache.pool, cache.page_size
+        self.max_sequences = max_sequences
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[PrefillJob] = deque()
+        self.running: dict[int, Sequence] = {}  # by seq_id, in admission order
+        self.preemptions = 0
+
+    def add(self, job: PrefillJob) -> None:
+        self.waiting.append(job)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def schedule_prefill(self) -> list[PrefillJob]:
+        """Admit waiting jobs (prefill has priority, as in nano-vllm) and give each its pages; the
+        samples of a prompt share them. Needs room for the prompt plus one page per sample."""
+        jobs: list[PrefillJob] = []
+        tokens = 0
+        while self.waiting:
+            job = self.waiting[0]
+            n, length = len(job.seqs), len(job.tokens)
+            if len(self.running) + n > self.max_sequences:
+                break
+            if jobs and tokens + length > self.max_prefill_tokens:
+                break
+            if self._pages_for(length) + n > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            pages = [self.pool.allocate() for _ in range(self._pages_for(length))]
+            for i, seq in enumerate(job.seqs):
+                if i:
+                    for page in pages:
+                        self.pool.share(page)
+                seq.pages, seq.cached = list(pages), 0
+            self.running.update((s.seq_id, s) for s in job.seqs)
+            jobs.append(job)
+            tokens += length
+        return jobs
+
+    def schedule_decode(self) -> list[Sequence]:
+        """Give every running sequence a writable slot for its next token (a new page at a page
+        boundary, a private copy of a shared last page); preempt the newest sequences if pages run out."""
+        ready: list[Sequence] = []
+        for seq in list(self.running.values()):
+            if seq.seq_id not in self.running:  # preempted below
+                continue
+            while not self._make_room(seq):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                ready.append(seq)
+        return [s for s in ready if s.seq_id in self.running]
+
+    def _make_room(self, seq: Sequence) -> bool:
+        if seq.cached == len(seq.pages) * self.page_size:  # page boundary: a fresh page
+            if not self.pool.num_free:
+                return False
+            seq.pages.append(self.pool.allocate())
+        elif self.pool.refs[seq.pages[-1]] > 1:  # copy-on-write of the shared partial page
+            if not self.pool.num_free:
+                return False
+            page = self.pool.allocate()
+            self.cache.copy_page(seq.pages[-1], page)
+            self.pool.release([seq.pages[-1]])
+            seq.pages[-1] = page
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages; it is prefilled again (prompt + tokens so far) when room returns."""
+        del self.running[seq.seq_id]
+        self.pool.release(seq.pages)
+        seq.pages, seq.cached = [], 0
+        self.waiting.appendleft(PrefillJob([seq]))
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        del self.running[seq.seq_id]
+        self.pool.release(seq.pages)
+        seq.pages = []

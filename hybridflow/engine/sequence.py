@@ -1,0 +1,46 @@
+"""Per-request state of the engine: one `Sequence` per sampled response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt plus the tokens sampled so far, and where its K/V live in the paged cache.
+
+    Invariant while running: the K/V of every token but the last are cached (`cached == len(tokens)
+    - 1`); the next decode step feeds the last token, caches it and samples the following one.
+    """
+
+    seq_id: int
+    prompt_index: int
+    tokens: list[int]  # prompt + generated
+    prompt_len: int
+    seed: int  # key of this sequence's sampling noise (31 bits)
+    pages: list[int] = field(default_factory=list)  # physical page of each logical page
+    cached: int = 0  # tokens whose K/V are in the cache
+    logprobs: list[float] = field(default_factory=list)
+    unscaled_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class PrefillJob:
+    """Sequences that share the same tokens to prefill: the n samples of a fresh prompt (prefilled
+    once; they share its pages and draw their first tokens from the same logits) or one preempted
+    sequence recomputing its K/V."""
+
+    seqs: list[Sequence]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seqs[0].tokens

@@ -1,0 +1,66 @@
+"""The engine's copy of the policy, and in-place weight updates from the trainer.
+
+Matmul weights are kept in the compute dtype (bf16 on GPU) so decode reads half the bytes; the
+embedding and norm weights stay in the trainer's master dtype, and the forward runs under the same
+autocast as the trainer, so both compute the same numbers (autocast rounds the trainer's fp32 matmul
+weights to bf16 exactly as this copy is rounded). A tied LM head gets its own copy in compute dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hybridflow.models.native.model import NativeCausalLM
+
+
+def engine_model(model: NativeCausalLM, device: torch.device, compute_dtype: torch.dtype) -> NativeCausalLM:
+    """A copy of `model` on `device` with matmul weights in `compute_dtype` (built afresh, so the
+    trainer's compiled layers are not carried over)."""
+    master = next(model.parameters()).dtype
+    with torch.device("meta"):
+        out = NativeCausalLM(model.config)
+    out = out.to_empty(device=device).to(master)
+    if model.config.tie_word_embeddings:
+        out.lm_head.weight = out.model.embed_tokens.weight
+    out.load_state_dict(model.state_dict())
+    out.eval().requires_grad_(False)
+    if compute_dtype == master:
+        return out
+    for module in out.modules():
+        if isinstance(module, nn.Linear) and module is not out.lm_head:
+            module.to(compute_dtype)
+    out.lm_head.weight = nn.Parameter(
+        out.lm_head.weight.detach().to(compute_dtype).clone(), requires_grad=False
+    )
+    return out
+
+
+def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
+    """Trainer parameter name -> the engine tensors it fills (two for a tied embedding)."""
+    targets = {name: [p] for name, p in model.named_parameters(remove_duplicate=False)}
+    if model.config.tie_word_embeddings:
+        targets["model.embed_tokens.weight"] = [
+            model.model.embed_tokens.weight,
+            *([model.lm_head.weight] if model.lm_head.weight is not model.model.embed_tokens.weight else []),
+        ]
+        targets.pop("lm_head.weight", None)
+    return targets
+
+
+@torch.no_grad()
+def copy_weights(
+    targets: dict[str, list[torch.Tensor]], named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Copy (and cast) trainer tensors into the engine's tensors in place; returns bytes written.
+    In-place copies keep captured CUDA graphs valid. Unknown names are an error."""
+    written = 0
+    for name, tensor in named_tensors:
+        if name not in targets:
+            raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
+        for dst in targets[name]:
+            if dst.data_ptr() != tensor.data_ptr():
+                dst.copy_(tensor, non_blocking=True)
+                written += dst.numel() * dst.element_size()
+    return written
