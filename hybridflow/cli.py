@@ -40,13 +40,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
     where = args.prompts_file or "--prompt"
     checked = [check_prompt(p, f"{where}: prompt {i}", "prompt") for i, p in enumerate(raw)]
 
-    model, tok = load_causal_lm(args.model, dtype=args.dtype)
+    impl = {"native": "native", "hf": "hf"}.get(args.backend, "auto")
+    if args.backend == "vllm":
+        raise UserError("--backend vllm: vLLM is not supported yet; use native or hf")
+    model, tok = load_causal_lm(args.model, dtype=args.dtype, impl=impl)
     from hybridflow.devices import resolve_device
 
-    model.to(resolve_device(args.device))
+    device = resolve_device(args.device)
+    model.to(device)
     texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
     prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]
-    backend = HFBackend(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    eos = [tok.eos_token_id]
+    if hasattr(model, "hidden_states"):  # our model: the built-in engine
+        from hybridflow.engine import Engine, EngineConfig
+
+        context = max(map(len, prompt_ids)) + args.max_tokens + 1
+        sequences = min(len(prompt_ids) * args.n, 256)
+        config = EngineConfig(
+            max_context_tokens=context,
+            page_size=64 if device.type == "cuda" else 16,
+            kv_cache_tokens=None if device.type == "cuda" else sequences * context,
+        )
+        backend = Engine(model, eos_token_ids=eos, config=config, device=device)
+    else:
+        backend = HFBackend(model, pad_token_id=tok.pad_token_id, eos_token_ids=eos)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -156,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template"
     )
     gen.add_argument("--system-prompt")
-    gen.add_argument("--backend", choices=["hf"], default="hf")
+    gen.add_argument(
+        "--backend",
+        choices=["auto", "native", "hf", "vllm"],
+        default="auto",
+        help="native: the built-in engine (auto picks it for Llama/Mistral/Qwen); hf: transformers generate",
+    )
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     gen.add_argument("--out", help="write completions as jsonl here instead of printing")

@@ -82,8 +82,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
-    """'hf' (transformers generate), 'native' (built-in engine), 'vllm'."""
+    backend: str = "auto"
+    """'native' (the built-in engine: paged KV cache, continuous batching, CUDA graphs), 'hf'
+    (transformers generate, the reference), 'vllm', or 'auto' (native when the policy runs our model)."""
     samples_per_prompt: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -92,12 +93,19 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
+    max_prefill_tokens: int = 16384
+    """Native engine: token budget of one prefill step."""
+    kv_cache_tokens: int | None = None
+    """Native engine: KV pool size in tokens. Default: gpu_memory_utilization of the free GPU memory;
+    on CPU, room for one step's sequences at full length."""
+    cuda_graphs: bool = True
+    """Native engine: replay decode steps as CUDA graphs."""
     val_samples_per_prompt: int = 1
     val_temperature: float = 0.0
     """0 means greedy."""
 
     def __post_init__(self) -> None:
-        _check_choice("rollout", "backend", self.backend, ("hf", "native", "vllm"))
+        _check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
         _check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
         _check_positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:

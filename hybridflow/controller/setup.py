@@ -28,8 +28,6 @@ def check_config(config: Config) -> None:
             raise UserError(
                 f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
             )
-    if config.rollout.backend != "hf":
-        raise UserError(f"rollout.backend={config.rollout.backend!r} is not available yet; use 'hf'")
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
     if per_update is not None and (per_update <= 0 or per_step % per_update):

@@ -23,7 +23,7 @@ from hybridflow.checkpoint import (
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
-from hybridflow.controller.setup import check_config, step_plan, updates_per_step
+from hybridflow.controller.setup import check_config, sequences_per_step, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
 from hybridflow.controller.worker_group import InProcessWorkerGroup
 from hybridflow.data.prompts import load_prompts
@@ -139,19 +139,7 @@ class RLTrainer:
         )
         if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
             self._compile_native_models()
-        # Colocated in one process, the hf rollout backend generates with the transformers model: the
-        # actor's own module, or (native actor) a copy that update_weights refreshes after each update.
-        eos = [self.tokenizer.eos_token_id]
-        self.rollout = InProcessWorkerGroup(
-            Rollout(
-                HFBackend(
-                    hf_model,
-                    pad_token_id=pad,
-                    eos_token_ids=eos,
-                    max_batch_sequences=c.rollout.max_batch_sequences,
-                )
-            )
-        )
+        self.rollout = InProcessWorkerGroup(Rollout(self._rollout_backend(hf_model, model)))
         kl = c.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(kl.kl_coef)
@@ -204,6 +192,8 @@ class RLTrainer:
             with timer("gen"):
                 try:
                     rollouts, scored, metrics = self._generate()
+                    if c.algorithm.adv_estimator != "remax":
+                        self._sleep_rollout()
                 except NonFiniteLogits as e:
                     raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
             mask = pad_ragged([[1.0] * len(r) for r in rollouts.response_ids])  # [B, T]
@@ -244,7 +234,10 @@ class RLTrainer:
                         "actor/reward_kl_penalty_coeff": self.kl_ctl.value,
                     }
                     self.kl_ctl.update(current_kl, n_steps=c.data.prompts_per_step)
-                baselines = self._greedy_baselines(rollouts) if c.algorithm.adv_estimator == "remax" else None
+                baselines = None
+                if c.algorithm.adv_estimator == "remax":
+                    baselines = self._greedy_baselines(rollouts)
+                    self._sleep_rollout()
                 batch.advantages, batch.returns = compute_advantages(
                     c.algorithm,
                     token_rewards=token_rewards,
@@ -348,6 +341,7 @@ class RLTrainer:
         r = self.config.rollout
         params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
         metrics, _ = validate(self.rollout.role, self.reward.role, self.val_prompts, params)
+        self._sleep_rollout()
         return metrics
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
@@ -419,6 +413,65 @@ class RLTrainer:
             )
         return hf_model
 
+    def _rollout_backend(self, hf_model, policy):
+        """The native engine over the actor's model (it shares the weights when device and dtype
+        match, else keeps a copy that update_weights refreshes), or transformers' generate on the
+        transformers model (for a native actor, a copy synced by name after each update)."""
+        from hybridflow.engine import Engine, EngineConfig
+        from hybridflow.models import native
+
+        c, r = self.config, self.config.rollout
+        backend = r.backend
+        if backend == "auto":
+            backend = "native" if isinstance(policy, native.NativeCausalLM) else "hf"
+        eos = [self.tokenizer.eos_token_id]
+        if backend == "vllm":
+            from hybridflow.rollout.vllm import VLLMBackend
+
+            return VLLMBackend.from_trainer(self, policy)
+        if backend == "hf":
+            return HFBackend(
+                hf_model,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_ids=eos,
+                max_batch_sequences=r.max_batch_sequences,
+            )
+        if not isinstance(policy, native.NativeCausalLM):
+            raise UserError(
+                f"rollout.backend=native runs our model, and model type {hf_model.config.model_type!r} "
+                "has none (or model.impl=hf); use rollout.backend=hf"
+            )
+        context = c.data.max_prompt_tokens + c.data.max_response_tokens
+        kv_tokens = r.kv_cache_tokens
+        if kv_tokens is None and self.device.type != "cuda":
+            kv_tokens = min(sequences_per_step(c), r.max_batch_sequences) * context
+        compute = c.actor.compute_dtype
+        if compute == "auto":
+            compute = "bfloat16" if self.device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
+        config = EngineConfig(
+            max_batch_sequences=r.max_batch_sequences,
+            max_prefill_tokens=r.max_prefill_tokens,
+            max_context_tokens=context,
+            page_size=64 if self.device.type == "cuda" else 16,
+            kv_cache_tokens=kv_tokens,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            cuda_graphs=r.cuda_graphs,
+            compute_dtype=compute,
+        )
+        return Engine(policy, eos_token_ids=eos, config=config, device=self.device)
+
+    def _sleep_rollout(self) -> None:
+        """On a GPU, the engine's KV cache is freed while the other roles run."""
+        if self.device.type == "cuda":
+            self.rollout.call("sleep")
+
+    def _policy_for_export(self):
+        """A transformers model holding the actor's current (master) weights."""
+        from hybridflow.models import native
+
+        model = self.actor.role.model
+        return native.to_hf_model(model, self.hf_config) if isinstance(model, native.NativeModule) else model
+
     def _compile_native_models(self) -> None:
         from hybridflow.models import native
 
@@ -451,8 +504,7 @@ class RLTrainer:
 
     def save(self) -> Path:
         actor: Actor = self.actor.role
-        # the rollout's transformers model holds the current weights (synced after every update)
-        policy = self.rollout.role.backend.model
+        policy = self._policy_for_export()
         writers = {"policy": lambda d: save_hf(policy, self.tokenizer, d)}
         optim = {"actor": actor.state_dict()}
         if self.critic is not None:

@@ -7,6 +7,7 @@ Decode attends one query per sequence to its pages: a Triton kernel on CUDA, PyT
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.models.native.model import PackedLayout, packed_causal_attention
 
@@ -33,19 +34,18 @@ def paged_decode_attention_reference(
     page_size: int,
 ) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [S, Hkv, D]; block_table [B, P] int32; context_lens [B] -> [B, Hq, D].
-    Gathers each sequence's pages and runs masked attention (PyTorch; CPU and the kernel's tests)."""
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    Gathers each sequence's pages (only as many as the longest context needs) and runs masked SDPA
+    (PyTorch: the CPU path, and the Triton kernel's reference)."""
+    pages = max(1, -(-int(context_lens.max()) // page_size))
     offsets = torch.arange(page_size, device=q.device)
-    slots = (block_table.long()[:, :, None] * page_size + offsets).flatten(1)  # [B, T]
-    k, v = k_cache[slots], v_cache[slots]  # [B, T, Hkv, D]
+    slots = (block_table[:, :pages].long()[:, :, None] * page_size + offsets).flatten(1)  # [B, T]
+    k = k_cache[slots].transpose(1, 2)  # [B, Hkv, T, D]
+    v = v_cache[slots].transpose(1, 2)
     valid = torch.arange(slots.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [B, T]
-    qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,bthd->bhgt", qg.float(), k.float()) * d**-0.5  # [B, Hkv, G, T]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no context (padding) -> 0
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v.float())  # [B, Hkv, G, D]
-    return out.reshape(b, hq, d).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True
+    )  # [B, Hq, 1, D]; rows with no context (padding) come out NaN
+    return out[:, :, 0].nan_to_num(0.0)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, page_size: int) -> torch.Tensor:

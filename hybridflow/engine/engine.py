@@ -129,7 +129,8 @@ class Engine:
                 for j in range(params.n)
             ]
             seqs += group
-            scheduler.add(PrefillJob(group))
+            for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
+                scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
         stops = set(self.eos_token_ids) | set(params.stop_token_ids)
         start, steps = time.perf_counter(), 0
         while scheduler.has_work:

@@ -14,6 +14,7 @@ from hybridflow.rollout.sampling import SamplingParams, warp_logits
 
 M31 = 0x7FFFFFFF
 MIX = 0x45D9F3B  # small enough that (31-bit value) * MIX stays inside int64
+GUMBEL_SPAN = 20.2  # > max - min of the Gumbel noise from 24-bit uniforms (17.33 + 2.86)
 
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
@@ -26,13 +27,6 @@ def mix31(x: torch.Tensor) -> torch.Tensor:
 def step_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """seeds, steps [B] int64 -> per-row keys [B] of the step's noise."""
     return mix31(mix31(seeds & M31) ^ (steps & M31))
-
-
-def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """keys [B] -> uniforms in (0, 1) [B, V] float32, from the top 24 bits of a hash of (key, j)."""
-    j = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    bits = mix31(keys[:, None] ^ j[None, :]) >> 7  # [B, V] 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 
 def sample(
@@ -57,6 +51,13 @@ def sample_reference(
         lp = unscaled.gather(-1, token[:, None])[:, 0]
         return token, lp, lp
     warped = torch.log_softmax(warp_logits(logits, params), dim=-1)  # [B, V], -inf where removed
-    gumbel = -torch.log(-torch.log(uniform_noise(step_keys(seeds, steps), logits.shape[-1])))
-    token = (warped + gumbel).argmax(dim=-1)  # Gumbel-max: a draw from softmax(warped)
+    # Gumbel-max: a draw from softmax(warped). The noise lies in [-2.86, 17.33] (24-bit uniforms), so
+    # an entry more than GUMBEL_SPAN below its row's best cannot win: hash only the others (exact).
+    rows, cols = (warped >= warped.max(dim=-1, keepdim=True).values - GUMBEL_SPAN).nonzero(as_tuple=True)
+    keys = step_keys(seeds, steps)[rows]  # [K]
+    bits = mix31(keys ^ cols) >> 7
+    gumbel = -torch.log(-torch.log((bits.float() + 0.5) * (1.0 / (1 << 24))))
+    scores = torch.full_like(warped, float("-inf"))
+    scores[rows, cols] = warped[rows, cols] + gumbel
+    token = scores.argmax(dim=-1)
     return token, warped.gather(-1, token[:, None])[:, 0], unscaled.gather(-1, token[:, None])[:, 0]

@@ -1,23 +1,31 @@
-"""The Rollout role: sample responses for prompts through a backend (hf now; native and vllm later)."""
+"""The Rollout role: sample responses for prompts through a backend (the native engine, hf or vllm)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
 from hybridflow.batch import Prompt, Rollouts
-from hybridflow.rollout.hf import HFBackend
-from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.sampling import Generation, SamplingParams
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> object: ...
+    def sleep(self) -> None: ...
+    def wake(self) -> None: ...
 
 
 class Rollout:
     """Generates `params.n` responses per prompt; sequences of one prompt share a group id."""
 
-    def __init__(self, backend: HFBackend) -> None:
+    def __init__(self, backend: RolloutBackend) -> None:
         self.backend = backend
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, *, first_group: int = 0) -> Rollouts:
+        self.backend.wake()  # no-op unless the backend slept to give training its memory
         generations = self.backend.generate([p.token_ids for p in prompts], params)
         return Rollouts(
             prompt_ids=[prompts[g.prompt_index].token_ids for g in generations],
@@ -28,11 +36,14 @@ class Rollout:
             prompts=[prompts[g.prompt_index] for g in generations],
         )
 
-    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy trainer weights into the backend's model in place. When the backend generates with the
-        actor's own module (colocated in one process) there is nothing to copy."""
-        params = dict(self.backend.model.named_parameters())
-        for name, tensor in named_tensors:
-            if params[name].data_ptr() != tensor.data_ptr():
-                params[name].copy_(tensor)
+        """Copy trainer weights into the backend's model in place (nothing to copy when the backend
+        runs the actor's own module)."""
+        self.backend.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        """Free generation-only memory (the engine's KV cache) while the trainer runs."""
+        self.backend.sleep()
+
+    def wake(self) -> None:
+        self.backend.wake()

@@ -51,6 +51,20 @@ class HFBackend:
         self.max_batch_sequences = max_batch_sequences
 
     @torch.no_grad()
+    def update_weights(self, named_tensors) -> None:
+        """Copy tensors into the model by name, in place (skipped when they are the model's own)."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if params[name].data_ptr() != tensor.data_ptr():
+                params[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """Nothing to free: transformers' generate holds no memory between calls."""
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i."""
         if params.seed is not None:

@@ -1,0 +1,233 @@
+"""The rollout engine against transformers' generate and the trainer's log-probs; paging, sharing,
+preemption, stops, reproducible sampling and its distribution."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.sampler import sample_reference
+from hybridflow.engine.scheduler import Scheduler
+from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model, sequence_log_probs
+from hybridflow.models.tiny import FAMILIES
+from hybridflow.rollout.hf import HFBackend
+from hybridflow.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 60)), [250]]
+
+
+def _engine(model, eos=(1,), **config) -> Engine:
+    return Engine(model, eos_token_ids=list(eos), config=EngineConfig(**({"page_size": 4} | config)))
+
+
+def _reference(hf, params, eos=(1,)):
+    return HFBackend(hf, pad_token_id=0, eos_token_ids=list(eos)).generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_transformers_generate(family):
+    hf = tiny_model(family, seed=1)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24)
+    ref = _reference(hf, params)
+    # a stop token that greedy decoding of the first prompt actually reaches, at step 5
+    stop = ref[0].token_ids[5]
+    params.stop_token_ids = [stop]
+    ref = _reference(hf, params)
+    engine = _engine(from_hf_model(hf), max_context_tokens=128)
+    out = engine.generate(PROMPTS, params)
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+    assert [g.finish_reason for g in out] == [g.finish_reason for g in ref]
+    assert out[0].finish_reason == "stop" and out[0].token_ids[-1] == stop
+    for a, b in zip(out, ref):
+        assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_preemption_by_recompute_changes_nothing():
+    hf = tiny_model("llama", seed=2)
+    model = from_hf_model(hf)
+    roomy = _engine(model, max_context_tokens=64)
+    tight = _engine(model, max_context_tokens=64, kv_cache_tokens=80)  # 20 pages of 4 for 8 sequences
+    for params in (
+        SamplingParams(n=2, temperature=0, max_tokens=24),
+        SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=24, seed=11),
+    ):
+        a, b = roomy.generate(PROMPTS, params), tight.generate(PROMPTS, params)
+        assert tight.stats["preemptions"] > 0 and roomy.stats["preemptions"] == 0
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        assert_close(torch.tensor(a[5].logprobs), torch.tensor(b[5].logprobs), atol=1e-5, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_samples_differ():
+    model = from_hf_model(tiny_model("qwen2", seed=3))
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5)
+    a = _engine(model, max_context_tokens=64).generate(PROMPTS, params)
+    b = _engine(model, max_context_tokens=64, max_batch_sequences=3).generate(PROMPTS, params)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]  # whatever shares the batch
+    assert len({tuple(g.token_ids) for g in a[:4]}) > 1  # the n samples of a prompt differ
+    other = _engine(model, max_context_tokens=64).generate(
+        PROMPTS, SamplingParams(n=4, max_tokens=16, seed=6)
+    )
+    assert [g.token_ids for g in a] != [g.token_ids for g in other]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_equal_the_trainers(temperature):
+    """Rollout log-probs of sampled tokens = the trainer's log-probs of the same sequences (fp32)."""
+    model = from_hf_model(tiny_model("qwen3", seed=4))
+    params = SamplingParams(n=3, temperature=temperature, max_tokens=20, seed=1)
+    out = _engine(model, max_context_tokens=64).generate(PROMPTS, params)
+    with torch.no_grad():
+        trainer = sequence_log_probs(model, [PROMPTS[g.prompt_index] + g.token_ids for g in out])
+    for g, lp in zip(out, trainer):
+        ours = torch.tensor(g.unscaled_logprobs)
+        assert_close(ours, lp[len(PROMPTS[g.prompt_index]) - 1 :], atol=1e-5, rtol=0)
+        if temperature == 1.0:
+            assert_close(torch.tensor(g.logprobs), ours, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=1.3, top_k=4),
+        SamplingParams(temperature=0.8, top_p=0.7),
+    ],
+    ids=["t1", "t0.5", "topk", "topp"],
+)
+def test_sampling_frequencies_match_the_distribution(params):
+    """Chi-square over 40,000 draws (one per seed) of an 8-token distribution, p = 0.001."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    draws = 40_000
+    tokens, logp, _ = sample_reference(
+        logits.expand(draws, -1), params, torch.arange(draws), torch.zeros(draws, dtype=torch.long)
+    )
+    from hybridflow.rollout.sampling import warp_logits
+
+    probs = torch.softmax(warp_logits(logits, params), -1)[0]
+    assert_close(logp, probs[tokens].log(), atol=1e-5, rtol=0)
+    counts = torch.bincount(tokens, minlength=8).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0  # top-k / top-p removed tokens are never drawn
+    expected = probs[support].double() * draws
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum().item()
+    critical = {8: 24.32, 4: 16.27, 3: 13.82, 2: 10.83, 1: 10.83}[int(support.sum())]  # df = k - 1
+    assert chi2 < critical, (chi2, counts.tolist(), expected.tolist())
+
+
+def test_prompt_pages_are_shared_then_copied_on_write():
+    cache = KVCache(
+        num_layers=1,
+        num_pages=10,
+        page_size=4,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    cache.k.normal_()
+    scheduler = Scheduler(cache, max_sequences=8, max_prefill_tokens=64)
+    seqs = [Sequence(i, 0, list(range(6)), 6, seed=i) for i in range(3)]
+    scheduler.add(PrefillJob(seqs))
+    (job,) = scheduler.schedule_prefill()
+    assert all(s.pages == seqs[0].pages for s in seqs) and len(seqs[0].pages) == 2
+    assert [cache.pool.refs[p] for p in seqs[0].pages] == [3, 3]
+    for s in seqs:  # prefilled 6 tokens, sampled one each
+        s.cached, s.tokens = 6, s.tokens + [9]
+    scheduler.schedule_decode()
+    full, partial = seqs[0].pages[0], seqs[2].pages[1]
+    assert all(s.pages[0] == full for s in seqs) and cache.pool.refs[full] == 3  # full page still shared
+    lasts = [s.pages[1] for s in seqs]
+    assert len(set(lasts)) == 3 and all(cache.pool.refs[p] == 1 for p in lasts)  # private last pages
+    for p in lasts:
+        assert torch.equal(cache.k[0, p * 4 : p * 4 + 2], cache.k[0, partial * 4 : partial * 4 + 2])
+    for s in seqs:
+        scheduler.finish(s)
+    assert cache.pool.num_free == cache.pool.num_pages and not any(cache.pool.refs)
+
+
+def test_no_page_leaks_across_generate_sleep_wake_and_errors_are_clear():
+    model = from_hf_model(tiny_model("mistral", seed=5))
+    engine = _engine(model, max_context_tokens=64, kv_cache_tokens=120)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=2)
+    first = engine.generate(PROMPTS, params)
+    engine.sleep()
+    assert engine.cache.k is None
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, params)
+    engine.wake()
+    again = engine.generate(PROMPTS, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    pool = engine.cache.pool
+    assert pool.num_free == pool.num_pages and not any(pool.refs)
+    with pytest.raises(UserError, match="prompt 1 has 64 tokens; the engine takes 1 to 63"):
+        engine.generate([[1], [2] * 64], params)
+    with pytest.raises(UserError, match="cannot hold one sequence of max_context_tokens=64"):
+        _engine(model, max_context_tokens=64, kv_cache_tokens=32)
+
+
+def test_max_tokens_and_context_limit_stop_with_length():
+    model = from_hf_model(tiny_model("qwen2", seed=6))
+    out = _engine(model, eos=(), max_context_tokens=40).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=25)
+    )
+    assert [len(g.token_ids) for g in out] == [25, 25, 10, 25]  # the 30-token prompt hits the context limit
+    assert all(g.finish_reason == "length" for g in out)
+
+
+def test_update_weights_copies_into_the_engines_own_weights():
+    """A bf16 engine keeps its own copy; after update_weights it generates what a fresh copy of the
+    updated policy generates."""
+    policy = from_hf_model(tiny_model("qwen2", seed=7))  # tied embeddings
+    engine = _engine(policy, max_context_tokens=64, compute_dtype="bfloat16")
+    assert engine.model is not policy and engine.model.lm_head.weight.dtype == torch.bfloat16
+    assert engine.model.model.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    written = engine.update_weights(policy.named_parameters())
+    assert written > 0
+    fresh = _engine(policy, max_context_tokens=64, compute_dtype="bfloat16")
+    assert [g.token_ids for g in engine.generate(PROMPTS, params)] == [
+        g.token_ids for g in fresh.generate(PROMPTS, params)
+    ]
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))])
+
+
+def test_triton_kernels_match_their_references_in_the_interpreter():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).parent / "scripts" / "triton_kernels_check.py"
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("max abs err") == 6
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_transformers():
+    from hybridflow.models import load_causal_lm
+
+    hf, tok = load_causal_lm("default")
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("What is 17 + 25?", "Name a prime number bigger than 10.", "Hi")
+    ]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24)
+    eos = [tok.eos_token_id]
+    ref = HFBackend(hf, pad_token_id=tok.pad_token_id, eos_token_ids=eos).generate(prompts, params)
+    out = Engine(from_hf_model(hf), eos_token_ids=eos, config=EngineConfig(max_context_tokens=256)).generate(
+        prompts, params
+    )
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
