@@ -1,0 +1,231 @@
+"""Rollout throughput of the built-in engine vs transformers `generate`, in the same run.
+
+    PYTHONPATH=. python bench/rollout.py --shape 0.5b                 # H200: 256 prompts x 8, 512 tokens
+    PYTHONPATH=. python bench/rollout.py --shape 0.5b --heavy-tail    # lengths from ~500 stop tokens
+    PYTHONPATH=. python bench/rollout.py --shape smollm2 --prompts 16 --n 4 --response 64   # this CPU
+
+Random-weight Qwen2.5-shaped models in bf16 (smollm2: the embedded model on CPU, fp32). Prompts of
+128-512 random tokens; responses forced to `--response` tokens (no EOS), or with --heavy-tail a set of
+stop tokens of probability ~1/300 per step (geometric lengths capped at 2048). Also reports the
+update_weights time against a plain copy of the same bytes, the rollout/trainer log-prob gap, and
+where decode time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.models.native import NativeCausalLM, from_hf
+from hybridflow.rollout.sampling import SamplingParams
+
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+}  # fmt: skip
+VOCAB = 151936
+PEAK_FLOPS, PEAK_BW = 790e12, 4.3e12  # H200 bf16 GEMM and copy bandwidth, measured on this machine
+
+
+def hf_config(shape: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen2", vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6, **SHAPES[shape]
+    )
+
+
+def random_model(shape: str, device, dtype) -> NativeCausalLM:
+    config = from_hf(hf_config(shape))
+    with torch.device("meta"):
+        model = NativeCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+def roofline_tokens_per_s(model: NativeCausalLM, avg_context: float) -> float:
+    """Decode ceiling: 2 FLOPs per matmul parameter per token at peak, plus reading the context's KV."""
+    c = model.config
+    matmul_params = sum(
+        p.numel() for n, p in model.named_parameters() if "embed" not in n and "norm" not in n
+    )
+    if c.tie_word_embeddings:
+        matmul_params += c.vocab_size * c.hidden_size
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+    return 1.0 / (2 * matmul_params / PEAK_FLOPS + avg_context * kv_bytes / PEAK_BW)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=[*SHAPES, "smollm2"], default="0.5b")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--response", type=int, default=512)
+    ap.add_argument("--heavy-tail", action="store_true")
+    ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--hf-sequences", type=int, default=256, help="sequences in the transformers run")
+    ap.add_argument("--hf-response", type=int, default=128)
+    ap.add_argument("--no-graphs", action="store_true")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if args.shape == "smollm2":
+        from hybridflow.models import load_causal_lm
+
+        model, _ = load_causal_lm("default", impl="native")
+        vocab = model.config.vocab_size
+    else:
+        model, vocab = random_model(args.shape, device, torch.bfloat16), VOCAB
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(128, 512))] for _ in range(args.prompts)]
+    stops = rng.sample(range(vocab), vocab // 300) if args.heavy_tail else []
+    max_tokens = 2048 if args.heavy_tail else args.response
+    context = 512 + max_tokens + 1
+    config = EngineConfig(
+        max_batch_sequences=args.max_batch,
+        max_context_tokens=context,
+        page_size=64 if cuda else 16,
+        gpu_memory_utilization=0.8,
+        kv_cache_tokens=None if cuda else args.prompts * args.n * context,
+        cuda_graphs=not args.no_graphs,
+    )
+    engine = Engine(model, eos_token_ids=[], config=config, device=device)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, stop_token_ids=stops, seed=0)
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "prompts": args.prompts, "n": args.n, "max_tokens": max_tokens, "heavy_tail": args.heavy_tail,
+              "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch}  # fmt: skip
+
+    start = time.perf_counter()
+    engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture
+    result["warmup_and_capture_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in out)
+    lengths = [len(g.token_ids) for g in out]
+    avg_context = sum(len(prompts[g.prompt_index]) + len(g.token_ids) / 2 for g in out) / len(out)
+    result["native"] = {
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "mean_len": tokens / len(out),
+        "max_len": max(lengths),
+        "steps": engine.stats["steps"],
+        "preemptions": engine.stats["preemptions"],
+    }
+    if cuda:
+        result["native"]["roofline_tokens_per_s"] = roofline_tokens_per_s(engine.model, avg_context)
+        result["native"]["roofline_fraction"] = (
+            result["native"]["tokens_per_s"] / result["native"]["roofline_tokens_per_s"]
+        )
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(result), flush=True)
+
+    # rollout vs trainer log-probs on sampled sequences (the trainer: fp32 master weights, autocast)
+    from hybridflow.roles.forward import packed_response_logprobs
+
+    sample = out[: min(64, len(out))]
+    master = engine.model if not cuda else _fp32_master(engine.model)
+    with torch.no_grad():
+        trainer_lp, _ = packed_response_logprobs(
+            master, [prompts[g.prompt_index] for g in sample], [g.token_ids for g in sample],
+            device=device, compute_dtype="auto",
+        )  # fmt: skip
+    gaps = torch.cat(
+        [
+            (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs)).abs()
+            for i, g in enumerate(sample)
+        ]
+    )
+    result["logprob_gap_vs_trainer"] = {"max": gaps.max().item(), "mean": gaps.mean().item()}
+    del master
+
+    # update_weights: fp32 trainer tensors cast into the engine's weights, vs a copy of the same bytes
+    if cuda:
+        trainer = {n: p.detach().float() for n, p in engine.model.named_parameters()}
+        engine.update_weights(trainer.items())
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        written = engine.update_weights(trainer.items())
+        torch.cuda.synchronize()
+        update_s = time.perf_counter() - start
+        src = torch.empty(written, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        copy_s = time.perf_counter() - start
+        result["update_weights"] = {"bytes": written, "seconds": update_s, "memcpy_seconds": copy_s,
+                                    "ratio": update_s / copy_s}  # fmt: skip
+        del trainer, src, dst
+        engine.sleep()
+        torch.cuda.empty_cache()
+        result["after_sleep_memory_gib"] = torch.cuda.memory_allocated() / 2**30
+        engine.wake()
+
+    # transformers generate on a subset, same model weights
+    result["transformers"] = _hf_generate(engine.model if cuda else model, prompts, args, device, vocab)
+    result["speedup_vs_transformers"] = (
+        result["native"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    )
+    print(json.dumps(result, indent=1), flush=True)
+
+
+def _fp32_master(model: NativeCausalLM) -> NativeCausalLM:
+    with torch.device("meta"):
+        master = NativeCausalLM(model.config)
+    master = master.to_empty(device=next(model.parameters()).device).float()
+    if model.config.tie_word_embeddings:
+        master.lm_head.weight = master.model.embed_tokens.weight
+    master.load_state_dict(model.state_dict())
+    return master.eval()
+
+
+def _hf_generate(model: NativeCausalLM, prompts, args, device, vocab) -> dict:
+    from hybridflow.models.native import to_hf_model
+    from hybridflow.rollout.hf import HFBackend
+
+    hf_conf = hf_config(args.shape) if args.shape != "smollm2" else None
+    if hf_conf is None:
+        from hybridflow.models import load_causal_lm
+
+        hf, _ = load_causal_lm("default", impl="hf")
+    else:
+        hf = to_hf_model(model, hf_conf).to(device, torch.bfloat16)
+    hf.eval()
+    n_prompts = max(1, args.hf_sequences // args.n)
+    backend = HFBackend(hf, pad_token_id=0, eos_token_ids=[vocab + 1], max_batch_sequences=args.hf_sequences)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.hf_response, seed=0)
+    backend.generate(prompts[:1], SamplingParams(n=1, max_tokens=4))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = backend.generate(prompts[:n_prompts], params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in out)
+    return {
+        "sequences": len(out),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
+
+
+if __name__ == "__main__":
+    main()
