@@ -135,6 +135,10 @@ def main() -> None:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(result), flush=True)
 
+    if cuda:  # free the KV pool for the measurements below
+        engine.sleep()
+        torch.cuda.empty_cache()
+        result["after_sleep_memory_gib"] = torch.cuda.memory_allocated() / 2**30
     # rollout vs trainer log-probs on sampled sequences (the trainer: fp32 master weights, autocast)
     from hybridflow.roles.forward import packed_response_logprobs
 
@@ -174,10 +178,7 @@ def main() -> None:
         result["update_weights"] = {"bytes": written, "seconds": update_s, "memcpy_seconds": copy_s,
                                     "ratio": update_s / copy_s}  # fmt: skip
         del trainer, src, dst
-        engine.sleep()
         torch.cuda.empty_cache()
-        result["after_sleep_memory_gib"] = torch.cuda.memory_allocated() / 2**30
-        engine.wake()
 
     # transformers generate on a subset, same model weights
     result["transformers"] = _hf_generate(engine.model if cuda else model, prompts, args, device, vocab)
@@ -198,7 +199,6 @@ def _fp32_master(model: NativeCausalLM) -> NativeCausalLM:
 
 
 def _hf_generate(model: NativeCausalLM, prompts, args, device, vocab) -> dict:
-    from hybridflow.models.native import to_hf_model
     from hybridflow.rollout.hf import HFBackend
 
     hf_conf = hf_config(args.shape) if args.shape != "smollm2" else None
@@ -207,7 +207,11 @@ def _hf_generate(model: NativeCausalLM, prompts, args, device, vocab) -> dict:
 
         hf, _ = load_causal_lm("default", impl="hf")
     else:
-        hf = to_hf_model(model, hf_conf).to(device, torch.bfloat16)
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(hf_conf, dtype=torch.bfloat16)
+        hf.load_state_dict(model.state_dict(), strict=False)  # the same weights
     hf.eval()
     n_prompts = max(1, args.hf_sequences // args.n)
     backend = HFBackend(hf, pad_token_id=0, eos_token_ids=[vocab + 1], max_batch_sequences=args.hf_sequences)

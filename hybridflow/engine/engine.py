@@ -13,7 +13,7 @@ from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampler import sample, step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
-from hybridflow.engine.weights import copy_weights, engine_model, weight_targets
+from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
@@ -59,7 +59,7 @@ class Engine:
             self.compute_dtype = getattr(torch, c.compute_dtype)
         shared = self.device == next(model.parameters()).device and self.compute_dtype == master
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
-        self.targets = weight_targets(self.model)
+        self._update = WeightUpdater(weight_targets(self.model))
         self.eos_token_ids = list(eos_token_ids)
         mc = self.model.config
         kv_dtype = self.compute_dtype
@@ -120,7 +120,10 @@ class Engine:
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         seeds = step_keys(torch.full((total,), base, dtype=torch.int64), torch.arange(total)).tolist()
         scheduler = Scheduler(
-            self.cache, max_sequences=c.max_batch_sequences, max_prefill_tokens=c.max_prefill_tokens
+            self.cache,
+            max_sequences=c.max_batch_sequences,
+            max_prefill_tokens=c.max_prefill_tokens,
+            max_pages_per_sequence=self.runner.max_pages,
         )
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompt_token_ids):
@@ -131,7 +134,7 @@ class Engine:
             seqs += group
             for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
                 scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
-        stops = set(self.eos_token_ids) | set(params.stop_token_ids)
+        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.int64)
         start, steps = time.perf_counter(), 0
         while scheduler.has_work:
             jobs = scheduler.schedule_prefill()
@@ -146,7 +149,8 @@ class Engine:
                 batch = scheduler.schedule_decode()
                 if not batch:
                     raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-                logits = self.runner.decode(batch)  # [B, V]
+                table = scheduler.table[[s.row for s in batch]]  # [B, max_pages]
+                logits = self.runner.decode(batch, table)  # [B, V]
                 for s in batch:
                     s.cached += 1
             self._append(batch, logits, params, stops, scheduler)
@@ -168,30 +172,36 @@ class Engine:
         ]
 
     def _append(self, batch, logits, params, stops, scheduler: Scheduler) -> None:
-        """Sample one token per sequence (one host sync), record it, and retire finished sequences."""
+        """Sample one token per sequence, decide stops on the device, bring both back in one copy,
+        record the tokens and retire finished sequences."""
         dev = logits.device
-        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64, device=dev)
-        steps = torch.tensor([s.num_generated for s in batch], dtype=torch.int64, device=dev)
+        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(dev, non_blocking=True)
+        generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
+        lengths = torch.tensor([len(s.tokens) for s in batch], dtype=torch.int64)
+        steps = generated.to(dev, non_blocking=True)
         tokens, logp, unscaled = sample(logits, params, seeds, steps)
-        host = torch.stack([tokens.double(), logp.double(), unscaled.double()]).cpu()
-        if not torch.isfinite(host[1:]).all():
+        stopped = (
+            torch.isin(tokens, stops.to(dev)) if stops.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        )
+        host = torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()]).cpu()
+        if not torch.isfinite(host[1:3]).all():
             raise NonFiniteLogits("the model produced NaN or inf logits during generation")
-        limit = self.config.max_context_tokens
-        for s, token, lp, ulp in zip(batch, host[0].long().tolist(), host[1].tolist(), host[2].tolist()):
+        length = (generated + 1 >= params.max_tokens) | (lengths + 1 >= self.config.max_context_tokens)
+        token_list, lp_list, ulp_list = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
+        for s, token, lp, ulp, stop, full in zip(
+            batch, token_list, lp_list, ulp_list, host[3].bool().tolist(), length.tolist()
+        ):
             s.tokens.append(token)
             s.logprobs.append(lp)
             s.unscaled_logprobs.append(ulp)
-            if token in stops:
-                s.finish_reason = "stop"
-            elif s.num_generated >= params.max_tokens or len(s.tokens) >= limit:
-                s.finish_reason = "length"
-            if s.finished:
+            if stop or full:
+                s.finish_reason = "stop" if stop else "length"
                 scheduler.finish(s)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
         returns the bytes written (0 when the engine runs the trainer's own module)."""
-        return copy_weights(self.targets, named_tensors)
+        return self._update(named_tensors)
 
     def sleep(self) -> None:
         """Free the KV pool and the captured graphs so that training gets the memory."""

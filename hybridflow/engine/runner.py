@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from hybridflow.batch import pack_sequences
@@ -61,7 +62,8 @@ class Runner:
         return backbone.norm(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()  # [B, V]
+        """[B, V] in the compute dtype: the sampler reads them in float32, as the trainer does."""
+        return self.model.lm_head(hidden)
 
     def _slots(self, pages: list[int], start: int, end: int) -> list[int]:
         ps = self.page_size
@@ -89,22 +91,22 @@ class Runner:
             last = torch.tensor(bounds[1:], device=dev) - 1
             return self._logits(hidden.index_select(0, last))
 
-    def _decode_inputs(self, seqs: list[Sequence], rows: int) -> dict[str, torch.Tensor]:
+    def _decode_inputs(self, seqs: list[Sequence], table: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
         """Host tensors of a decode step, padded to `rows` (padded rows: token 0 at position 0,
-        writing to the never-allocated page 0, with no context)."""
+        writing to the never-allocated page 0, with no context). `table` holds the sequences' page
+        rows [B, max_pages]."""
         ps, b = self.page_size, len(seqs)
-        ids = torch.zeros(rows, dtype=torch.int64)
-        pos = torch.zeros(rows, dtype=torch.int64)
-        slots = torch.zeros(rows, dtype=torch.int64)
-        ctx = torch.zeros(rows, dtype=torch.int32)
-        table = torch.zeros(rows, self.max_pages, dtype=torch.int32)
-        ids[:b] = torch.tensor([s.tokens[-1] for s in seqs])
-        pos[:b] = torch.tensor([s.cached for s in seqs])
-        slots[:b] = torch.tensor([s.pages[s.cached // ps] * ps + s.cached % ps for s in seqs])
-        ctx[:b] = pos[:b].to(torch.int32) + 1
-        for i, s in enumerate(seqs):
-            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        return {"ids": ids, "pos": pos, "slots": slots, "ctx": ctx, "table": table}
+        ids = np.zeros(rows, dtype=np.int64)
+        pos = np.zeros(rows, dtype=np.int64)
+        slots = np.zeros(rows, dtype=np.int64)
+        padded = np.zeros((rows, self.max_pages), dtype=np.int32)
+        ids[:b] = [s.tokens[-1] for s in seqs]
+        pos[:b] = [s.cached for s in seqs]
+        padded[:b] = table
+        slots[:b] = padded[np.arange(b), pos[:b] // ps].astype(np.int64) * ps + pos[:b] % ps
+        ctx = np.where(np.arange(rows) < b, pos + 1, 0).astype(np.int32)
+        host = {"ids": ids, "pos": pos, "slots": slots, "ctx": ctx, "table": padded}
+        return {k: torch.from_numpy(v) for k, v in host.items()}
 
     def _decode_step(self, ids, pos, slots, ctx, table) -> torch.Tensor:
         cache, ps = self.cache, self.page_size
@@ -117,20 +119,21 @@ class Runner:
             return self._logits(self._hidden(ids, pos, attend))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per sequence: feeds each last token, caches its K/V, returns logits [B, V]."""
+    def decode(self, seqs: list[Sequence], table: np.ndarray) -> torch.Tensor:
+        """One token per sequence: feeds each last token, caches its K/V, returns logits [B, V].
+        table [B, max_pages]: the sequences' page-table rows."""
         b = len(seqs)
         if self.use_graphs and b <= self.max_batch:
             if not self.graphs:
                 self.capture()
             bucket = next(x for x in sorted(self.graphs) if x >= b)
-            host = self._decode_inputs(seqs, bucket)
+            host = self._decode_inputs(seqs, table, bucket)
             for name, tensor in host.items():
                 self.static[name][:bucket].copy_(tensor, non_blocking=True)
             graph, logits = self.graphs[bucket]
             graph.replay()
             return logits[:b]
-        host = self._decode_inputs(seqs, b)
+        host = self._decode_inputs(seqs, table, b)
         dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         return self._decode_step(dev["ids"], dev["pos"], dev["slots"], dev["ctx"], dev["table"])
 

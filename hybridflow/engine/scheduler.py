@@ -5,18 +5,34 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.sequence import PrefillJob, Sequence
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, *, max_sequences: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, cache: KVCache, *, max_sequences: int, max_prefill_tokens: int, max_pages_per_sequence: int
+    ) -> None:
         self.cache, self.pool, self.page_size = cache, cache.pool, cache.page_size
         self.max_sequences = max_sequences
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[PrefillJob] = deque()
         self.running: dict[int, Sequence] = {}  # by seq_id, in admission order
         self.preemptions = 0
+        # The page table on the host: one row per running sequence, updated as pages change, so a
+        # decode step gathers its rows in one vectorised copy.
+        self.table = np.zeros((max_sequences, max_pages_per_sequence), dtype=np.int32)
+        self._free_rows = list(range(max_sequences - 1, -1, -1))
+
+    def _assign_row(self, seq: Sequence) -> None:
+        seq.row = self._free_rows.pop()
+        self.table[seq.row, : len(seq.pages)] = seq.pages
+
+    def _release_row(self, seq: Sequence) -> None:
+        self._free_rows.append(seq.row)
+        seq.row = -1
 
     def add(self, job: PrefillJob) -> None:
         self.waiting.append(job)
@@ -49,6 +65,7 @@ class Scheduler:
                     for page in pages:
                         self.pool.share(page)
                 seq.pages, seq.cached = list(pages), 0
+                self._assign_row(seq)
             self.running.update((s.seq_id, s) for s in job.seqs)
             jobs.append(job)
             tokens += length
@@ -58,7 +75,11 @@ class Scheduler:
         """Give every running sequence a writable slot for its next token (a new page at a page
         boundary, a private copy of a shared last page); preempt the newest sequences if pages run out."""
         ready: list[Sequence] = []
+        ps, refs, preempted = self.page_size, self.pool.refs, self.preemptions
         for seq in list(self.running.values()):
+            if seq.cached < len(seq.pages) * ps and refs[seq.pages[-1]] == 1:  # the common case
+                ready.append(seq)
+                continue
             if seq.seq_id not in self.running:  # preempted below
                 continue
             while not self._make_room(seq):
@@ -68,6 +89,8 @@ class Scheduler:
                     break
             else:
                 ready.append(seq)
+        if self.preemptions == preempted:
+            return ready
         return [s for s in ready if s.seq_id in self.running]
 
     def _make_room(self, seq: Sequence) -> bool:
@@ -75,6 +98,7 @@ class Scheduler:
             if not self.pool.num_free:
                 return False
             seq.pages.append(self.pool.allocate())
+            self.table[seq.row, len(seq.pages) - 1] = seq.pages[-1]
         elif self.pool.refs[seq.pages[-1]] > 1:  # copy-on-write of the shared partial page
             if not self.pool.num_free:
                 return False
@@ -82,12 +106,14 @@ class Scheduler:
             self.cache.copy_page(seq.pages[-1], page)
             self.pool.release([seq.pages[-1]])
             seq.pages[-1] = page
+            self.table[seq.row, len(seq.pages) - 1] = page
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages; it is prefilled again (prompt + tokens so far) when room returns."""
         del self.running[seq.seq_id]
         self.pool.release(seq.pages)
+        self._release_row(seq)
         seq.pages, seq.cached = [], 0
         self.waiting.appendleft(PrefillJob([seq]))
         self.preemptions += 1
@@ -95,4 +121,5 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.seq_id]
         self.pool.release(seq.pages)
+        self._release_row(seq)
         seq.pages = []

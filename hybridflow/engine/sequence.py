@@ -19,6 +19,7 @@ class Sequence:
     prompt_len: int
     seed: int  # key of this sequence's sampling noise (31 bits)
     pages: list[int] = field(default_factory=list)  # physical page of each logical page
+    row: int = -1  # this sequence's row in the scheduler's page table while running
     cached: int = 0  # tokens whose K/V are in the cache
     logprobs: list[float] = field(default_factory=list)
     unscaled_logprobs: list[float] = field(default_factory=list)

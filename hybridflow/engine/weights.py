@@ -49,18 +49,43 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
     return targets
 
 
-@torch.no_grad()
-def copy_weights(
-    targets: dict[str, list[torch.Tensor]], named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> int:
-    """Copy (and cast) trainer tensors into the engine's tensors in place; returns bytes written.
-    In-place copies keep captured CUDA graphs valid. Unknown names are an error."""
-    written = 0
-    for name, tensor in named_tensors:
-        if name not in targets:
-            raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
-        for dst in targets[name]:
-            if dst.data_ptr() != tensor.data_ptr():
-                dst.copy_(tensor, non_blocking=True)
-                written += dst.numel() * dst.element_size()
-    return written
+class WeightUpdater:
+    """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
+    graphs stay valid. On CUDA the copies of a repeated call (same tensors at the same addresses, as
+    a trainer's parameters are) are captured once and replayed as one graph: hundreds of small
+    copies cost one launch."""
+
+    def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
+        self.targets = targets
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple | None = None
+        self._sources: list[torch.Tensor] = []  # kept alive: the graph reads their addresses
+
+    @torch.no_grad()
+    def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Returns the bytes written (0 where a source is the engine's own tensor)."""
+        pairs = list(named_tensors)
+        for name, _ in pairs:
+            if name not in self.targets:
+                raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
+        copies = [
+            (dst, src)
+            for name, src in pairs
+            for dst in self.targets[name]
+            if dst.data_ptr() != src.data_ptr()
+        ]
+        written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+        key = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in pairs)
+        if self._graph is not None and key == self._key:
+            self._graph.replay()
+            return written
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        if copies and all(d.is_cuda and s.is_cuda for d, s in copies):
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for dst, src in copies:
+                    dst.copy_(src)
+            self._graph, self._key, self._sources = graph, key, [t for _, t in pairs]
+        return written

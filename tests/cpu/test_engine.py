@@ -130,7 +130,7 @@ def test_prompt_pages_are_shared_then_copied_on_write():
         device=torch.device("cpu"),
     )
     cache.k.normal_()
-    scheduler = Scheduler(cache, max_sequences=8, max_prefill_tokens=64)
+    scheduler = Scheduler(cache, max_sequences=8, max_prefill_tokens=64, max_pages_per_sequence=4)
     seqs = [Sequence(i, 0, list(range(6)), 6, seed=i) for i in range(3)]
     scheduler.add(PrefillJob(seqs))
     (job,) = scheduler.schedule_prefill()
@@ -145,6 +145,7 @@ def test_prompt_pages_are_shared_then_copied_on_write():
     assert len(set(lasts)) == 3 and all(cache.pool.refs[p] == 1 for p in lasts)  # private last pages
     for p in lasts:
         assert torch.equal(cache.k[0, p * 4 : p * 4 + 2], cache.k[0, partial * 4 : partial * 4 + 2])
+    assert [scheduler.table[s.row, :2].tolist() for s in seqs] == [s.pages for s in seqs]  # host page table
     for s in seqs:
         scheduler.finish(s)
     assert cache.pool.num_free == cache.pool.num_pages and not any(cache.pool.refs)
