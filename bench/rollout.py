@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--hf-sequences", type=int, default=256, help="sequences in the transformers run")
     ap.add_argument("--hf-response", type=int, default=128)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="GPU kernel time by category")
     args = ap.parse_args()
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
@@ -180,12 +181,55 @@ def main() -> None:
         del trainer, src, dst
         torch.cuda.empty_cache()
 
+    if cuda and args.profile:
+        engine.wake()
+        result["decode_time_breakdown"] = _profile(engine, prompts[: max(1, 1024 // args.n)], args.n)
+        engine.sleep()
+        torch.cuda.empty_cache()
     # transformers generate on a subset, same model weights
     result["transformers"] = _hf_generate(engine.model if cuda else model, prompts, args, device, vocab)
     result["speedup_vs_transformers"] = (
         result["native"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     )
     print(json.dumps(result, indent=1), flush=True)
+
+
+CATEGORIES = {
+    "attention (decode, Triton)": ("paged_decode",),
+    "attention (prefill)": ("flash", "fmha", "varlen"),
+    "sampling (Triton)": ("_sample_kernel",),
+    "GEMM": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90"),
+}
+
+
+def _profile(engine: Engine, prompts, n: int) -> dict:
+    """GPU kernel time by category over one generate call (1,024 sequences, 128 tokens), against
+    its wall time; what the GPU does not account for is host time (scheduling, Python, syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=128, seed=3)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    times: dict[str, float] = dict.fromkeys([*CATEGORIES, "other kernels (norms, RoPE, copies, ...)"], 0.0)
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(event, "device_time_total", 0.0)
+        name = event.key.lower()
+        category = next((c for c, keys in CATEGORIES.items() if any(k.lower() in name for k in keys)), None)
+        times[category or "other kernels (norms, RoPE, copies, ...)"] += us / 1e6
+    gpu = sum(times.values())
+    out = {k: round(v, 4) for k, v in times.items()}
+    out |= {
+        "gpu_busy_s": round(gpu, 4),
+        "wall_s": round(wall, 4),
+        "host_or_idle_s": round(max(wall - gpu, 0.0), 4),
+    }
+    return out
 
 
 def _fp32_master(model: NativeCausalLM) -> NativeCausalLM:

@@ -51,9 +51,9 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
 
 class WeightUpdater:
     """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
-    graphs stay valid. On CUDA the copies of a repeated call (same tensors at the same addresses, as
-    a trainer's parameters are) are captured once and replayed as one graph: hundreds of small
-    copies cost one launch."""
+    graphs stay valid. On CUDA the copies run as multi-tensor copies (one per dtype pair), and a
+    repeated call (same tensors at the same addresses, as a trainer's parameters are) replays them
+    as a captured graph."""
 
     def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
         self.targets = targets
@@ -79,13 +79,21 @@ class WeightUpdater:
         if self._graph is not None and key == self._key:
             self._graph.replay()
             return written
+        if not (copies and all(d.is_cuda and s.is_cuda for d, s in copies)):
+            for dst, src in copies:
+                dst.copy_(src)
+            return written
+        groups: dict[tuple, tuple[list, list]] = {}  # one multi-tensor copy per (dst, src) dtype pair
         for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
-        if copies and all(d.is_cuda and s.is_cuda for d, s in copies):
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for dst, src in copies:
-                    dst.copy_(src)
-            self._graph, self._key, self._sources = graph, key, [t for _, t in pairs]
+            dsts, srcs = groups.setdefault((dst.dtype, src.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for dsts, srcs in groups.values():
+                torch._foreach_copy_(dsts, srcs)
+        self._graph, self._key, self._sources = graph, key, [t for _, t in pairs]
         return written
