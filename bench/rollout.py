@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--hf-sequences", type=int, default=256, help="sequences in the transformers run")
     ap.add_argument("--hf-response", type=int, default=128)
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="GPU kernel time by category")
+    ap.add_argument("--profile", action="store_true", help="where a decode step's time goes")
     args = ap.parse_args()
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
@@ -183,7 +183,10 @@ def main() -> None:
 
     if cuda and args.profile:
         engine.wake()
-        result["decode_time_breakdown"] = _profile(engine, prompts[: max(1, 1024 // args.n)], args.n)
+        step_s = seconds / result["native"]["steps"]
+        result["decode_breakdown"] = _breakdown(
+            engine, min(args.max_batch, args.prompts * args.n), 576, step_s
+        )
         engine.sleep()
         torch.cuda.empty_cache()
     # transformers generate on a subset, same model weights
@@ -194,42 +197,61 @@ def main() -> None:
     print(json.dumps(result, indent=1), flush=True)
 
 
-CATEGORIES = {
-    "attention (decode, Triton)": ("paged_decode",),
-    "attention (prefill)": ("flash", "fmha", "varlen"),
-    "sampling (Triton)": ("_sample_kernel",),
-    "GEMM": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90"),
-}
-
-
-def _profile(engine: Engine, prompts, n: int) -> dict:
-    """GPU kernel time by category over one generate call (1,024 sequences, 128 tokens), against
-    its wall time; what the GPU does not account for is host time (scheduling, Python, syncs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=128, seed=3)
+def _timed(fn, repeat: int = 20) -> float:
+    fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    times: dict[str, float] = dict.fromkeys([*CATEGORIES, "other kernels (norms, RoPE, copies, ...)"], 0.0)
-    for event in prof.key_averages():
-        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        us = getattr(event, "device_time_total", 0.0)
-        name = event.key.lower()
-        category = next((c for c, keys in CATEGORIES.items() if any(k.lower() in name for k in keys)), None)
-        times[category or "other kernels (norms, RoPE, copies, ...)"] += us / 1e6
-    gpu = sum(times.values())
-    out = {k: round(v, 4) for k, v in times.items()}
-    out |= {
-        "gpu_busy_s": round(gpu, 4),
-        "wall_s": round(wall, 4),
-        "host_or_idle_s": round(max(wall - gpu, 0.0), 4),
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def _breakdown(engine: Engine, batch: int, context: int, step_s: float) -> dict:
+    """Where a decode step's time goes at `batch` sequences of `context` tokens: the captured decode
+    graph (GEMMs + attention + the rest), the Triton attention kernel alone (all layers), the
+    sampler, and host time (the engine's measured step time minus the GPU parts)."""
+    from hybridflow.engine.sampler import step_keys
+    from hybridflow.engine.triton_decode import paged_decode_attention_triton
+    from hybridflow.engine.triton_sampler import sample_triton
+
+    runner, c = engine.runner, engine.model.config
+    pages = -(-context // runner.page_size)
+    table = (
+        torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+        % (engine.num_pages - 1)
+        + 1
+    )
+    runner._capture(batch)
+    st = runner.static
+    st["ids"][:batch].random_(0, c.vocab_size)
+    st["pos"][:batch] = context - 1
+    st["ctx"][:batch] = context
+    st["table"][:batch, :pages] = table
+    st["slots"][:batch] = table[:, -1].long() * runner.page_size
+    graph, logits = runner.graphs[batch]
+    graph_s = _timed(graph.replay)
+    q = torch.randn(batch, c.num_attention_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = engine.cache.k[0], engine.cache.v[0]
+    attn_s = c.num_hidden_layers * _timed(
+        lambda: paged_decode_attention_triton(
+            q, k, v, st["table"][:batch], st["ctx"][:batch], runner.page_size
+        )
+    )
+    keys = step_keys(torch.arange(batch, device="cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda"))
+    sample_s = _timed(lambda: sample_triton(logits[:batch], 1.0, keys))
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * batch * context
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": step_s * 1e3,
+        "decode_graph_ms": graph_s * 1e3,
+        "attention_ms": attn_s * 1e3,
+        "attention_tb_per_s": kv_bytes / attn_s / 1e12,
+        "gemm_and_rest_ms": (graph_s - attn_s) * 1e3,
+        "sampling_ms": sample_s * 1e3,
+        "host_ms": max(step_s - graph_s - sample_s, 0.0) * 1e3,
     }
-    return out
 
 
 def _fp32_master(model: NativeCausalLM) -> NativeCausalLM:

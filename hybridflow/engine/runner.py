@@ -18,9 +18,10 @@ from hybridflow.models.native.rope import rope_cos_sin
 
 
 def graph_buckets(max_batch: int) -> list[int]:
-    """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16 up to max_batch."""
-    small = [b for b in (1, 2, 4, 8) if b < max_batch]
-    return sorted(set(small + list(range(16, max_batch, 16)) + [max_batch]))
+    """Batch sizes with a decode graph: powers of two to 64, then every 64 up to max_batch (a batch
+    runs in the smallest bucket that holds it; padding is at most 63 rows)."""
+    small = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch]
+    return sorted(set(small + list(range(128, max_batch, 64)) + [max_batch]))
 
 
 class Runner:
@@ -43,8 +44,10 @@ class Runner:
         positions = torch.arange(self.max_pages * self.page_size, device=self.device)
         self.cos, self.sin = rope_cos_sin(model.config, positions, embed_dtype)  # [T, D], as the trainer
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.buckets = graph_buckets(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
+        self._graph_pool = None
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -124,9 +127,9 @@ class Runner:
         table [B, max_pages]: the sequences' page-table rows."""
         b = len(seqs)
         if self.use_graphs and b <= self.max_batch:
-            if not self.graphs:
-                self.capture()
-            bucket = next(x for x in sorted(self.graphs) if x >= b)
+            bucket = next(x for x in self.buckets if x >= b)
+            if bucket not in self.graphs:
+                self._capture(bucket)
             host = self._decode_inputs(seqs, table, bucket)
             for name, tensor in host.items():
                 self.static[name][:bucket].copy_(tensor, non_blocking=True)
@@ -138,28 +141,29 @@ class Runner:
         return self._decode_step(dev["ids"], dev["pos"], dev["slots"], dev["ctx"], dev["table"])
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Capture a decode graph per bucket (largest first, one shared memory pool)."""
+    def _capture(self, bucket: int) -> None:
+        """Capture the decode graph of one bucket, when a batch first needs it (after a wake the KV
+        pool is new, so only the buckets in use are captured again). Graphs share one memory pool:
+        they never run concurrently and each output is consumed before the next replay."""
         dev, n = self.device, self.max_batch
-        self.static = {
-            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(n, dtype=torch.int64, device=dev),
-            "slots": torch.zeros(n, dtype=torch.int64, device=dev),
-            "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
-            "table": torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
-        }
-        pool = None
-        for bucket in sorted(graph_buckets(n), reverse=True):
-            args = [self.static[k][:bucket] for k in ("ids", "pos", "slots", "ctx", "table")]
-            self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_step(*args)
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
+        if not self.static:
+            self.static = {
+                "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+                "pos": torch.zeros(n, dtype=torch.int64, device=dev),
+                "slots": torch.zeros(n, dtype=torch.int64, device=dev),
+                "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
+                "table": torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
+            }
+        args = [self.static[k][:bucket] for k in ("ids", "pos", "slots", "ctx", "table")]
+        self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._decode_step(*args)
+        self._graph_pool = graph.pool()
+        self.graphs[bucket] = (graph, logits)
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
         self.static.clear()
+        self._graph_pool = None
