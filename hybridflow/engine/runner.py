@@ -154,6 +154,8 @@ class Runner:
                 "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
                 "table": torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
             }
+        for tensor in self.static.values():  # the warm-up below writes to the scratch page 0 only,
+            tensor.zero_()  # never to a page that a live sequence owns
         args = [self.static[k][:bucket] for k in ("ids", "pos", "slots", "ctx", "table")]
         self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
         torch.cuda.synchronize()

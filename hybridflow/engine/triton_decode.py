@@ -50,22 +50,22 @@ def _paged_decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     s_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for i in range(PAGES_PER_SPLIT):
-        logical = split * PAGES_PER_SPLIT + i
-        first = logical * PAGE
-        if first < ctx:
-            page = tl.load(table_ptr + b * stride_tb + logical).to(tl.int64)
-            slots = page * PAGE + offs  # [PAGE]
-            k = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dims[None, :])  # [PAGE, D]
-            v = tl.load(v_ptr + slots[:, None] * stride_ks + h * stride_kh + dims[None, :])
-            scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, PAGE]
-            scores = tl.where((first + offs < ctx)[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            s_sum = s_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+    # this split's pages that hold context: a loop with run-time bounds, which Triton pipelines
+    first_page = split * PAGES_PER_SPLIT
+    last_page = tl.minimum(first_page + PAGES_PER_SPLIT, tl.cdiv(ctx, PAGE))
+    for logical in range(first_page, last_page):
+        page = tl.load(table_ptr + b * stride_tb + logical).to(tl.int64)
+        slots = page * PAGE + offs  # [PAGE]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dims[None, :])  # [PAGE, D]
+        v = tl.load(v_ptr + slots[:, None] * stride_ks + h * stride_kh + dims[None, :])
+        scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, PAGE]
+        scores = tl.where((logical * PAGE + offs < ctx)[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
     base = ((b * num_kv_heads + h) * SPLITS + split) * G_PAD
     tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
     tl.store(stat_ptr + base + rows, m)
