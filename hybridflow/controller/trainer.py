@@ -382,7 +382,7 @@ class RLTrainer:
     # ---- checkpoints ----------------------------------------------------------------------------
     def _refuse_foreign_run_dir(self, overwrite: bool) -> None:
         """Never write into a directory holding something other than this run's own files."""
-        ours = {"checkpoints", "metrics.jsonl"}
+        ours = {"checkpoints", "metrics.jsonl", "rollout_start_policy"}
         if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
             raise UserError(
                 f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
@@ -428,7 +428,16 @@ class RLTrainer:
         if backend == "vllm":
             from hybridflow.rollout.vllm import VLLMBackend
 
-            return VLLMBackend.from_trainer(self, policy)
+            start = self.run_dir / "rollout_start_policy"  # the starting weights, as a directory vLLM loads
+            save_hf(hf_model, self.tokenizer, start, overwrite=True)
+            return VLLMBackend(
+                str(start),
+                eos_token_ids=eos,
+                max_model_len=c.data.max_prompt_tokens + c.data.max_response_tokens,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                dtype="bfloat16" if self.device.type == "cuda" else "float32",
+                seed=c.trainer.seed,
+            )
         if backend == "hf":
             return HFBackend(
                 hf_model,

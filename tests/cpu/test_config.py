@@ -67,7 +67,7 @@ def test_every_alias_targets_a_real_key():
             "config actor.optim.lr: Value 'abc' of type 'str' could not be converted to Float",
         ),
         ("data.prompts_per_step=many", "config data.prompts_per_step"),
-        ("rollout.backend=sglang", "rollout.backend='sglang' is not one of hf, native, vllm"),
+        ("rollout.backend=sglang", "rollout.backend='sglang' is not one of auto, native, hf, vllm"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0 must be > 0"),
         ("novalue", "must look like key=value"),
     ],
