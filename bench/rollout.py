@@ -217,9 +217,16 @@ def _vllm_generate(prompts, args, max_tokens: int) -> dict:
     backend = VLLMBackend(
         str(default_model_dir()), eos_token_ids=[], max_model_len=512 + max_tokens + 1, dtype="float32"
     )
+    return _timed_generate(backend, prompts, SamplingParams(n=args.n, max_tokens=max_tokens, seed=0))
+
+
+def _timed_generate(backend, prompts, params: SamplingParams) -> dict:
+    """Output tokens/s of one generate call, after a short warm-up call."""
     backend.generate(prompts[:1], SamplingParams(n=1, max_tokens=4))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    out = backend.generate(prompts, SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, seed=0))
+    out = backend.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in out)
     return {
@@ -315,19 +322,7 @@ def _hf_generate(model: NativeCausalLM, prompts, args, device, vocab) -> dict:
     n_prompts = max(1, args.hf_sequences // args.n)
     backend = HFBackend(hf, pad_token_id=0, eos_token_ids=[vocab + 1], max_batch_sequences=args.hf_sequences)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.hf_response, seed=0)
-    backend.generate(prompts[:1], SamplingParams(n=1, max_tokens=4))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = backend.generate(prompts[:n_prompts], params)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(g.token_ids) for g in out)
-    return {
-        "sequences": len(out),
-        "output_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-    }
+    return _timed_generate(backend, prompts[:n_prompts], params)
 
 
 if __name__ == "__main__":

