@@ -1,0 +1,86 @@
+"""The Ray worker group on CPU: two workers in one gloo process group, batches split by rank and
+gathered back in order, worker errors surfacing with rank and traceback."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need this module's classes
+
+from hybridflow.controller.ray_worker_group import RayWorkerGroup, WorkerError  # noqa: E402
+
+
+class Rows(list):
+    def select(self, rows):
+        return Rows(self[i] for i in rows)
+
+
+class Role:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def rank_sum(self) -> float:
+        t = torch.tensor([float(self.rank + 1)])
+        torch.distributed.all_reduce(t)  # across the workers' gloo group
+        return t.item()
+
+    def squares(self, shard: Rows) -> torch.Tensor:
+        return torch.tensor([float(x * x) for x in shard])
+
+    def shard_sizes(self, shard: Rows) -> int:
+        return len(shard)
+
+    def die_on_rank_one(self) -> int:
+        if self.rank == 1:
+            os._exit(1)  # the worker process disappears
+        return self.rank
+
+    def fail_on_rank_one(self) -> int:
+        if self.rank == 1:
+            raise ValueError("a bad row, on purpose")
+        return self.rank
+
+
+@pytest.fixture(scope="module")
+def group():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    g = RayWorkerGroup(Role, num_workers=2)
+    yield g
+    g.shutdown()
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_workers_form_one_process_group(group):
+    assert group.call("rank_sum") == [3.0, 3.0]  # 1 + 2 on both ranks
+
+
+@pytest.mark.slow
+def test_split_balances_by_length_and_gathers_in_order(group):
+    batch = Rows(range(10))
+    lengths = [4000, 10, 10, 10, 10, 10, 10, 10, 10, 3000]
+    assert torch.equal(
+        group.call_split("squares", batch, lengths), torch.tensor([float(i * i) for i in range(10)])
+    )
+    sizes = group.call_split("shard_sizes", batch, lengths)
+    # work = L + L^2/4096: the 4000-token row (7,906) alone; the 3000-token row (5,197) and the eight
+    # short ones together still weigh less
+    assert sorted(sizes) == [1, 9]
+
+
+@pytest.mark.slow
+def test_worker_error_names_rank_and_traceback(group):
+    with pytest.raises(WorkerError) as err:
+        group.call("fail_on_rank_one")
+    message = str(err.value)
+    assert "worker rank 1 raised" in message and "ValueError: a bad row, on purpose" in message
+    assert "fail_on_rank_one" in message  # the worker's traceback
+
+
+@pytest.mark.slow
+def test_a_dead_worker_stops_the_run_with_its_rank(group):  # last: it breaks the group
+    with pytest.raises(WorkerError, match="worker rank 1 died .*resume from the last checkpoint"):
+        group.call("die_on_rank_one")
