@@ -46,7 +46,7 @@ class Role:
 
 @pytest.fixture(scope="module")
 def group():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # logical slots: 2 groups of 2
     g = RayWorkerGroup(Role, num_workers=2)
     yield g
     g.shutdown()
@@ -78,6 +78,56 @@ def test_worker_error_names_rank_and_traceback(group):
     message = str(err.value)
     assert "worker rank 1 raised" in message and "ValueError: a bad row, on purpose" in message
     assert "fail_on_rank_one" in message  # the worker's traceback
+
+
+class FSDPRole:
+    """A tiny native model sharded with FSDP2 over the workers' gloo group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hybridflow.models import tiny_model
+        from hybridflow.models.native import from_hf_model
+        from hybridflow.parallel import apply_fsdp
+
+        self.model = apply_fsdp(
+            from_hf_model(tiny_model("qwen2", seed=3)).train(), init_device_mesh("cpu", (world_size,))
+        )
+
+    def gradients(self, shard: Rows, global_tokens: int) -> dict:
+        return _loss_gradients(self.model, shard, global_tokens)
+
+
+def _loss_gradients(model, sequences, global_tokens: int) -> dict:
+    """-(sum of next-token log-probs) / global token count, backward; full gradients by name."""
+    from hybridflow.models.native import sequence_log_probs
+    from hybridflow.parallel import data_parallel_scale
+
+    model.zero_grad()
+    loss = -sum(lp.sum() for lp in sequence_log_probs(model, list(sequences))) / global_tokens
+    (loss * data_parallel_scale()).backward()
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_workers_gives_the_single_process_gradients(group):
+    from hybridflow.models import tiny_model
+    from hybridflow.models.native import from_hf_model
+
+    sequences = Rows([[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 70)), [7, 7, 8, 9, 250, 1, 2]])
+    tokens = sum(len(s) - 1 for s in sequences)
+    fsdp = RayWorkerGroup(FSDPRole, num_workers=2)
+    try:
+        per_rank = fsdp.call_split("gradients", sequences, [len(s) for s in sequences], global_tokens=tokens)
+    finally:
+        fsdp.shutdown()
+    reference = _loss_gradients(from_hf_model(tiny_model("qwen2", seed=3)).train(), sequences, tokens)
+    for grads in per_rank:  # every rank holds the same full gradient
+        for name, g in reference.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.slow
