@@ -130,6 +130,64 @@ def test_fsdp_over_two_workers_gives_the_single_process_gradients(group):
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
+class TrainerRole(FSDPRole):
+    """One AdamW step of the sharded model, sharded checkpoints, and full weights for comparison."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def step(self, shard: Rows, global_tokens: int) -> None:
+        _loss_gradients(self.model, shard, global_tokens)
+        self.optimizer.step()
+
+    def save(self, path: str) -> None:
+        from hybridflow.parallel.checkpoint import save_sharded
+
+        save_sharded(self.model, self.optimizer, path)
+
+    def load(self, path: str) -> None:
+        from hybridflow.parallel.checkpoint import load_sharded
+
+        load_sharded(self.model, self.optimizer, path)
+
+    def full_weights(self) -> dict:
+        return {n: p.full_tensor().clone() for n, p in self.model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_saved_on_two_ranks_resumes_in_one_and_back(tmp_path):
+    from hybridflow.models import tiny_model
+    from hybridflow.models.native import from_hf_model
+    from hybridflow.parallel.checkpoint import load_sharded, save_sharded
+
+    sequences = Rows([[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 70)), [7, 7, 8, 9, 250, 1, 2]])
+    tokens, lengths = sum(len(s) - 1 for s in sequences), [len(s) for s in sequences]
+    two = RayWorkerGroup(TrainerRole, num_workers=2)
+    try:
+        two.call_split("step", sequences, lengths, global_tokens=tokens)
+        two.call("save", str(tmp_path / "two"))
+        trained = two.call("full_weights")[0]
+        # one process: load the 2-rank checkpoint, take a second step, save
+        single = from_hf_model(tiny_model("qwen2", seed=3)).train()
+        optimizer = torch.optim.AdamW(single.parameters(), lr=1e-2)
+        _loss_gradients(single, sequences, tokens)
+        optimizer.step()  # creates the optimizer state that the load fills
+        load_sharded(single, optimizer, tmp_path / "two")
+        for name, p in single.named_parameters():
+            torch.testing.assert_close(p.detach(), trained[name], atol=0, rtol=0, msg=name)
+        _loss_gradients(single, sequences, tokens)
+        optimizer.step()
+        save_sharded(single, optimizer, tmp_path / "one")
+        # back on two ranks: the second step taken in one process, loaded from its checkpoint
+        two.call("load", str(tmp_path / "one"))
+        resumed = two.call("full_weights")[0]
+    finally:
+        two.shutdown()
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(resumed[name], p.detach(), atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.slow
 def test_a_dead_worker_stops_the_run_with_its_rank(group):  # last: it breaks the group
     with pytest.raises(WorkerError, match="worker rank 1 died .*resume from the last checkpoint"):
