@@ -69,11 +69,14 @@ class RayWorkerGroup:
         num_workers: int,
         gpus: bool = False,
         ray_address: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
+        """`timeout_s` bounds every call (None: wait as long as the work takes)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.timeout_s = timeout_s
         if not ray.is_initialized():
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
@@ -101,7 +104,12 @@ class RayWorkerGroup:
         import ray
 
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerError(
+                f"the workers did not finish within {self.timeout_s} s (a collective that some rank "
+                "never reached?)"
+            ) from e
         except ray.exceptions.RayActorError as e:
             rank = next((i for i, r in enumerate(refs) if _failed(r)), "?")
             raise WorkerError(

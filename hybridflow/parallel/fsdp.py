@@ -4,7 +4,7 @@ runs, freed after), the embedding, final norm and LM head sit in the root unit.
 FSDP2 averages gradients over ranks (a plain sum needs PREMUL_SUM, which gloo lacks). Every loss in
 hybridflow divides by explicit global token / sequence counts (DESIGN principle 4), so a rank's loss
 is its share of the global loss and the single-process gradient is the *sum* over ranks: each rank
-multiplies its loss by `data_parallel_scale()` before backward."""
+multiplies its loss by `collectives.data_parallel_scale()` before backward."""
 
 from __future__ import annotations
 
@@ -44,9 +44,3 @@ def apply_fsdp(
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
     return model
-
-
-def data_parallel_scale() -> int:
-    """What a rank multiplies its globally-normalised loss by, so that FSDP2's mean over ranks is the
-    single-process gradient: the number of ranks (1 without torch.distributed)."""
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

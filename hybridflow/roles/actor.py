@@ -13,6 +13,7 @@ from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
+from hybridflow.parallel.collectives import data_parallel_scale, max_over_ranks, sum_over_ranks
 from hybridflow.roles.forward import microbatches, policy_logprobs
 
 
@@ -128,12 +129,16 @@ class Actor:
     def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
         cfg = self.config
         mask = mb.response_mask
-        tokens, seqs = count_tokens(mask), count_sequences(mask)
+        # Under data parallelism `mb` is this rank's share: the denominators count the whole mini-batch
+        tokens, seqs = (int(x) for x in sum_over_ranks([count_tokens(mask), count_sequences(mask)]))
         lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
         sums: dict[str, float] = defaultdict(float)
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch):
-            micro = mb.select(rows)
+        plan = microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch)
+        # every rank runs as many micro-batches (FSDP gathers per forward); extra ones count zero
+        for i in range(max_over_ranks(len(plan))):
+            padding = i >= len(plan)
+            micro = mb.select(plan[0] if padding else plan[i])
             share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages
             logp, entropy = self._forward(micro, with_entropy=True, entropy_grad=bool(cfg.entropy_coeff))
             m = micro.response_mask.to(logp.device)
@@ -141,7 +146,7 @@ class Actor:
                 old = micro.old_logprobs.to(logp.device)
             else:  # on-policy shortcut: the policy before this update is the one computing logp
                 old = logp.detach()
-                if micro.rollout_logprobs is not None:
+                if micro.rollout_logprobs is not None and not padding:
                     gap = (old.exp() - micro.rollout_logprobs.to(old.device).exp()).abs()[m > 0]
                     self._rollout_gaps.append(gap.float().cpu())
             weights = (
@@ -180,23 +185,28 @@ class Actor:
                 kl = kl_penalty(logp, micro.ref_logprobs.to(logp.device), cfg.kl_loss_type)
                 kl_loss = agg(kl)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["kl_loss"] += kl_loss.item()
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
-            loss.backward()
+                sums["kl_loss"] += 0.0 if padding else kl_loss.item()
+            if padding:
+                (loss * 0.0).backward()
+                continue
+            # a non-finite loss makes the (global) gradient norm non-finite: every rank skips the step
+            (loss * data_parallel_scale()).backward()
             sums["pg_loss"] += pg_loss.item()
             sums["entropy"] += entropy_loss.item()
             for k, v in pg_metrics.items():
                 sums[k] += v.item() * share
+        keys = sorted(sums)  # each rank holds its share of every metric: the sums are the global values
+        sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.optimizer.step()
         self.scheduler.step()
         sums["grad_norm"] = grad_norm.item()
-        return dict(sums)
+        return sums
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
