@@ -25,6 +25,21 @@ def test_generate_prints_completions_and_closing_line(tiny_dir, capsys):
     assert re.fullmatch(r"generated \d+ tokens in \d+\.\d\d s \(\d+\.\d tok/s\)", last)
 
 
+def test_generate_backends_agree_greedily(tiny_dir, tmp_path, capsys):
+    """--backend native (the engine) and --backend hf (transformers) write the same greedy completions."""
+    outputs = {}
+    for backend in ("native", "hf"):
+        out = tmp_path / f"{backend}.jsonl"
+        args = ["generate", "--model", str(tiny_dir), "--prompt", "hi", "--prompt", "a longer prompt"]
+        assert (
+            main([*args, "--temperature", "0", "--max-tokens", "6", "--backend", backend, "--out", str(out)])
+            == 0
+        )
+        outputs[backend] = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+        assert re.search(r"generated \d+ tokens in", capsys.readouterr().out)
+    assert outputs["native"] == outputs["hf"] and len(outputs["hf"]) == 2
+
+
 def test_generate_writes_jsonl_and_never_overwrites(tiny_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
