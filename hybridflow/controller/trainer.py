@@ -23,7 +23,13 @@ from hybridflow.checkpoint import (
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
-from hybridflow.controller.setup import check_config, sequences_per_step, step_plan, updates_per_step
+from hybridflow.controller.role_models import (
+    compile_native_models,
+    policy_model,
+    rollout_backend,
+    value_model,
+)
+from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
 from hybridflow.controller.worker_group import InProcessWorkerGroup
 from hybridflow.data.prompts import load_prompts
@@ -32,11 +38,10 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, save_hf
 from hybridflow.roles.actor import Actor
-from hybridflow.roles.critic import Critic, load_value_model, value_model_from_policy
+from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.roles.rollout import Rollout
-from hybridflow.rollout.hf import HFBackend
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
 
@@ -67,7 +72,7 @@ class RLTrainer:
         )
         hf_model.to(self.device)
         self.hf_config = hf_model.config
-        model = self._policy_model(hf_model)
+        model = policy_model(c, hf_model)
         if c.data.task and not c.data.train_files:
             from hybridflow.data.tasks import cached_task
             from hybridflow.models.default import cache_root
@@ -117,7 +122,7 @@ class RLTrainer:
         self.critic = (
             InProcessWorkerGroup(
                 Critic(
-                    self._value_model(model),
+                    value_model(c, model, self.device),
                     c.critic,
                     total_updates=total_updates,
                     compute_dtype=c.actor.compute_dtype,
@@ -138,8 +143,11 @@ class RLTrainer:
             )
         )
         if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
-            self._compile_native_models()
-        self.rollout = InProcessWorkerGroup(Rollout(self._rollout_backend(hf_model, model)))
+            compile_native_models(
+                [g.role.model for g in (self.actor, self.ref, self.critic) if g is not None]
+            )
+        backend = rollout_backend(c, hf_model, model, self.tokenizer, self.device, self.run_dir)
+        self.rollout = InProcessWorkerGroup(Rollout(backend))
         kl = c.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(kl.kl_coef)
@@ -393,82 +401,6 @@ class RLTrainer:
                 f"run directory {self.run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
             )
 
-    def _policy_model(self, hf_model):
-        """The model the actor trains: ours (padding-free) for model.impl native/auto when the family
-        is supported, else the transformers model itself."""
-        from hybridflow.models import native
-
-        impl = self.config.model.impl
-        if impl in ("native", "auto") and native.supports(hf_model.config):
-            return native.from_hf_model(hf_model)
-        if impl == "native":
-            raise UserError(
-                f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"
-            )
-        if impl == "auto":
-            print(
-                f"model type {hf_model.config.model_type!r} has no native implementation: training it "
-                "with transformers (padded micro-batches)",
-                flush=True,
-            )
-        return hf_model
-
-    def _rollout_backend(self, hf_model, policy):
-        """The native engine over the actor's model (it shares the weights when device and dtype
-        match, else keeps a copy that update_weights refreshes), or transformers' generate on the
-        transformers model (for a native actor, a copy synced by name after each update)."""
-        from hybridflow.engine import Engine, EngineConfig
-        from hybridflow.models import native
-
-        c, r = self.config, self.config.rollout
-        backend = r.backend
-        if backend == "auto":
-            backend = "native" if isinstance(policy, native.NativeCausalLM) else "hf"
-        eos = [self.tokenizer.eos_token_id]
-        if backend == "vllm":
-            from hybridflow.rollout.vllm import VLLMBackend
-
-            start = self.run_dir / "rollout_start_policy"  # the starting weights, as a directory vLLM loads
-            save_hf(hf_model, self.tokenizer, start, overwrite=True)
-            return VLLMBackend(
-                str(start),
-                eos_token_ids=eos,
-                max_model_len=c.data.max_prompt_tokens + c.data.max_response_tokens,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                dtype="bfloat16" if self.device.type == "cuda" else "float32",
-                seed=c.trainer.seed,
-            )
-        if backend == "hf":
-            return HFBackend(
-                hf_model,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_ids=eos,
-                max_batch_sequences=r.max_batch_sequences,
-            )
-        if not isinstance(policy, native.NativeCausalLM):
-            raise UserError(
-                f"rollout.backend=native runs our model, and model type {hf_model.config.model_type!r} "
-                "has none (or model.impl=hf); use rollout.backend=hf"
-            )
-        context = c.data.max_prompt_tokens + c.data.max_response_tokens
-        kv_tokens = r.kv_cache_tokens
-        if kv_tokens is None and self.device.type != "cuda":
-            kv_tokens = min(sequences_per_step(c), r.max_batch_sequences) * context
-        compute = c.actor.compute_dtype
-        if compute == "auto":
-            compute = "bfloat16" if self.device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
-        config = EngineConfig(
-            max_batch_sequences=r.max_batch_sequences,
-            max_prefill_tokens=r.max_prefill_tokens,
-            max_context_tokens=context,
-            page_size=64 if self.device.type == "cuda" else 16,
-            kv_cache_tokens=kv_tokens,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            cuda_graphs=r.cuda_graphs,
-            compute_dtype=compute,
-        )
-        return Engine(policy, eos_token_ids=eos, config=config, device=self.device)
-
     def _sleep_rollout(self) -> None:
         """On a GPU, the engine's KV cache is freed while the other roles run."""
         if self.device.type == "cuda":
@@ -480,28 +412,6 @@ class RLTrainer:
 
         model = self.actor.role.model
         return native.to_hf_model(model, self.hf_config) if isinstance(model, native.NativeModule) else model
-
-    def _compile_native_models(self) -> None:
-        from hybridflow.models import native
-
-        models = [g.role.model for g in (self.actor, self.ref, self.critic) if g is not None]
-        if not any(isinstance(m, native.NativeModule) for m in models):
-            raise UserError("model.compile=true applies to the native model; set model.impl=native or auto")
-        for model in models:
-            if isinstance(model, native.NativeModule):
-                model.compile_layers()
-
-    def _value_model(self, policy):
-        """The critic's model: critic.model_path, or a copy of the policy under a zero value head;
-        ours (packed) whenever the policy is."""
-        from hybridflow.models import native
-
-        if not self.config.critic.model_path:
-            return value_model_from_policy(policy)
-        model = load_value_model(self.config.critic.model_path, self.device)
-        if isinstance(policy, native.NativeModule) and native.supports(model.config):
-            return native.score_model_from_hf(model)
-        return model
 
     def _save_critic(self, directory: Path) -> None:
         from hybridflow.models import native

@@ -1,0 +1,109 @@
+"""Which model each role runs and which backend generates: ours (packed) where the family is
+supported, transformers otherwise; the rollout engine, transformers generate or vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridflow.config.schema import Config
+from hybridflow.controller.setup import sequences_per_step
+from hybridflow.errors import UserError
+from hybridflow.models import native, save_hf
+from hybridflow.roles.critic import load_value_model, value_model_from_policy
+from hybridflow.rollout.hf import HFBackend
+
+
+def policy_model(config: Config, hf_model):
+    """The model the actor trains: ours (padding-free) for model.impl native/auto when the family is
+    supported, else the transformers model itself."""
+    impl = config.model.impl
+    if impl in ("native", "auto") and native.supports(hf_model.config):
+        return native.from_hf_model(hf_model)
+    if impl == "native":
+        raise UserError(
+            f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"
+        )
+    if impl == "auto":
+        print(
+            f"model type {hf_model.config.model_type!r} has no native implementation: training it "
+            "with transformers (padded micro-batches)",
+            flush=True,
+        )
+    return hf_model
+
+
+def value_model(config: Config, policy, device: torch.device):
+    """The critic's model: critic.model_path, or a copy of the policy under a zero value head; ours
+    (packed) whenever the policy is."""
+    if not config.critic.model_path:
+        return value_model_from_policy(policy)
+    model = load_value_model(config.critic.model_path, device)
+    if isinstance(policy, native.NativeModule) and native.supports(model.config):
+        return native.score_model_from_hf(model)
+    return model
+
+
+def compile_native_models(models: list) -> None:
+    if not any(isinstance(m, native.NativeModule) for m in models):
+        raise UserError("model.compile=true applies to the native model; set model.impl=native or auto")
+    for model in models:
+        if isinstance(model, native.NativeModule):
+            model.compile_layers()
+
+
+def rollout_backend(config: Config, hf_model, policy, tokenizer, device: torch.device, run_dir: Path):
+    """The native engine over the actor's model (it shares the weights when device and dtype match,
+    else keeps a copy that update_weights refreshes), transformers' generate on the transformers
+    model (for a native actor, a copy synced by name after each update), or vLLM."""
+    from hybridflow.engine import Engine, EngineConfig
+
+    c, r = config, config.rollout
+    backend = r.backend
+    if backend == "auto":
+        backend = "native" if isinstance(policy, native.NativeCausalLM) else "hf"
+    eos = [tokenizer.eos_token_id]
+    context = c.data.max_prompt_tokens + c.data.max_response_tokens
+    if backend == "vllm":
+        from hybridflow.rollout.vllm import VLLMBackend
+
+        start = run_dir / "rollout_start_policy"  # the starting weights, as a directory vLLM loads
+        save_hf(hf_model, tokenizer, start, overwrite=True)
+        return VLLMBackend(
+            str(start),
+            eos_token_ids=eos,
+            max_model_len=context,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            seed=c.trainer.seed,
+        )
+    if backend == "hf":
+        return HFBackend(
+            hf_model,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=eos,
+            max_batch_sequences=r.max_batch_sequences,
+        )
+    if not isinstance(policy, native.NativeCausalLM):
+        raise UserError(
+            f"rollout.backend=native runs our model, and model type {hf_model.config.model_type!r} "
+            "has none (or model.impl=hf); use rollout.backend=hf"
+        )
+    kv_tokens = r.kv_cache_tokens
+    if kv_tokens is None and device.type != "cuda":
+        kv_tokens = min(sequences_per_step(c), r.max_batch_sequences) * context
+    compute = c.actor.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
+    engine_config = EngineConfig(
+        max_batch_sequences=r.max_batch_sequences,
+        max_prefill_tokens=r.max_prefill_tokens,
+        max_context_tokens=context,
+        page_size=64 if device.type == "cuda" else 16,
+        kv_cache_tokens=kv_tokens,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        cuda_graphs=r.cuda_graphs,
+        compute_dtype=compute,
+    )
+    return Engine(policy, eos_token_ids=eos, config=engine_config, device=device)
