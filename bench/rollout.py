@@ -174,6 +174,7 @@ def main() -> None:
         written = engine.update_weights(trainer.items())
         torch.cuda.synchronize()
         update_s = time.perf_counter() - start
+        exact = all(torch.equal(p, trainer[n].to(p.dtype)) for n, p in engine.model.named_parameters())
         src = torch.empty(written, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         dst.copy_(src)
@@ -183,7 +184,7 @@ def main() -> None:
         torch.cuda.synchronize()
         copy_s = time.perf_counter() - start
         result["update_weights"] = {"bytes": written, "seconds": update_s, "memcpy_seconds": copy_s,
-                                    "ratio": update_s / copy_s}  # fmt: skip
+                                    "ratio": update_s / copy_s, "equal_to_torch_cast": exact}  # fmt: skip
         del trainer, src, dst
         torch.cuda.empty_cache()
 

@@ -8,11 +8,15 @@ weights to bf16 exactly as this copy is rounded). A tied LM head gets its own co
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hybridflow.models.native.model import NativeCausalLM
+
+if TYPE_CHECKING:
+    from hybridflow.engine.triton_copy import CastCopyPlan
 
 
 def engine_model(model: NativeCausalLM, device: torch.device, compute_dtype: torch.dtype) -> NativeCausalLM:
@@ -51,15 +55,14 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
 
 class WeightUpdater:
     """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
-    graphs stay valid. On CUDA the copies run as multi-tensor copies (one per dtype pair), and a
-    repeated call (same tensors at the same addresses, as a trainer's parameters are) replays them
-    as a captured graph."""
+    graphs stay valid. On CUDA all copies of one dtype pair run as one Triton launch; its plan is
+    kept while the same tensors come back at the same addresses (as a trainer's parameters do)."""
 
     def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
         self.targets = targets
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._plan: CastCopyPlan | None = None
         self._key: tuple | None = None
-        self._sources: list[torch.Tensor] = []  # kept alive: the graph reads their addresses
+        self._sources: list[torch.Tensor] = []  # kept alive: the plan holds their addresses
 
     @torch.no_grad()
     def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -76,24 +79,22 @@ class WeightUpdater:
         ]
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         key = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in pairs)
-        if self._graph is not None and key == self._key:
-            self._graph.replay()
+        if self._plan is None or key != self._key:
+            self._plan, self._key, self._sources = None, None, []
+            if copies and all(
+                d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies
+            ):
+                from hybridflow.engine.triton_copy import CastCopyPlan
+
+                dsts, srcs = zip(*copies, strict=True)
+                self._plan, self._key, self._sources = (
+                    CastCopyPlan(list(dsts), list(srcs)),
+                    key,
+                    [t for _, t in pairs],
+                )
+        if self._plan is not None:
+            self._plan()
             return written
-        if not (copies and all(d.is_cuda and s.is_cuda for d, s in copies)):
-            for dst, src in copies:
-                dst.copy_(src)
-            return written
-        groups: dict[tuple, tuple[list, list]] = {}  # one multi-tensor copy per (dst, src) dtype pair
         for dst, src in copies:
-            dsts, srcs = groups.setdefault((dst.dtype, src.dtype), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-        for dsts, srcs in groups.values():
-            torch._foreach_copy_(dsts, srcs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for dsts, srcs in groups.values():
-                torch._foreach_copy_(dsts, srcs)
-        self._graph, self._key, self._sources = graph, key, [t for _, t in pairs]
+            dst.copy_(src)
         return written

@@ -10,29 +10,34 @@ import torch  # noqa: E402
 
 from hybridflow.engine.attention import paged_decode_attention_reference  # noqa: E402
 from hybridflow.engine.sampler import sample_reference, step_keys  # noqa: E402
+from hybridflow.engine.triton_copy import cast_copy_triton  # noqa: E402
 from hybridflow.engine.triton_decode import paged_decode_attention_triton  # noqa: E402
 from hybridflow.engine.triton_sampler import sample_triton  # noqa: E402
 from hybridflow.rollout.sampling import SamplingParams  # noqa: E402
 
 torch.manual_seed(0)
 failed = False
-for b, hq, hkv, d, page, pages in [(3, 4, 2, 16, 16, 5), (2, 6, 2, 32, 16, 3), (1, 2, 2, 16, 16, 2)]:
+# (batch, q heads, kv heads, head dim, page, table width, block, programs target): blocks that span
+# pages (block > page), pages that span blocks, one split (the output written directly) and several
+# (partials merged by the second kernel)
+cases = [
+    (3, 4, 2, 16, 16, 5, 16, 264),
+    (3, 4, 2, 16, 16, 5, 32, 1),
+    (2, 6, 2, 32, 16, 3, 16, 264),
+    (2, 6, 2, 32, 32, 3, 16, 1),
+    (1, 2, 2, 16, 16, 2, 16, 264),
+]
+for b, hq, hkv, d, page, pages, block, target in cases:
     k, v = torch.randn(12 * page, hkv, d), torch.randn(12 * page, hkv, d)
     q = torch.randn(b, hq, d)
     table = torch.randint(1, 12, (b, pages), dtype=torch.int32)
     ctx = torch.randint(0, pages * page + 1, (b,), dtype=torch.int32)
     ctx[0] = pages * page  # a full table
     ctx[-1] = 0 if b > 1 else ctx[-1]  # a padded row: no context, zeros out
-    err = (
-        (
-            paged_decode_attention_triton(q, k, v, table, ctx, page)
-            - paged_decode_attention_reference(q, k, v, table, ctx, page)
-        )
-        .abs()
-        .max()
-        .item()
-    )
-    print(f"decode attention b={b} hq={hq} hkv={hkv} d={d} ctx={ctx.tolist()}: max abs err {err:.2e}")
+    got = paged_decode_attention_triton(q, k, v, table, ctx, page, block=block, programs_target=target)
+    err = (got - paged_decode_attention_reference(q, k, v, table, ctx, page)).abs().max().item()
+    print(f"decode attention b={b} hq={hq} hkv={hkv} d={d} page={page} block={block} ctx={ctx.tolist()}: "
+          f"max abs err {err:.2e}")  # fmt: skip
     failed |= err > 1e-5
 logits = torch.randn(6, 1000) * 3
 seeds, steps = torch.arange(6) * 77 + 1, torch.arange(6)
@@ -43,4 +48,17 @@ for t in (0.0, 0.7, 1.0):
     same = torch.equal(ref[0], got[0])
     print(f"sampler temperature={t}: same tokens {same}, log-prob max abs err {err:.2e}")
     failed |= not same or err > 1e-5
+# many tensors of mixed sizes (fp32 -> bf16 and fp32 -> fp32) copied by one launch per dtype pair
+sources = [torch.randn(n) for n in (1, 5, 1000, 37, 4096, 3)] + [torch.randn(7, 9)]
+targets = [
+    torch.zeros(s.shape, dtype=torch.bfloat16 if i % 2 else torch.float32) for i, s in enumerate(sources)
+]
+cast_copy_triton(targets, sources, block=256)
+# the interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest even): allow one bf16 step
+same = all(
+    torch.allclose(t.float(), s, rtol=2**-7, atol=0) if t.dtype == torch.bfloat16 else torch.equal(t, s)
+    for t, s in zip(targets, sources, strict=True)
+)
+print(f"cast copy of {len(sources)} tensors: every element in place {same}")
+failed |= not same
 sys.exit(1 if failed else 0)
