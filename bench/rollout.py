@@ -168,21 +168,13 @@ def main() -> None:
     # update_weights: fp32 trainer tensors cast into the engine's weights, vs a copy of the same bytes
     if cuda:
         trainer = {n: p.detach().float() for n, p in engine.model.named_parameters()}
-        engine.update_weights(trainer.items())
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+        engine.update_weights(trainer.items())  # builds the copy plan, as a trainer's first sync does
+        update_s = _wall(lambda: engine.update_weights(trainer.items()))
         written = engine.update_weights(trainer.items())
-        torch.cuda.synchronize()
-        update_s = time.perf_counter() - start
         exact = all(torch.equal(p, trainer[n].to(p.dtype)) for n, p in engine.model.named_parameters())
         src = torch.empty(written, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        copy_s = time.perf_counter() - start
+        copy_s = _wall(lambda: dst.copy_(src))
         result["update_weights"] = {"bytes": written, "seconds": update_s, "memcpy_seconds": copy_s,
                                     "ratio": update_s / copy_s, "equal_to_torch_cast": exact}  # fmt: skip
         del trainer, src, dst
@@ -236,6 +228,19 @@ def _timed_generate(backend, prompts, params: SamplingParams) -> dict:
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
     }
+
+
+def _wall(fn, repeat: int = 10) -> float:
+    """Mean wall time of one synchronised call (host work included), after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        total += time.perf_counter() - start
+    return total / repeat
 
 
 def _timed(fn, repeat: int = 20) -> float:
