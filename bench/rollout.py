@@ -8,8 +8,7 @@
 Random-weight Qwen2.5-shaped models in bf16 (smollm2: the embedded model on CPU, fp32). Prompts of
 128-512 random tokens; responses forced to `--response` tokens (no EOS), or with --heavy-tail a set of
 stop tokens of probability ~1/300 per step (geometric lengths capped at 2048). Also reports the
-update_weights time against a plain copy of the same bytes, the rollout/trainer log-prob gap, and
-where decode time goes.
+rollout/trainer log-prob gap and where decode time goes (the weight update: bench/weight_update.py).
 """
 
 from __future__ import annotations
@@ -165,21 +164,6 @@ def main() -> None:
     result["logprob_gap_vs_trainer"] = {"max": gaps.max().item(), "mean": gaps.mean().item()}
     del master
 
-    # update_weights: fp32 trainer tensors cast into the engine's weights, vs a copy of the same bytes
-    if cuda:
-        trainer = {n: p.detach().float() for n, p in engine.model.named_parameters()}
-        engine.update_weights(trainer.items())  # builds the copy plan, as a trainer's first sync does
-        update_s = _wall(lambda: engine.update_weights(trainer.items()))
-        written = engine.update_weights(trainer.items())
-        exact = all(torch.equal(p, trainer[n].to(p.dtype)) for n, p in engine.model.named_parameters())
-        src = torch.empty(written, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        copy_s = _wall(lambda: dst.copy_(src))
-        result["update_weights"] = {"bytes": written, "seconds": update_s, "memcpy_seconds": copy_s,
-                                    "ratio": update_s / copy_s, "equal_to_torch_cast": exact}  # fmt: skip
-        del trainer, src, dst
-        torch.cuda.empty_cache()
-
     if cuda and args.profile:
         engine.wake()
         step_s = seconds / result["native"]["steps"]
@@ -228,19 +212,6 @@ def _timed_generate(backend, prompts, params: SamplingParams) -> dict:
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
     }
-
-
-def _wall(fn, repeat: int = 10) -> float:
-    """Mean wall time of one synchronised call (host work included), after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    total = 0.0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        total += time.perf_counter() - start
-    return total / repeat
 
 
 def _timed(fn, repeat: int = 20) -> float:

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 # Measured on the H200 with `bench/weight_update.py` (docs/benchmarks.md).
-BLOCK = 4096
-ITERS = 8
-NUM_WARPS = 8
+BLOCK = 2048
+ITERS = 16
+NUM_WARPS = 4
 
 
 @triton.jit
