@@ -3,7 +3,10 @@
 Layout of RUN_DIR/checkpoints/global_step_N/:
   policy/            HF directory of the policy (transformers loads it as-is)
   critic/            HF directory of the value model (GAE only)
-  optim.pt           optimizer + LR scheduler states (loaded with weights_only=True)
+  actor_state/       the actor's weights + optimizer state (torch.distributed.checkpoint: saved by
+                     N ranks, loadable by any number)
+  critic_state/      the same for the critic (GAE only)
+  optim.pt           LR scheduler states (loaded with weights_only=True)
   trainer_state.json step, data position, KL controller, RNG states, counters
   config.yaml        the resolved config
 """
@@ -16,6 +19,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +65,20 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    write_models: dict[str, Any],
+    write_models: Callable[[Path], None],
     optim_state: dict[str, Any],
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep_last: int,
 ) -> Path:
-    """Write global_step_{step} atomically; `write_models` maps a sub-directory name to a function that
-    writes into it. Older checkpoints beyond `keep_last` are deleted (only ones this run's layout names)."""
+    """Write global_step_{step} atomically; `write_models(directory)` writes the models (and their
+    sharded states) into the checkpoint's directory. Older checkpoints beyond `keep_last` are deleted (only ones this run's layout names)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"global_step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
     try:
-        for name, write in write_models.items():
-            write(tmp / name)
+        write_models(tmp)
         torch.save(optim_state, tmp / "optim.pt")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
         # the state file is written last: its presence marks a complete checkpoint

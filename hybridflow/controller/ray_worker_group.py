@@ -129,6 +129,11 @@ class RayWorkerGroup:
         """The method on every worker with the same arguments; results by rank."""
         return self._results([w.run.remote(method, args, kwargs) for w in self.workers])
 
+    def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
+        """`method(*per_rank[r], **kwargs)` on worker r; results by rank."""
+        assert len(per_rank) == self.world_size
+        return self._results([w.run.remote(method, args, kwargs) for w, args in zip(self.workers, per_rank)])
+
     def call_split(self, method: str, batch: Any, lengths: Sequence[int], **kwargs: Any) -> Any:
         """Split `batch` (anything with `select(rows)`) by data-parallel rank, balanced on `lengths`;
         run `method(shard, **kwargs)` on each worker. Tensor results (first dim = shard rows) come

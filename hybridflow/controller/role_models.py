@@ -53,10 +53,20 @@ def compile_native_models(models: list) -> None:
             model.compile_layers()
 
 
-def rollout_backend(config: Config, hf_model, policy, tokenizer, device: torch.device, run_dir: Path):
+def rollout_backend(
+    config: Config,
+    hf_model,
+    policy,
+    tokenizer,
+    device: torch.device,
+    run_dir: Path,
+    *,
+    share_weights: bool = True,
+):
     """The native engine over the actor's model (it shares the weights when device and dtype match,
-    else keeps a copy that update_weights refreshes), transformers' generate on the transformers
-    model (for a native actor, a copy synced by name after each update), or vLLM."""
+    else keeps a copy that update_weights refreshes; always a copy without `share_weights`),
+    transformers' generate on the transformers model (for a native actor, a copy synced by name
+    after each update), or vLLM."""
     from hybridflow.engine import Engine, EngineConfig
 
     c, r = config, config.rollout
@@ -105,5 +115,6 @@ def rollout_backend(config: Config, hf_model, policy, tokenizer, device: torch.d
         gpu_memory_utilization=r.gpu_memory_utilization,
         cuda_graphs=r.cuda_graphs,
         compute_dtype=compute,
+        share_weights=share_weights,
     )
     return Engine(policy, eos_token_ids=eos, config=engine_config, device=device)

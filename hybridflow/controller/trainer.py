@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -22,26 +23,18 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
+from hybridflow.controller.dispatch import merge_rows, minibatch_shards, prompt_shards, shard_rows
+from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
-from hybridflow.controller.role_models import (
-    compile_native_models,
-    policy_model,
-    rollout_backend,
-    value_model,
-)
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
-from hybridflow.controller.worker_group import InProcessWorkerGroup
+from hybridflow.controller.worker_group import worker_group
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
-from hybridflow.models import load_causal_lm, save_hf
-from hybridflow.roles.actor import Actor
-from hybridflow.roles.critic import Critic
-from hybridflow.roles.reference import Reference
+from hybridflow.models import load_tokenizer
 from hybridflow.roles.reward import Reward, RewardResult
-from hybridflow.roles.rollout import Rollout
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
 
@@ -67,12 +60,7 @@ class RLTrainer:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
-        hf_model, self.tokenizer = load_causal_lm(
-            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
-        )
-        hf_model.to(self.device)
-        self.hf_config = hf_model.config
-        model = policy_model(c, hf_model)
+        self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         if c.data.task and not c.data.train_files:
             from hybridflow.data.tasks import cached_task
             from hybridflow.models.default import cache_root
@@ -94,60 +82,18 @@ class RLTrainer:
         self.total_steps = (
             c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
         )
-
-        pad = self.tokenizer.pad_token_id
-        reward = Reward(
+        self.reward = Reward(
             self.tokenizer,
             c.reward,
             max_response_tokens=c.data.max_response_tokens,
             hide=(str(self.run_dir.resolve()),),  # model-written code never sees the run's files
             device=self.device,
         )
-        reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
-        self.reward = InProcessWorkerGroup(reward)
-        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-        self.ref = (
-            InProcessWorkerGroup(
-                Reference(
-                    copy.deepcopy(model),
-                    max_tokens_per_microbatch=c.ref.max_tokens_per_microbatch,
-                    compute_dtype=c.actor.compute_dtype,
-                    pad_token_id=pad,
-                )
-            )
-            if needs_ref
-            else None
-        )
-        total_updates = self.total_steps * updates_per_step(c)
-        self.critic = (
-            InProcessWorkerGroup(
-                Critic(
-                    value_model(c, model, self.device),
-                    c.critic,
-                    total_updates=total_updates,
-                    compute_dtype=c.actor.compute_dtype,
-                    pad_token_id=pad,
-                )
-            )
-            if c.algorithm.adv_estimator == "gae"
-            else None
-        )
-        self.actor = InProcessWorkerGroup(
-            Actor(
-                model,
-                c.actor,
-                total_updates=total_updates,
-                max_response_tokens=c.data.max_response_tokens,
-                pad_token_id=pad,
-                gradient_checkpointing=c.model.enable_gradient_checkpointing,
-            )
-        )
-        if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
-            compile_native_models(
-                [g.role.model for g in (self.actor, self.ref, self.critic) if g is not None]
-            )
-        backend = rollout_backend(c, hf_model, model, self.tokenizer, self.device, self.run_dir)
-        self.rollout = InProcessWorkerGroup(Rollout(backend))
+        self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
+        self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        self.has_critic = c.algorithm.adv_estimator == "gae"
+        factory = functools.partial(HybridWorker, c, total_updates=self.total_steps * updates_per_step(c))
+        self.workers = worker_group(c.resources, self.device, factory)
         kl = c.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(kl.kl_coef)
@@ -191,7 +137,8 @@ class RLTrainer:
             self._log(metrics, step=self.step)
         for sink in self.sinks:
             sink.close()
-        self.reward.role.close()
+        self.reward.close()
+        self.workers.shutdown()
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -218,19 +165,19 @@ class RLTrainer:
             )
             if not on_policy or c.algorithm.use_kl_in_reward:
                 with timer("old_log_prob"):
-                    batch.old_logprobs, _ = self.actor.call("log_probs", batch)
+                    batch.old_logprobs = self._per_row("log_probs", batch)
                 metrics |= probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
                 if c.algorithm.rollout_is_cap is not None:
                     batch.importance_weights = truncated_importance_weights(
                         batch.old_logprobs, batch.rollout_logprobs, mask, cap=c.algorithm.rollout_is_cap
                     )
-            if self.ref is not None:
+            if self.needs_ref:
                 with timer("ref"):
-                    batch.ref_logprobs = self.ref.call("log_probs", batch)
+                    batch.ref_logprobs = self._per_row("ref_log_probs", batch)
             values = None
-            if self.critic is not None:
+            if self.has_critic:
                 with timer("values"):
-                    values = batch.old_values = self.critic.call("values", batch)
+                    values = batch.old_values = self._per_row("values", batch)
             with timer("adv"):
                 token_rewards = token_level_rewards(scored.scores, mask)
                 if c.algorithm.use_kl_in_reward:
@@ -254,22 +201,16 @@ class RLTrainer:
                     values=values,
                     baselines=baselines,
                 )
-            if self.critic is not None:
+            if self.has_critic:
                 with timer("update_critic"):
-                    metrics |= self.critic.call(
-                        "update",
-                        batch,
-                        sequences_per_update=c.actor.sequences_per_update,
-                        epochs=c.actor.ppo_epochs,
-                    )
+                    metrics |= self._update("update_critic", batch, epochs=c.actor.ppo_epochs)
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
-                    metrics |= self.actor.call("update", batch)
-                if on_policy and not c.algorithm.use_kl_in_reward:
-                    metrics |= self.actor.role.last_rollout_diff
+                    metrics |= self._update("update_actor", batch)
                 self._check_finite(metrics)
             with timer("update_weights"):
-                self.rollout.call("update_weights", self.actor.role.model.named_parameters())
+                self.workers.call("sync_weights")
+        metrics |= self._memory_metrics()
         metrics |= data_metrics(
             rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
         )
@@ -277,10 +218,40 @@ class RLTrainer:
         metrics["timing_s/gen"] -= metrics.get("timing_s/reward", 0.0)  # scoring ran inside the gen phase
         tokens = sum(len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))
         metrics |= {"perf/total_num_tokens": float(tokens), "perf/time_per_step": timer.times["step"]}
-        devices = c.resources.n_gpus_per_node * c.resources.nnodes if self.device.type == "cuda" else 1
+        devices = self.workers.world_size
         metrics["perf/throughput"] = tokens / timer.times["step"] / devices  # tokens/s per device (verl)
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
+
+    # ---- the roles over the workers: data-parallel split and gather ------------------------------
+    def _rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
+        """Each worker samples a contiguous run of the prompts; rollouts come back in prompt order."""
+        shards = prompt_shards(prompts, self.workers.world_size)
+        per_rank = [
+            (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
+            for part, offset in shards
+        ]
+        return Rollouts.concat(self.workers.call_each("generate", per_rank))
+
+    def _per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
+        """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
+        parts = shard_rows(batch, self.workers.world_size)
+        return merge_rows(self.workers.call_each(method, [(batch.select(rows),) for rows in parts]), parts)
+
+    def _update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
+        """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
+        shards = minibatch_shards(batch, self.config.actor.sequences_per_update, self.workers.world_size)
+        return self.workers.call_each(method, [(s,) for s in shards], **kwargs)[0]
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""
+        merged: dict[str, float] = {}
+        for per_rank in self.workers.call("take_memory_metrics"):
+            for k, v in per_rank.items():
+                merged[k] = max(merged.get(k, 0.0), v)
+        if merged:
+            merged["perf/max_memory_allocated_gb"] = max(merged.values())
+        return merged
 
     # ---- pieces of a step ------------------------------------------------------------------------
     def _sampling(self, round_: int, **overrides) -> SamplingParams:
@@ -306,8 +277,8 @@ class RLTrainer:
         while True:
             rounds += 1
             prompts = self.sampler.next()
-            rollouts = self.rollout.call("generate", prompts, self._sampling(rounds), first_group=groups)
-            result: RewardResult = self.reward.call("score", rollouts)
+            rollouts = self._rollouts(prompts, self._sampling(rounds), first_group=groups)
+            result: RewardResult = self.reward.score(rollouts)
             metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
             reward_time = result.metrics["timing_s/reward"] + (reward_time if rounds > 1 else 0.0)
             metrics["timing_s/reward"] = reward_time
@@ -340,15 +311,15 @@ class RLTrainer:
         """ReMax: the reward of one greedy response per prompt, broadcast to its samples."""
         firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
         prompts = [rollouts.prompts[i] for i in firsts.values()]
-        greedy = self.rollout.call("generate", prompts, self._sampling(0, n=1, temperature=0.0))
-        scores = self.reward.call("score", greedy).scores
+        greedy = self._rollouts(prompts, self._sampling(0, n=1, temperature=0.0))
+        scores = self.reward.score(greedy).scores
         by_group = dict(zip(firsts, scores.tolist()))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
 
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
         params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
-        metrics, _ = validate(self.rollout.role, self.reward.role, self.val_prompts, params)
+        metrics, _ = validate(self._rollouts, self.reward, self.val_prompts, params)
         self._sleep_rollout()
         return metrics
 
@@ -404,31 +375,16 @@ class RLTrainer:
     def _sleep_rollout(self) -> None:
         """On a GPU, the engine's KV cache is freed while the other roles run."""
         if self.device.type == "cuda":
-            self.rollout.call("sleep")
-
-    def _policy_for_export(self):
-        """A transformers model holding the actor's current (master) weights."""
-        from hybridflow.models import native
-
-        model = self.actor.role.model
-        return native.to_hf_model(model, self.hf_config) if isinstance(model, native.NativeModule) else model
-
-    def _save_critic(self, directory: Path) -> None:
-        from hybridflow.models import native
-
-        model = self.critic.role.model
-        if isinstance(model, native.NativeScoreModel):
-            model = native.to_hf_score_model(model, self.hf_config)
-        model.save_pretrained(directory)
+            self.workers.call("sleep_rollout")
 
     def save(self) -> Path:
-        actor: Actor = self.actor.role
-        policy = self._policy_for_export()
-        writers = {"policy": lambda d: save_hf(policy, self.tokenizer, d)}
-        optim = {"actor": actor.state_dict()}
-        if self.critic is not None:
-            writers["critic"] = self._save_critic
-            optim["critic"] = self.critic.role.state_dict()
+        """The workers write the sharded model and optimizer states and the transformers exports;
+        the controller adds the LR schedulers, its own state and the config."""
+        schedulers: dict = {}
+
+        def write_models(directory: Path) -> None:
+            schedulers.update(self.workers.call("save", str(directory))[0])
+
         state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
@@ -439,8 +395,8 @@ class RLTrainer:
         self.last_checkpoint = save_checkpoint(
             self.run_dir,
             self.step,
-            write_models=writers,
-            optim_state=optim,
+            write_models=write_models,
+            optim_state=schedulers,
             trainer_state=state,
             config_yaml=to_yaml(self.config),
             keep_last=self.config.trainer.keep_last_checkpoints,
@@ -452,19 +408,14 @@ class RLTrainer:
         if path is None:
             truncate_jsonl(self.run_dir / "metrics.jsonl", 0)  # a fresh start forgets an unsaved attempt
             return
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-        state, optim = load_checkpoint_state(path)
-        self.actor.role.model.load_state_dict(
-            AutoModelForCausalLM.from_pretrained(path / "policy").state_dict()
-        )
-        self.rollout.call("update_weights", self.actor.role.model.named_parameters())
-        self.actor.role.load_state_dict(optim["actor"])
-        if self.critic is not None:
-            self.critic.role.model.load_state_dict(
-                AutoModelForTokenClassification.from_pretrained(path / "critic").state_dict()
+        state, schedulers = load_checkpoint_state(path)
+        if not (path / "actor_state").is_dir():
+            raise UserError(
+                f"checkpoint {path} has no actor_state/ (written by an older hybridflow); start a new "
+                "run from its policy/ directory (model.path) or pass --overwrite"
             )
-            self.critic.role.load_state_dict(optim["critic"])
+        self.workers.call("load", str(path), schedulers)
+        self.workers.call("sync_weights")
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])

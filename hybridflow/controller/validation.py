@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
-from hybridflow.batch import Prompt
+from hybridflow.batch import Prompt, Rollouts
 from hybridflow.controller.metrics import accuracy_at_n
 from hybridflow.rollout.sampling import SamplingParams
 
 
 def validate(
-    rollout, reward, prompts: list[Prompt], params: SamplingParams
+    generate: Callable[[list[Prompt], SamplingParams], Rollouts],
+    reward,
+    prompts: list[Prompt],
+    params: SamplingParams,
 ) -> tuple[dict[str, float], list[dict]]:
-    """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n), and per-response samples."""
-    rollouts = rollout.generate(prompts, params)
+    """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n), and per-response samples.
+    `generate(prompts, params)` samples (over all rollout workers)."""
+    rollouts = generate(prompts, params)
     result = reward.score(rollouts)
     per_prompt: dict[int, list[int]] = defaultdict(list)
     for i, g in enumerate(rollouts.group_ids):

@@ -35,6 +35,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
+    share_weights: bool = True
+    """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
+    False keeps a copy (the trainer's module is about to be sharded)."""
 
 
 class Engine:
@@ -57,7 +60,11 @@ class Engine:
             self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else master
         else:
             self.compute_dtype = getattr(torch, c.compute_dtype)
-        shared = self.device == next(model.parameters()).device and self.compute_dtype == master
+        shared = (
+            c.share_weights
+            and self.device == next(model.parameters()).device
+            and self.compute_dtype == master
+        )
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
         self._update = WeightUpdater(weight_targets(self.model))
         self.eos_token_ids = list(eos_token_ids)
@@ -118,7 +125,10 @@ class Engine:
                 )
         total = len(prompt_token_ids) * params.n
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
-        seeds = step_keys(torch.full((total,), base, dtype=torch.int64), torch.arange(total)).tolist()
+        first = params.first_sequence
+        seeds = step_keys(
+            torch.full((total,), base, dtype=torch.int64), torch.arange(first, first + total)
+        ).tolist()
         scheduler = Scheduler(
             self.cache,
             max_sequences=c.max_batch_sequences,

@@ -62,6 +62,25 @@ def load_causal_lm(
     return model.eval(), tokenizer
 
 
+def load_tokenizer(
+    path: str, *, cache_dir: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of `path` alone (with a pad token), as `load_causal_lm` would return it."""
+    if path == "default":
+        from hybridflow.models.default import default_model_dir
+
+        path = str(default_model_dir(cache_dir))
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"model path not found: {path}")
+    if p.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
+    _ensure_pad_token(tokenizer)
+    return tokenizer
+
+
 def _load_hf_dir(p: Path, dtype: torch.dtype, trust_remote_code: bool):
     if not (p / "config.json").is_file():
         raise UserError(f"model directory {p} has no config.json")

@@ -31,3 +31,7 @@ def sum_over_ranks(values: list[float]) -> list[float]:
 
 def max_over_ranks(value: int) -> int:
     return int(_all_reduce([float(value)], dist.ReduceOp.MAX)[0])
+
+
+def max_values_over_ranks(values: list[float]) -> list[float]:
+    return _all_reduce(values, dist.ReduceOp.MAX)

@@ -13,8 +13,8 @@ from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
-from hybridflow.parallel.collectives import data_parallel_scale, max_over_ranks, sum_over_ranks
-from hybridflow.roles.forward import microbatches, policy_logprobs
+from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
+from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: int):
@@ -62,8 +62,6 @@ class Actor:
             else:  # the native model checkpoints each layer
                 model.gradient_checkpointing = True
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
-        self.last_rollout_diff: dict[str, float] = {}
-        """Rollout-vs-trainer probability gap measured during the last on-policy update (no old-log-prob pass)."""
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
         return policy_logprobs(
@@ -82,28 +80,37 @@ class Actor:
         logps = torch.zeros(len(batch), width)
         entropy = torch.zeros(len(batch), width) if with_entropy else None
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        for rows in microbatches(
+        for rows, padding in in_step_microbatches(
             lengths, self.config.max_tokens_per_microbatch, self.config.sequences_per_microbatch
         ):
             lp, ent = self._forward(batch.select(rows), with_entropy=with_entropy)
+            if padding:
+                continue
             logps[rows, : lp.shape[1]] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, : ent.shape[1]] = ent.float().cpu()
         return logps * batch.response_mask, entropy
 
     def update(self, batch: TrainingBatch) -> dict[str, float]:
-        """PPO epochs over mini-batches; returns averaged metrics (actor/*)."""
-        cfg = self.config
-        per_update = cfg.sequences_per_update or len(batch)
+        """PPO epochs over mini-batches of `sequences_per_update` sequences; metrics (actor/*)."""
+        per_update = self.config.sequences_per_update or len(batch)
+        starts = range(0, len(batch), per_update)
+        return self.update_minibatches(
+            [batch.select(list(range(s, min(s + per_update, len(batch))))) for s in starts]
+        )
+
+    def update_minibatches(self, minibatches: list[TrainingBatch]) -> dict[str, float]:
+        """PPO epochs over the given mini-batches (under data parallelism: this rank's share of each
+        global mini-batch); returns averaged metrics (actor/*), the same on every rank. With the
+        on-policy shortcut (no old log-probs) it also reports the rollout-vs-trainer probability gap
+        (training/rollout_probs_diff_*)."""
         sums: dict[str, float] = defaultdict(float)
         updates = skipped = 0
         self._rollout_gaps: list[torch.Tensor] = []
         self.model.train()
-        for _ in range(cfg.ppo_epochs):
-            for start in range(0, len(batch), per_update):
-                metrics = self._update_minibatch(
-                    batch.select(list(range(start, min(start + per_update, len(batch)))))
-                )
+        for _ in range(self.config.ppo_epochs):
+            for mb in minibatches:
+                metrics = self._update_minibatch(mb)
                 if metrics is None:
                     skipped += 1
                     continue
@@ -111,20 +118,27 @@ class Actor:
                 for k, v in metrics.items():
                     sums[k] += v
         self.model.eval()
-        gaps = torch.cat(self._rollout_gaps) if self._rollout_gaps else torch.zeros(0)
-        self.last_rollout_diff = (
-            {
-                "training/rollout_probs_diff_max": gaps.max().item(),
-                "training/rollout_probs_diff_mean": gaps.mean().item(),
-                "training/rollout_probs_diff_std": gaps.std().item() if gaps.numel() > 1 else 0.0,
-            }
-            if gaps.numel()
-            else {}
-        )
         out = {f"actor/{k}": v / max(updates, 1) for k, v in sums.items()}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["actor/skipped_updates"] = float(skipped)
+        if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
+            out |= self._rollout_gap_metrics()
         return out
+
+    def _rollout_gap_metrics(self) -> dict[str, float]:
+        """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens."""
+        gaps = torch.cat(self._rollout_gaps).double() if self._rollout_gaps else torch.zeros(0)
+        count, total, squares = sum_over_ranks([gaps.numel(), gaps.sum().item(), (gaps**2).sum().item()])
+        (top,) = max_values_over_ranks([gaps.max().item() if gaps.numel() else 0.0])
+        if not count:
+            return {}
+        mean = total / count
+        var = max(squares / count - mean**2, 0.0) * count / max(count - 1, 1)  # unbiased, as torch.std
+        return {
+            "training/rollout_probs_diff_max": top,
+            "training/rollout_probs_diff_mean": mean,
+            "training/rollout_probs_diff_std": var**0.5,
+        }
 
     def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
         cfg = self.config
@@ -134,11 +148,11 @@ class Actor:
         lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
         sums: dict[str, float] = defaultdict(float)
         self.optimizer.zero_grad(set_to_none=True)
-        plan = microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch)
-        # every rank runs as many micro-batches (FSDP gathers per forward); extra ones count zero
-        for i in range(max_over_ranks(len(plan))):
-            padding = i >= len(plan)
-            micro = mb.select(plan[0] if padding else plan[i])
+        # every rank runs as many micro-batches (FSDP gathers per forward); padding ones count zero
+        for rows, padding in in_step_microbatches(
+            lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch
+        ):
+            micro = mb.select(rows)
             share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages
             logp, entropy = self._forward(micro, with_entropy=True, entropy_grad=bool(cfg.entropy_coeff))
             m = micro.response_mask.to(logp.device)

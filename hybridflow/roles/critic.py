@@ -12,10 +12,11 @@ from hybridflow.algorithms.aggregation import count_sequences, count_tokens
 from hybridflow.algorithms.losses import value_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import CriticConfig
+from hybridflow.parallel.collectives import data_parallel_scale, sum_over_ranks
 from hybridflow.roles.actor import build_optimizer
 from hybridflow.roles.forward import (
     autocast,
-    microbatches,
+    in_step_microbatches,
     packed_inputs,
     response_slices,
     right_padded_inputs,
@@ -94,56 +95,79 @@ class Critic:
         self.model.eval()
         out = torch.zeros_like(batch.response_mask)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        for rows in microbatches(lengths, self.config.max_tokens_per_microbatch, None):
+        for rows, padding in in_step_microbatches(lengths, self.config.max_tokens_per_microbatch, None):
             v = self._values(batch.select(rows))
-            out[rows, : v.shape[1]] = v.cpu()
+            if not padding:
+                out[rows, : v.shape[1]] = v.cpu()
         return out * batch.response_mask
 
     def update(
         self, batch: TrainingBatch, *, sequences_per_update: int | None = None, epochs: int = 1
     ) -> dict[str, float]:
         per_update = sequences_per_update or len(batch)
+        starts = range(0, len(batch), per_update)
+        minibatches = [batch.select(list(range(s, min(s + per_update, len(batch))))) for s in starts]
+        return self.update_minibatches(minibatches, epochs=epochs)
+
+    def update_minibatches(self, minibatches: list[TrainingBatch], *, epochs: int = 1) -> dict[str, float]:
+        """Value-loss epochs over the given mini-batches (under data parallelism: this rank's share of
+        each global mini-batch, normalised by global counts as the actor does); metrics (critic/*)."""
         sums: dict[str, float] = defaultdict(float)
         updates = 0
         self.model.train()
         for _ in range(epochs):
-            for start in range(0, len(batch), per_update):
-                mb = batch.select(list(range(start, min(start + per_update, len(batch)))))
-                tokens, seqs = count_tokens(mb.response_mask), count_sequences(mb.response_mask)
-                lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
-                self.optimizer.zero_grad(set_to_none=True)
-                for rows in microbatches(lengths, self.config.max_tokens_per_microbatch, None):
-                    micro = mb.select(rows)
-                    v = self._values(micro)
-                    loss, metrics = value_loss(
-                        v,
-                        micro.old_values.to(v.device),
-                        micro.returns.to(v.device),
-                        micro.response_mask.to(v.device),
-                        clip=self.config.cliprange_value,
-                        agg=self.config.loss_agg_mode,
-                        global_tokens=tokens,
-                        global_seqs=seqs,
-                    )
-                    loss.backward()
-                    share = count_tokens(micro.response_mask) / max(tokens, 1)
-                    sums["vf_loss"] += loss.item()
-                    sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
-                    sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(
-                        tokens, 1
-                    )
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.optim.grad_clip
-                )
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                    self.scheduler.step()
+            for mb in minibatches:
+                metrics = self._update_minibatch(mb)
+                if metrics is not None:
                     updates += 1
-                    sums["grad_norm"] += grad_norm.item()
+                    for k, v in metrics.items():
+                        sums[k] += v
         self.model.eval()
         out = {f"critic/{k}": v / max(updates, 1) for k, v in sums.items()}
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
+        tokens, seqs = (
+            int(x)
+            for x in sum_over_ranks([count_tokens(mb.response_mask), count_sequences(mb.response_mask)])
+        )
+        lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
+        sums: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows, padding in in_step_microbatches(lengths, self.config.max_tokens_per_microbatch, None):
+            micro = mb.select(rows)
+            v = self._values(micro)
+            loss, metrics = value_loss(
+                v,
+                micro.old_values.to(v.device),
+                micro.returns.to(v.device),
+                micro.response_mask.to(v.device),
+                clip=self.config.cliprange_value,
+                agg=self.config.loss_agg_mode,
+                global_tokens=tokens,
+                global_seqs=seqs,
+            )
+            if padding:
+                (loss * 0.0).backward()
+                continue
+            (loss * data_parallel_scale()).backward()
+            share = count_tokens(micro.response_mask) / max(tokens, 1)
+            sums["vf_loss"] += loss.item()
+            sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
+            sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(tokens, 1)
+        keys = sorted(sums)
+        sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        self.scheduler.step()
+        sums["grad_norm"] = grad_norm.item()
+        return sums
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences, plan_microbatches
 from hybridflow.devices import DTYPES
+from hybridflow.parallel.collectives import max_over_ranks
 
 
 def autocast(device: torch.device, compute_dtype: str):
@@ -73,6 +74,16 @@ def response_logprobs(
 
 def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int | None) -> list[list[int]]:
     return plan_microbatches(batch_lengths, max_tokens, max_sequences)
+
+
+def in_step_microbatches(
+    batch_lengths: list[int], max_tokens: int, max_sequences: int | None
+) -> list[tuple[list[int], bool]]:
+    """(rows, is_padding) per micro-batch, as many on every data-parallel rank: a sharded model
+    gathers its weights in every forward, a collective that all ranks must reach. A rank with fewer
+    micro-batches repeats its first one as padding, whose results are discarded."""
+    plan = plan_microbatches(batch_lengths, max_tokens, max_sequences)
+    return [(plan[i], False) if i < len(plan) else (plan[0], True) for i in range(max_over_ranks(len(plan)))]
 
 
 def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import TrainingBatch
-from hybridflow.roles.forward import microbatches, policy_logprobs
+from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
 
 
 class Reference:
@@ -25,11 +25,12 @@ class Reference:
         """Log-prob [B, T] of every response token under the reference policy."""
         out = torch.zeros_like(batch.response_mask)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        for rows in microbatches(lengths, self.max_tokens, None):
+        for rows, padding in in_step_microbatches(lengths, self.max_tokens, None):
             micro = batch.select(rows)
             lp, _ = policy_logprobs(
                 self.model, micro.prompt_ids, micro.response_ids, device=self.device,
                 compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id,
             )  # fmt: skip
-            out[rows, : lp.shape[1]] = lp.float().cpu()
+            if not padding:
+                out[rows, : lp.shape[1]] = lp.float().cpu()
         return out * batch.response_mask

@@ -67,8 +67,8 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i."""
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        if params.seed is not None:  # a shard of a split call gets its own stream
+            torch.manual_seed(params.seed + 1_000_003 * params.first_sequence)
         requests = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(params.n)]
         outputs: list[Generation] = []
         for start in range(0, len(requests), self.max_batch_sequences):

@@ -23,6 +23,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these (the tokenizer's EOS is always one)."""
     seed: int | None = None
+    first_sequence: int = 0
+    """Index of this call's first sequence in a larger request split over workers: the native engine
+    draws sequence i from the stream (seed, first_sequence + i), so a split call samples exactly
+    what the whole call would."""
 
     @property
     def greedy(self) -> bool:

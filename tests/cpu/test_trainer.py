@@ -130,7 +130,7 @@ def test_resume_gives_exactly_the_uninterrupted_run(setup, tmp_path):
             if not k.startswith(("timing_s", "perf/throughput", "perf/time", "reward/latency"))
         }
         assert same == {k: mb[k] for k in same}
-    wa, wb = _weights(straight.actor.role.model), _weights(resumed.actor.role.model)
+    wa, wb = _weights(straight.workers.worker.actor.model), _weights(resumed.workers.worker.actor.model)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -142,7 +142,7 @@ def test_checkpoint_policy_reloads_in_transformers_with_identical_logits(setup, 
         tmp_path / "run" / "checkpoints" / "global_step_2" / "policy"
     )
     ids = torch.tensor([[104, 105, 106, 107]])
-    model = trainer.actor.role.model.cpu()  # compare on one device: kernels differ across devices
+    model = trainer.workers.worker.actor.model.cpu()  # compare on one device: kernels differ across devices
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, model(ids).logits)
 
@@ -211,14 +211,14 @@ def test_critic_from_a_path(setup, tmp_path):
             "trainer.total_training_steps=1",
         )
     )
-    assert type(trainer.critic.role.model).__name__ == "NativeScoreModel"
+    assert type(trainer.workers.worker.critic.model).__name__ == "NativeScoreModel"
     metrics = trainer.fit()
     assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics
     # the saved critic is a transformers token-classification checkpoint with the trained weights
     saved = AutoModelForTokenClassification.from_pretrained(
         tmp_path / "run" / "checkpoints" / "global_step_1" / "critic"
     )
-    trained = trainer.critic.role.model.cpu().state_dict()
+    trained = trainer.workers.worker.critic.model.cpu().state_dict()
     assert all(torch.equal(trained[k], v) for k, v in saved.state_dict().items())
 
 
@@ -242,7 +242,7 @@ def test_native_model_trains_resumes_and_exports(setup, tmp_path):
     """model.impl=native: the actor and reference run our packed model, the rollout a synced copy."""
     steps = ["model.impl=native", "actor.use_kl_loss=true", "trainer.save_freq=2"]
     trainer = RLTrainer(config(setup, tmp_path / "a", *steps))
-    assert type(trainer.actor.role.model).__name__ == "NativeCausalLM"
+    assert type(trainer.workers.worker.actor.model).__name__ == "NativeCausalLM"
     trainer.fit()
     scores = [m["critic/score/mean"] for m in read_metrics(tmp_path / "a")]
     assert sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.25
@@ -251,7 +251,7 @@ def test_native_model_trains_resumes_and_exports(setup, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(
         tmp_path / "a" / "checkpoints" / "global_step_20" / "policy"
     )
-    native = trainer.actor.role.model.cpu()
+    native = trainer.workers.worker.actor.model.cpu()
     for name, param in native.named_parameters():
         assert torch.equal(exported.state_dict()[name], param.detach()), name
 
@@ -285,7 +285,7 @@ def test_unsupported_family_trains_with_transformers_and_says_so(setup, tmp_path
         "model type 'gpt2' has no native implementation: training it with transformers"
         in capsys.readouterr().out
     )
-    assert type(trainer.actor.role.model).__name__ == "GPT2LMHeadModel"
+    assert type(trainer.workers.worker.actor.model).__name__ == "GPT2LMHeadModel"
     metrics = trainer.fit()
     assert metrics["actor/grad_norm"] > 0 and "critic/vf_loss" in metrics
     with pytest.raises(UserError, match="model.impl=native: model type 'gpt2' has no native implementation"):

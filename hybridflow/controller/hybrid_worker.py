@@ -1,0 +1,272 @@
+"""One rank of the hybrid engine: the actor, reference, critic and rollout roles of one GPU (or CPU
+slot) in one process, each still its own class. With several ranks the trained models are sharded
+with FSDP2 over all of them, and the rollout engine keeps a full copy that `sync_weights` refreshes
+one FSDP unit (decoder layer) at a time."""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from hybridflow.batch import Prompt, Rollouts, TrainingBatch
+from hybridflow.config.schema import Config
+from hybridflow.controller.role_models import (
+    compile_native_models,
+    policy_model,
+    rollout_backend,
+    value_model,
+)
+from hybridflow.devices import resolve_device
+from hybridflow.errors import UserError
+from hybridflow.models import load_causal_lm, native, save_hf
+from hybridflow.parallel.checkpoint import load_sharded, save_sharded
+from hybridflow.roles.actor import Actor
+from hybridflow.roles.critic import Critic
+from hybridflow.roles.reference import Reference
+from hybridflow.roles.rollout import Rollout
+from hybridflow.rollout.sampling import SamplingParams
+
+
+class HybridWorker:
+    """Built by a worker group as `HybridWorker(config, rank, world_size, total_updates=...)`."""
+
+    def __init__(self, config: Config, rank: int, world_size: int, *, total_updates: int) -> None:
+        c = self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.device = resolve_device(c.resources.device)
+        torch.manual_seed(c.trainer.seed)
+        hf_model, self.tokenizer = load_causal_lm(
+            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
+        )
+        hf_model.to(self.device)
+        self.hf_config = hf_model.config
+        model = policy_model(c, hf_model)
+        sharded = world_size > 1
+        if sharded and not isinstance(model, native.NativeModule):
+            raise UserError(
+                f"more than one worker shards the model with FSDP2, which needs our native model; model type "
+                f"{self.hf_config.model_type!r} has none (or model.impl=hf)"
+            )
+        if sharded and c.model.compile:
+            raise UserError("model.compile=true runs with one worker only for now; set model.compile=false")
+        if sharded and c.rollout.backend == "vllm":
+            raise UserError("rollout.backend=vllm runs with one worker only; use rollout.backend=native")
+        pad = self.tokenizer.pad_token_id
+        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        ref_model = copy.deepcopy(model) if needs_ref else None
+        critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
+        # the rollout backend takes its own full copy before the trained models are sharded
+        backend = rollout_backend(
+            c,
+            hf_model,
+            model,
+            self.tokenizer,
+            self.device,
+            Path(c.trainer.run_dir),
+            share_weights=not sharded,
+        )
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from hybridflow.parallel import apply_fsdp
+
+            mesh = init_device_mesh(self.device.type, (world_size,))
+            for m in (model, ref_model, critic_model):
+                if m is not None:
+                    apply_fsdp(m, mesh)
+        self.actor = Actor(
+            model,
+            c.actor,
+            total_updates=total_updates,
+            max_response_tokens=c.data.max_response_tokens,
+            pad_token_id=pad,
+            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+        )
+        self.ref = (
+            Reference(
+                ref_model,
+                max_tokens_per_microbatch=c.ref.max_tokens_per_microbatch,
+                compute_dtype=c.actor.compute_dtype,
+                pad_token_id=pad,
+            )
+            if ref_model is not None
+            else None
+        )
+        self.critic = (
+            Critic(
+                critic_model,
+                c.critic,
+                total_updates=total_updates,
+                compute_dtype=c.actor.compute_dtype,
+                pad_token_id=pad,
+            )
+            if critic_model is not None
+            else None
+        )
+        if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
+            compile_native_models([m for m in (model, ref_model, critic_model) if m is not None])
+        self.rollout = Rollout(backend)
+        self.peaks: dict[str, float] = {}
+
+    @contextmanager
+    def _phase(self, name: str):
+        """Records the phase's peak GPU memory (GiB) for `take_memory_metrics`."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
+
+    # ---- the roles, as the controller calls them ----------------------------------------------
+    def generate(self, prompts: list[Prompt], params: SamplingParams, first_group: int = 0) -> Rollouts:
+        with self._phase("gen"):
+            return self.rollout.generate(prompts, params, first_group=first_group)
+
+    def sleep_rollout(self) -> None:
+        """On a GPU, the engine's KV cache is freed while the other roles run."""
+        if self.device.type == "cuda":
+            self.rollout.sleep()
+
+    def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        with self._phase("old_log_prob"):
+            return self.actor.log_probs(batch)[0]
+
+    def ref_log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        with self._phase("ref"):
+            return self.ref.log_probs(batch)
+
+    def values(self, batch: TrainingBatch) -> torch.Tensor:
+        with self._phase("values"):
+            return self.critic.values(batch)
+
+    def update_actor(self, minibatches: list[TrainingBatch]) -> dict[str, float]:
+        with self._phase("update_actor"):
+            return self.actor.update_minibatches(minibatches)
+
+    def update_critic(self, minibatches: list[TrainingBatch], epochs: int) -> dict[str, float]:
+        with self._phase("update_critic"):
+            return self.critic.update_minibatches(minibatches, epochs=epochs)
+
+    @torch.no_grad()
+    def sync_weights(self) -> float:
+        """Copy the actor's weights into the rollout backend in place; returns the seconds taken.
+        Sharded: one FSDP unit at a time is gathered (a decoder layer, then the embedding, final
+        norm and head), so no more than one layer's full weights exist beyond the engine's copy."""
+        start = time.perf_counter()
+        with self._phase("update_weights"):
+            model = self.actor.model
+            if self.world_size == 1:
+                self.rollout.update_weights(model.named_parameters())
+            else:
+                for prefix, unit in _fsdp_units(model):
+                    unit.unshard()
+                    self.rollout.update_weights(
+                        (name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)
+                    )
+                    unit.reshard()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def take_memory_metrics(self) -> dict[str, float]:
+        peaks, self.peaks = self.peaks, {}
+        return {f"perf/max_memory_allocated_gb/{phase}": gib for phase, gib in peaks.items()}
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, directory: str) -> dict | None:
+        """Every rank: sharded actor (and critic) weights + optimizer states under DIR/actor_state
+        (DIR/critic_state), which any number of ranks can load; rank 0 also exports the policy (and
+        critic) as transformers directories. Returns the LR scheduler states (rank 0)."""
+        out = Path(directory)
+        save_sharded(self.actor.model, self.actor.optimizer, out / "actor_state")
+        self._export(self.actor.model, out / "policy", score=False)
+        schedulers = {"actor_scheduler": self.actor.scheduler.state_dict()}
+        if self.critic is not None:
+            save_sharded(self.critic.model, self.critic.optimizer, out / "critic_state")
+            self._export(self.critic.model, out / "critic", score=True)
+            schedulers["critic_scheduler"] = self.critic.scheduler.state_dict()
+        return schedulers if self.rank == 0 else None
+
+    def load(self, directory: str, schedulers: dict) -> None:
+        path = Path(directory)
+        for role, name in ((self.actor, "actor"), (self.critic, "critic")):
+            if role is None:
+                continue
+            _init_optimizer_state(role.optimizer)
+            load_sharded(role.model, role.optimizer, path / f"{name}_state")
+            role.scheduler.load_state_dict(schedulers[f"{name}_scheduler"])
+
+    def _export(self, model: torch.nn.Module, directory: Path, *, score: bool) -> None:
+        """Gather full weights (a collective: every rank calls this) and let rank 0 write them."""
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        if not isinstance(model, native.NativeModule):  # a transformers model, one worker
+            if score:
+                model.save_pretrained(directory)
+            else:
+                save_hf(model, self.tokenizer, directory)
+            return
+        hf = _hf_from_state(state, self.hf_config, score=score)
+        if score:
+            hf.save_pretrained(directory)
+        else:
+            save_hf(hf, self.tokenizer, directory)
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(parameter-name prefix, module) of every FSDP unit: each decoder layer, then the root."""
+    layers = [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
+    return [*layers, ("", model)]
+
+
+def _in_unit(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) if prefix else not name.startswith("model.layers.")
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """An unsharded parameter as a plain tensor (a DTensor still sharded is gathered)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _hf_from_state(state: dict[str, torch.Tensor], hf_config, *, score: bool):
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    dtype = next(iter(state.values())).dtype
+    if not score:
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        hf.load_state_dict(state, strict=False)  # a tied LM head is one tensor under two names
+        return hf
+    config = hf_config.__class__.from_dict(hf_config.to_dict())
+    config.num_labels = state["score.weight"].shape[0]
+    cls = AutoModelForTokenClassification if "score.bias" in state else AutoModelForSequenceClassification
+    hf = cls.from_config(config, dtype=dtype)
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's state exists only after a step, and a sharded load fills existing state: take one step
+    with zero gradients at learning rate 0 (no change to any weight; the load replaces the state)."""
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
