@@ -80,9 +80,10 @@ def main() -> None:
             f"reward.custom_function_path={args.out / 'reward.py'}",
             f"trainer.total_training_steps={args.steps}",
             "trainer.save_freq=-1",
-            "trainer.logger=[jsonl]",
+            "trainer.logger=[console,jsonl]",
             f"trainer.run_dir={run}",
             f"trainer.n_gpus_per_node={args.gpus}",
+            "resources.worker_timeout_s=240",  # a stuck collective stops the run with the workers' stacks
             *args.overrides,
         ],
     )

@@ -286,7 +286,13 @@ class ResourcesConfig:
     n_gpus_per_node: int = 1
     nnodes: int = 1
     num_workers: int = 1
+    """Workers on CPU (device=cpu): more than one runs them as Ray actors joined with gloo, the
+    distributed path on a laptop. On GPUs the worker count is n_gpus_per_node x nnodes."""
     ray_address: str | None = None
+    """An existing Ray cluster to join (multi-node); None starts a local one when needed."""
+    worker_timeout_s: float | None = None
+    """Longest wait for one call on the workers (None: no limit). Past it the run stops, naming the
+    ranks still busy, and the workers on this node write their stacks to their logs."""
 
     def __post_init__(self) -> None:
         _check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))

@@ -10,8 +10,11 @@ the worker's traceback; a worker that dies stops the run with a message saying w
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +34,11 @@ class _Worker:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.role: Any = None
+        # a controller that times out asks for every thread's stack (written to the worker's log)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         """This worker's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -42,14 +50,25 @@ class _Worker:
 
     def init_process_group(self, master: tuple[str, int], backend: str) -> None:
         os.environ |= {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
-        torch.distributed.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        device = None
+        if backend == "nccl":  # bind this rank to its GPU before NCCL sees it
+            import ray
+
+            # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU (index 0 here), unless told not to
+            visible_all = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1"
+            device = torch.device("cuda", int(ray.get_gpu_ids()[0]) if visible_all else 0)
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, device_id=device
+        )
 
     def build(self, factory: Callable[[int, int], Any]) -> None:
         self.role = factory(self.rank, self.world_size)
 
-    def run(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
+    def run(self, method: str, args: tuple, kwargs: dict, *, own: bool = False) -> tuple[str, Any]:
+        """The role's method (or, with `own`, this worker's), with an error as its traceback."""
         try:
-            return "ok", getattr(self.role, method)(*args, **kwargs)
+            return "ok", getattr(self if own else self.role, method)(*args, **kwargs)
         except Exception:  # reported to the controller with this rank
             return "error", traceback.format_exc()
 
@@ -91,39 +110,57 @@ class RayWorkerGroup:
             ).remote(i, num_workers)
             for i in range(num_workers)
         ]
-        master = self._get([self.workers[0].address.remote()])[0]
+        (master,) = self._results([self.workers[0].run.remote("address", (), {}, own=True)])
         backend = "nccl" if gpus else "gloo"
-        self._get([w.init_process_group.remote(master, backend) for w in self.workers])
-        self._get([w.build.remote(factory) for w in self.workers])
+        self._results(
+            [w.run.remote("init_process_group", (master, backend), {}, own=True) for w in self.workers]
+        )
+        self._results([w.run.remote("build", (factory,), {}, own=True) for w in self.workers])
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
 
-    def _get(self, refs: list) -> list:
+    def _results(self, refs: list) -> list:
+        """Each worker's value, by rank. The first error is raised at once: the failed rank's peers
+        may be blocked in a collective it will never reach, so waiting for them would hang."""
         import ray
 
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WorkerError(
-                f"the workers did not finish within {self.timeout_s} s (a collective that some rank "
-                "never reached?)"
-            ) from e
-        except ray.exceptions.RayActorError as e:
-            rank = next((i for i, r in enumerate(refs) if _failed(r)), "?")
-            raise WorkerError(
-                f"worker rank {rank} died ({type(e).__name__}); the run stops here — resume from the "
-                "last checkpoint"
-            ) from e
-
-    def _results(self, refs: list) -> list:
-        out = []
-        for rank, (status, value) in enumerate(self._get(refs)):
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        values: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                waiting = sorted(rank_of[r] for r in pending)
+                self._dump_stacks()
+                raise WorkerError(
+                    f"worker ranks {waiting} did not finish within {self.timeout_s} s (a collective that "
+                    "some rank never reached?); their stacks are in the worker logs"
+                )
+            (ref,) = ready
+            rank = rank_of[ref]
+            try:
+                status, value = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise WorkerError(
+                    f"worker rank {rank} died ({type(e).__name__}); the run stops here — resume from the "
+                    "last checkpoint"
+                ) from e
             if status == "error":
                 raise WorkerError(f"worker rank {rank} raised:\n{value}")
-            out.append(value)
-        return out
+            values[rank] = value
+        return values
+
+    def _dump_stacks(self) -> None:
+        """Ask the workers on this node to write every thread's stack to their logs."""
+        import ray
+
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                os.kill(ray.get(worker.pid.remote(), timeout=5), signal.SIGUSR1)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The method on every worker with the same arguments; results by rank."""
@@ -151,19 +188,9 @@ class RayWorkerGroup:
         import ray
 
         for w in self.workers:
-            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead worker needs no shutdown
-                ray.get(w.shutdown.remote())
+            # a dead worker needs no shutdown; a stuck one (in a collective a failed peer never
+            # reached) never gets to it and is killed as it is
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(w.shutdown.remote(), timeout=10)
             ray.kill(w)
         ray.util.remove_placement_group(self.placement)
-
-
-def _failed(ref) -> bool:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:
-        return False
-    return False

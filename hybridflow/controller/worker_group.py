@@ -48,4 +48,10 @@ def worker_group(resources, device, factory: Callable[[int, int], Any]) -> Worke
         return InProcessWorkerGroup(factory)
     from hybridflow.controller.ray_worker_group import RayWorkerGroup
 
-    return RayWorkerGroup(factory, num_workers=count, gpus=cuda, ray_address=resources.ray_address)
+    return RayWorkerGroup(
+        factory,
+        num_workers=count,
+        gpus=cuda,
+        ray_address=resources.ray_address,
+        timeout_s=resources.worker_timeout_s,
+    )

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from rl_run import REWARD
 
 from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
@@ -17,3 +20,16 @@ def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_hf(tiny_model("llama", seed=1), byte_tokenizer(), path, overwrite=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    save_hf(tiny_model("qwen2", seed=0), byte_tokenizer(), root / "model")
+    rows = [
+        {"prompt": f"q{i}", "data_source": "synthetic", "extra_info": {"tag": "RAISE" if i % 16 == 5 else ""}}
+        for i in range(64)
+    ]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (root / "reward.py").write_text(REWARD)
+    return root

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
+from rl_run import config, read_metrics  # noqa: E402
+
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
-from tests.cpu.test_trainer import config, read_metrics, setup  # noqa: E402, F401  (setup: a fixture)
 
 # actor, reference (KL loss) and critic (GAE) all sharded; micro-batches small enough that ranks run
 # different numbers of them

@@ -38,6 +38,19 @@ class Role:
             os._exit(1)  # the worker process disappears
         return self.rank
 
+    def fail_on_rank_one_while_rank_zero_waits(self) -> float:
+        if self.rank == 1:
+            raise ValueError("rank 1 fails before the collective")
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)  # rank 1 never arrives: rank 0 waits here for good
+        return t.item()
+
+    def sleep(self, seconds: float) -> int:
+        import time
+
+        time.sleep(seconds)
+        return self.rank
+
     def fail_on_rank_one(self) -> int:
         if self.rank == 1:
             raise ValueError("a bad row, on purpose")
@@ -78,6 +91,30 @@ def test_worker_error_names_rank_and_traceback(group):
     message = str(err.value)
     assert "worker rank 1 raised" in message and "ValueError: a bad row, on purpose" in message
     assert "fail_on_rank_one" in message  # the worker's traceback
+
+
+@pytest.mark.slow
+def test_an_error_surfaces_while_its_peer_waits_in_a_collective_and_slow_calls_time_out():
+    """Rank 1 raises before an all-reduce that rank 0 is blocked in: the controller reports rank 1's
+    traceback at once instead of waiting on rank 0 for ever. A call past timeout_s names its ranks."""
+    import time
+
+    group = RayWorkerGroup(Role, num_workers=2, timeout_s=20)
+    try:
+        start = time.monotonic()
+        with pytest.raises(
+            WorkerError, match="worker rank 1 raised(.|\\n)*rank 1 fails before the collective"
+        ):
+            group.call("fail_on_rank_one_while_rank_zero_waits")
+        assert time.monotonic() - start < 15
+    finally:
+        group.shutdown()
+    group = RayWorkerGroup(Role, num_workers=2, timeout_s=10)
+    try:
+        with pytest.raises(WorkerError, match=r"worker ranks \[0, 1\] did not finish within 10 s"):
+            group.call("sleep", 30)
+    finally:
+        group.shutdown()
 
 
 class FSDPRole:

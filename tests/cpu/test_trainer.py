@@ -1,59 +1,13 @@
 """The RL trainer end to end on a tiny model: learning curves, resume equality, export, bad input."""
 
-import json
-
 import pytest
 import torch
+from rl_run import config, read_metrics
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.config import load_config
 from hybridflow.controller.trainer import RLTrainer, TrainingDiverged
 from hybridflow.errors import UserError
-from hybridflow.models import byte_tokenizer, save_hf, tiny_model
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Synthetic reward any working policy gradient can climb: the share of 'a' characters."""
-    if "RAISE" in (extra_info or {}).get("tag", ""):
-        raise RuntimeError("a buggy reward")
-    return solution_str.count("a") / max(len(solution_str), 1)
-'''
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    save_hf(tiny_model("qwen2", seed=0), byte_tokenizer(), root / "model")
-    rows = [
-        {"prompt": f"q{i}", "data_source": "synthetic", "extra_info": {"tag": "RAISE" if i % 16 == 5 else ""}}
-        for i in range(64)
-    ]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (root / "reward.py").write_text(REWARD)
-    return root
-
-
-def config(setup, run_dir, *overrides):
-    base = [
-        f"model.path={setup / 'model'}",
-        f"data.train_files=[{setup / 'prompts.jsonl'}]",
-        "data.max_response_tokens=12",
-        "data.prompts_per_step=8",
-        "rollout.samples_per_prompt=4",
-        "actor.optim.lr=1e-2",
-        "actor.compute_dtype=float32",
-        f"reward.custom_function_path={setup / 'reward.py'}",
-        "reward.num_workers=0",
-        "trainer.logger=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        "trainer.total_training_steps=20",
-    ]
-    return load_config(None, [*base, *overrides])
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
+from hybridflow.models import byte_tokenizer, save_hf
 
 ALGORITHMS = {
     "grpo": [],

@@ -1,0 +1,35 @@
+"""The small RL run the trainer tests share: config over a tiny model and a synthetic reward."""
+
+import json
+
+from hybridflow.config import load_config
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Synthetic reward any working policy gradient can climb: the share of 'a' characters."""
+    if "RAISE" in (extra_info or {}).get("tag", ""):
+        raise RuntimeError("a buggy reward")
+    return solution_str.count("a") / max(len(solution_str), 1)
+'''
+
+
+def config(setup, run_dir, *overrides):
+    base = [
+        f"model.path={setup / 'model'}",
+        f"data.train_files=[{setup / 'prompts.jsonl'}]",
+        "data.max_response_tokens=12",
+        "data.prompts_per_step=8",
+        "rollout.samples_per_prompt=4",
+        "actor.optim.lr=1e-2",
+        "actor.compute_dtype=float32",
+        f"reward.custom_function_path={setup / 'reward.py'}",
+        "reward.num_workers=0",
+        "trainer.logger=[jsonl]",
+        f"trainer.run_dir={run_dir}",
+        "trainer.total_training_steps=20",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
