@@ -122,6 +122,16 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 DEMO_RECIPE = "demo_arithmetic_grpo"
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from hybridflow.config import load_config
+    from hybridflow.controller.memory_plan import GIB, plan_for
+
+    recipe, overrides = _recipe_and_overrides(args)
+    config = load_config(recipe or DEMO_RECIPE, overrides)
+    gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
+    print(plan_for(config, gpu_bytes=gpu).report())
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from hybridflow.config import load_config
     from hybridflow.controller.trainer import RLTrainer
@@ -206,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="start over: delete this run's earlier checkpoints and metrics",
     )
     train.set_defaults(func=cmd_train)
+
+    plan = sub.add_parser(
+        "plan", help="estimate peak GPU memory per training phase for a recipe, with suggestions"
+    )
+    plan.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name); none: the demo")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.n_gpus_per_node=2")
+    plan.add_argument(
+        "--gpu-memory-gib", type=float, help="memory of one GPU (default: this machine's GPU, else 80)"
+    )
+    plan.set_defaults(func=cmd_plan)
 
     config = sub.add_parser("config", help="inspect configuration").add_subparsers(
         dest="action", required=True

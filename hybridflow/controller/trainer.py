@@ -25,6 +25,7 @@ from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.dispatch import merge_rows, minibatch_shards, prompt_shards, shard_rows
 from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.memory_plan import plan_for
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
@@ -92,6 +93,8 @@ class RLTrainer:
         self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
         self.has_critic = c.algorithm.adv_estimator == "gae"
+        if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
+            self._print_memory_plan()
         factory = functools.partial(HybridWorker, c, total_updates=self.total_steps * updates_per_step(c))
         self.workers = worker_group(c.resources, self.device, factory)
         kl = c.algorithm.kl_ctrl
@@ -222,6 +225,20 @@ class RLTrainer:
         metrics["perf/throughput"] = tokens / timer.times["step"] / devices  # tokens/s per device (verl)
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
+
+    def _print_memory_plan(self) -> None:
+        try:
+            plan = plan_for(self.config)
+        except Exception as e:  # an estimate must never stop a run
+            print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
+            return
+        print(plan.summary(), flush=True)
+        if not plan.fits():
+            print(
+                "warning: a phase will not fit in GPU memory (`hybridflow plan` for the details): "
+                + "; ".join(plan.suggestions),
+                flush=True,
+            )
 
     # ---- the roles over the workers: data-parallel split and gather ------------------------------
     def _rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:

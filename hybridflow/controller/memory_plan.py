@@ -1,0 +1,208 @@
+"""Peak GPU memory per phase of an RL step, estimated from the config and the model's shape alone
+(no weights loaded), with suggestions when a phase will not fit: `hybridflow plan`, and the
+trainer's start-up line.
+
+Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keeps a full copy):
+  resident   actor master weights + gradients + Adam (dtype x 1, x 1, fp32 x 2 per parameter, / W),
+             reference weights (/ W), critic the same as the actor, the engine's weights (bf16
+             matmuls, fp32 embedding, a bf16 LM head)
+  gen        resident + the KV pool (gpu_memory_utilization of the memory free when the engine is
+             built, or rollout.kv_cache_tokens)
+  ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
+  update_actor         resident + saved activations + the log-prob chunks' forward and backward
+  update_weights       resident + one gathered layer
+Activations: 13.6 bytes x (hidden + intermediate) per token per layer under bf16 autocast with an
+fp32 master, and 4 x chunk x vocabulary x 4 bytes for the log-prob chunks — both fitted to the peaks
+measured on one H200 (docs/benchmarks.md), which the estimate reproduces within a few percent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridflow.config.schema import Config
+from hybridflow.devices import DTYPES
+
+GIB = 2**30
+ACTIVATION_BYTES = 13.6  # per token, per layer, per (hidden + intermediate) unit
+LOGPROB_CHUNK = 2048  # tokens per log-prob chunk (models/native/logprobs.py)
+CUDA_CONTEXT = GIB  # the CUDA context and allocator slack, per process
+
+
+@dataclass
+class ModelShape:
+    params: int
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> ModelShape:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        params = sum(p.numel() for p in model.parameters())  # a tied head counts once
+        heads = hf_config.num_attention_heads
+        return cls(
+            params=params,
+            vocab=hf_config.vocab_size,
+            hidden=hf_config.hidden_size,
+            intermediate=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
+            layers=hf_config.num_hidden_layers,
+            kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class MemoryPlan:
+    gpu_bytes: int
+    workers: int
+    resident: dict[str, float]  # bytes of each always-resident part
+    phases: dict[str, float]  # peak bytes per phase
+    kv_tokens: int
+    suggestions: list[str] = field(default_factory=list)
+
+    def fits(self) -> bool:
+        return max(self.phases.values()) <= self.gpu_bytes
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.phases.items())
+        return (
+            f"memory plan (GiB per GPU of {self.gpu_bytes / GIB:.0f}, {self.workers} worker(s)): {phases}; "
+            f"KV pool {self.kv_tokens:,} tokens"
+        )
+
+    def report(self) -> str:
+        lines = [self.summary(), "resident:"]
+        lines += [f"  {k:<22} {v / GIB:8.2f} GiB" for k, v in self.resident.items()]
+        lines += ["peak per phase:"]
+        lines += [
+            f"  {k:<22} {v / GIB:8.2f} GiB{'  > GPU memory' if v > self.gpu_bytes else ''}"
+            for k, v in self.phases.items()
+        ]
+        lines += [f"suggestion: {s}" for s in self.suggestions] or ["every phase fits"]
+        return "\n".join(lines)
+
+
+def _activations(shape: ModelShape, tokens: int, checkpointing: bool) -> float:
+    per_layer = ACTIVATION_BYTES * (shape.hidden + shape.intermediate) * tokens
+    if checkpointing:  # saved: each layer's fp32 input; recomputed: one layer at a time
+        return shape.layers * tokens * shape.hidden * 4 + per_layer
+    return shape.layers * per_layer
+
+
+def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int) -> MemoryPlan:
+    c = config
+    master = DTYPES[c.model.dtype].itemsize if isinstance(c.model.dtype, str) else 4
+    w = workers
+    p = shape.params
+    resident: dict[str, float] = {
+        "actor weights": master * p / w,
+        "actor gradients": master * p / w,
+        "actor Adam state": 8 * p / w,
+    }
+    if c.actor.use_kl_loss or c.algorithm.use_kl_in_reward:
+        resident["reference weights"] = master * p / w
+    critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
+    if c.algorithm.adv_estimator == "gae":
+        resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
+    head_copy = shape.embedding  # a tied head gets its own bf16 copy; an untied one is a matmul
+    matmul = p - shape.embedding * (1 if shape.tied else 2)
+    resident["engine weights"] = 2 * matmul + 4 * shape.embedding + 2 * head_copy
+    static = sum(resident.values()) + CUDA_CONTEXT
+    # the engine is built before FSDP shards anything: full copies of the trained models are there
+    at_engine_build = master * p * (1 + ("reference weights" in resident)) + resident["engine weights"]
+    if c.algorithm.adv_estimator == "gae":
+        at_engine_build += master * critic_params
+    kv_per_token = shape.kv_bytes_per_token()
+    if c.rollout.kv_cache_tokens is not None:
+        kv_bytes = c.rollout.kv_cache_tokens * kv_per_token
+    else:
+        kv_bytes = max(c.rollout.gpu_memory_utilization * (gpu_bytes - CUDA_CONTEXT - at_engine_build), 0.0)
+    logits = 4 * LOGPROB_CHUNK * shape.vocab * 4
+    forward = logits + 4 * (shape.hidden + shape.intermediate) * c.ref.max_tokens_per_microbatch
+    layer = master * (p - shape.embedding) / shape.layers
+    phases = {
+        "gen": static + kv_bytes,
+        "ref/old_log_prob": static + forward,
+        "update_actor": static
+        + _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing)
+        + logits,
+    }
+    if c.algorithm.adv_estimator == "gae":
+        phases["update_critic"] = static + _activations(
+            shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
+        )
+    phases["update_weights"] = static + (layer if w > 1 else 0.0)
+    plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token))
+    plan.suggestions = _suggestions(config, shape, plan, static, logits, kv_per_token)
+    return plan
+
+
+def _suggestions(
+    config: Config, shape: ModelShape, plan: MemoryPlan, static, logits, kv_per_token
+) -> list[str]:
+    c, out = config, []
+    room = plan.gpu_bytes - static - logits
+    if plan.phases["update_actor"] > plan.gpu_bytes:
+        per_token = _activations(shape, 1, c.model.enable_gradient_checkpointing)
+        fits = int(room // per_token) if room > 0 else 0
+        if fits >= 512:
+            out.append(
+                f"actor.max_tokens_per_microbatch={fits // 512 * 512} (now {c.actor.max_tokens_per_microbatch})"
+            )
+        if not c.model.enable_gradient_checkpointing:
+            out.append("model.enable_gradient_checkpointing=true (saves each layer's input only)")
+        if fits < 512:
+            out.append("more GPUs (FSDP2 shards weights, gradients and Adam state over them)")
+    need = min(c.rollout.max_batch_sequences, c.data.prompts_per_step * c.rollout.samples_per_prompt) * (
+        c.data.max_prompt_tokens + c.data.max_response_tokens
+    )
+    if plan.kv_tokens < need:
+        out.append(
+            f"the KV pool holds {plan.kv_tokens:,} tokens, less than {need:,} for a full batch at full length: "
+            "raise rollout.gpu_memory_utilization or lower rollout.max_batch_sequences (sequences are "
+            "preempted and recomputed otherwise)"
+        )
+    if plan.phases["gen"] > plan.gpu_bytes and c.rollout.kv_cache_tokens is not None:
+        fits = int((plan.gpu_bytes - static) // kv_per_token)
+        out.append(f"rollout.kv_cache_tokens={max(fits, 0):,} (now {c.rollout.kv_cache_tokens:,})")
+    return out
+
+
+def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:
+    """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
+    from transformers import AutoConfig
+
+    from hybridflow.models.default import default_model_dir
+
+    default = config.model.path == "default"
+    path = Path(default_model_dir(config.model.cache_dir) if default else config.model.path)
+    if path.is_file():  # a .gguf file
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        hf_config = AutoConfig.from_pretrained(path)
+    shape = ModelShape.from_hf_config(hf_config)
+    if gpu_bytes is None:
+        gpu_bytes = (
+            torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 * GIB
+        )
+    if workers is None:
+        workers = config.resources.n_gpus_per_node * config.resources.nnodes
+    return estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)

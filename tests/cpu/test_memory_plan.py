@@ -1,0 +1,82 @@
+"""The memory planner: hand-computed resident sizes, the peaks measured on one H200 reproduced, and
+suggestions when a phase cannot fit."""
+
+import pytest
+from transformers import AutoConfig
+
+from hybridflow.config import load_config
+from hybridflow.controller.memory_plan import CUDA_CONTEXT, GIB, ModelShape, estimate
+
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+QWEN_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+H200 = 143771 * 2**20  # nvidia-smi's total for one H200
+
+# bench/distributed_grpo.py's run on one H200 (2026-11-30): 64 prompts x 8 samples, responses of 256,
+# KL loss, default micro-batch budgets; peaks (torch.cuda.max_memory_allocated, GiB) per phase
+BENCH = ["data.prompts_per_step=64", "rollout.samples_per_prompt=8", "data.max_response_tokens=256",
+         "data.max_prompt_tokens=512", "actor.use_kl_loss=true"]  # fmt: skip
+MEASURED = {
+    "0.5b": {"gen": 76.4, "ref/old_log_prob": 15.1, "update_actor": 29.6, "update_weights": 10.7},
+    "1.5b": {"gen": 90.5, "ref/old_log_prob": 37.2, "update_actor": 67.6, "update_weights": 32.6},
+}
+
+
+def _shape(**dims) -> ModelShape:
+    return ModelShape.from_hf_config(
+        AutoConfig.for_model("qwen2", vocab_size=151936, max_position_embeddings=32768, **dims)
+    )
+
+
+def test_shape_counts_the_parameters_of_the_config():
+    shape = _shape(**QWEN_05B)
+    assert shape.params == 494_032_768  # Qwen2.5-0.5B's published count
+    assert shape.kv_bytes_per_token() == 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 heads of 64, bf16
+
+
+def test_resident_parts_by_hand():
+    shape = _shape(**QWEN_05B)
+    p, e = shape.params, shape.embedding
+    plan = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=2)
+    assert plan.resident["actor weights"] == 4 * p / 2  # fp32 master, sharded two ways
+    assert plan.resident["actor Adam state"] == 8 * p / 2
+    assert plan.resident["reference weights"] == 4 * p / 2
+    # the engine's full copy: bf16 matmuls, an fp32 embedding and a bf16 copy of the tied head
+    assert plan.resident["engine weights"] == 2 * (p - e) + 4 * e + 2 * e
+    assert "critic weights+grads+Adam" not in plan.resident  # GRPO has no critic
+
+
+@pytest.mark.parametrize("name, dims", [("0.5b", QWEN_05B), ("1.5b", QWEN_15B)])
+def test_estimate_reproduces_the_peaks_measured_on_the_h200(name, dims):
+    plan = estimate(load_config(None, BENCH), _shape(**dims), gpu_bytes=H200, workers=1)
+    for phase, measured in MEASURED[name].items():
+        estimated = (plan.phases[phase] - CUDA_CONTEXT) / GIB  # the measurement excludes the context
+        assert estimated == pytest.approx(measured, rel=0.06), phase
+    assert plan.fits() and not [s for s in plan.suggestions if "max_tokens_per_microbatch" in s]
+
+
+def test_a_phase_that_cannot_fit_gets_suggestions():
+    shape = _shape(**QWEN_15B)
+    config = load_config(None, [*BENCH, "actor.max_tokens_per_microbatch=65536"])
+    plan = estimate(config, shape, gpu_bytes=48 * GIB, workers=1)
+    assert not plan.fits()
+    assert any(s.startswith("actor.max_tokens_per_microbatch=") for s in plan.suggestions)
+    assert any("gradient_checkpointing" in s for s in plan.suggestions)
+    assert "update_actor" in plan.report() and "> GPU memory" in plan.report()
+    checkpointed = estimate(
+        load_config(None, [*BENCH, "actor.max_tokens_per_microbatch=65536", "model.enable_gradient_checkpointing=true"]),
+        shape, gpu_bytes=48 * GIB, workers=1,
+    )  # fmt: skip
+    assert checkpointed.phases["update_actor"] < plan.phases["update_actor"] / 2
+
+
+def test_plan_command_prints_the_report(tiny_dir, capsys):
+    from hybridflow.cli import main
+
+    assert (
+        main(["plan", f"model.path={tiny_dir}", "trainer.n_gpus_per_node=2", "--gpu-memory-gib", "0.5"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "2 worker(s)" in out and "peak per phase:" in out
+    assert "update_actor" in out and "suggestion:" in out  # half a GiB: the KV pool is too small
