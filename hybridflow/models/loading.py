@@ -32,13 +32,7 @@ def load_causal_lm(
     if impl not in ("hf", "auto", "native"):
         raise UserError(f"model impl {impl!r} is unknown; use 'native', 'hf' or 'auto'")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if path == "default":
-        from hybridflow.models.default import default_model_dir
-
-        path = str(default_model_dir(cache_dir))
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"model path not found: {path}")
+    p = _model_path(path, cache_dir)
     if p.is_file():
         if p.suffix != ".gguf":
             raise UserError(f"model file {path} is not a .gguf file; pass an HF model directory or a .gguf")
@@ -66,19 +60,25 @@ def load_tokenizer(
     path: str, *, cache_dir: str | None = None, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
     """The tokenizer of `path` alone (with a pad token), as `load_causal_lm` would return it."""
-    if path == "default":
-        from hybridflow.models.default import default_model_dir
-
-        path = str(default_model_dir(cache_dir))
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"model path not found: {path}")
+    p = _model_path(path, cache_dir)
     if p.is_file():
         tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
     _ensure_pad_token(tokenizer)
     return tokenizer
+
+
+def _model_path(path: str, cache_dir: str | None) -> Path:
+    """'default' (the embedded model's cached directory) or the given path, which must exist."""
+    if path == "default":
+        from hybridflow.models.default import default_model_dir
+
+        return default_model_dir(cache_dir)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"model path not found: {path}")
+    return p
 
 
 def _load_hf_dir(p: Path, dtype: torch.dtype, trust_remote_code: bool):

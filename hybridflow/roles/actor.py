@@ -36,6 +36,26 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: i
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def optimizer_step(
+    model, optimizer, scheduler, grad_clip: float, sums: dict[str, float]
+) -> dict[str, float] | None:
+    """After a mini-batch's backward passes: metric sums over ranks (each rank holds its share, so
+    the sums are the global values), clip to the global gradient norm and step; None (no step, the
+    gradients dropped) when the norm is not finite, which every rank sees alike."""
+    keys = sorted(sums)
+    sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm is a DTensor
+        grad_norm = grad_norm.full_tensor()
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    scheduler.step()
+    sums["grad_norm"] = grad_norm.item()
+    return sums
+
+
 class Actor:
     """Policy model + optimizer. `update` runs ppo_epochs over mini-batches of `sequences_per_update`,
     each split into micro-batches by token budget with gradient accumulation; the loss divides by the
@@ -209,18 +229,7 @@ class Actor:
             sums["entropy"] += entropy_loss.item()
             for k, v in pg_metrics.items():
                 sums[k] += v.item() * share
-        keys = sorted(sums)  # each rank holds its share of every metric: the sums are the global values
-        sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm is a DTensor
-            grad_norm = grad_norm.full_tensor()
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        self.optimizer.step()
-        self.scheduler.step()
-        sums["grad_norm"] = grad_norm.item()
-        return sums
+        return optimizer_step(self.model, self.optimizer, self.scheduler, cfg.optim.grad_clip, sums)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -13,7 +13,7 @@ from hybridflow.algorithms.losses import value_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.parallel.collectives import data_parallel_scale, sum_over_ranks
-from hybridflow.roles.actor import build_optimizer
+from hybridflow.roles.actor import build_optimizer, optimizer_step
 from hybridflow.roles.forward import (
     autocast,
     in_step_microbatches,
@@ -156,18 +156,7 @@ class Critic:
             sums["vf_loss"] += loss.item()
             sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
             sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(tokens, 1)
-        keys = sorted(sums)
-        sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        self.optimizer.step()
-        self.scheduler.step()
-        sums["grad_norm"] = grad_norm.item()
-        return sums
+        return optimizer_step(self.model, self.optimizer, self.scheduler, self.config.optim.grad_clip, sums)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
