@@ -204,21 +204,21 @@ class HybridWorker:
             role.scheduler.load_state_dict(schedulers[f"{name}_scheduler"])
 
     def _export(self, model: torch.nn.Module, directory: Path, *, score: bool) -> None:
-        """Gather full weights (a collective: every rank calls this) and let rank 0 write them."""
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """Rank 0 writes `model` as a transformers directory; ours is first gathered whole from its
+        shards, a collective that every rank joins (a transformers model runs in one worker only)."""
+        if isinstance(model, native.NativeModule):
+            state = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self.rank == 0:
+                convert = native.to_hf_score_model if score else native.to_hf_model
+                model = convert(state, self.hf_config)
         if self.rank != 0:
             return
-        if not isinstance(model, native.NativeModule):  # a transformers model, one worker
-            if score:
-                model.save_pretrained(directory)
-            else:
-                save_hf(model, self.tokenizer, directory)
-            return
-        hf = _hf_from_state(state, self.hf_config, score=score)
         if score:
-            hf.save_pretrained(directory)
+            model.save_pretrained(directory)
         else:
-            save_hf(hf, self.tokenizer, directory)
+            save_hf(model, self.tokenizer, directory)
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -234,26 +234,6 @@ def _in_unit(name: str, prefix: str) -> bool:
 def _full(p: torch.Tensor) -> torch.Tensor:
     """An unsharded parameter as a plain tensor (a DTensor still sharded is gathered)."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-
-
-def _hf_from_state(state: dict[str, torch.Tensor], hf_config, *, score: bool):
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
-
-    dtype = next(iter(state.values())).dtype
-    if not score:
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        hf.load_state_dict(state, strict=False)  # a tied LM head is one tensor under two names
-        return hf
-    config = hf_config.__class__.from_dict(hf_config.to_dict())
-    config.num_labels = state["score.weight"].shape[0]
-    cls = AutoModelForTokenClassification if "score.bias" in state else AutoModelForSequenceClassification
-    hf = cls.from_config(config, dtype=dtype)
-    hf.load_state_dict(state, strict=True)
-    return hf
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

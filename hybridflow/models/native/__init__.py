@@ -52,12 +52,14 @@ def from_hf_model(hf_model) -> NativeCausalLM:
     return model.eval()
 
 
-def to_hf_model(model: NativeCausalLM, hf_config):
-    """A transformers model holding our weights (for export with save_hf)."""
+def to_hf_model(model: NativeCausalLM | dict[str, torch.Tensor], hf_config):
+    """A transformers model holding our weights (for export with save_hf): from our model, or from
+    its state dict (e.g. full weights gathered from FSDP shards)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(model.parameters()).dtype)
-    hf.load_state_dict(model.state_dict(), strict=False)
+    state = model if isinstance(model, dict) else model.state_dict()
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+    hf.load_state_dict(state, strict=False)  # a tied LM head is one tensor under two names
     return hf
 
 

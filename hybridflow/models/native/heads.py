@@ -65,20 +65,17 @@ def value_model_from_causal_lm(policy: NativeModule) -> NativeScoreModel:
     return model
 
 
-def to_hf_score_model(model: NativeScoreModel, hf_config):
+def to_hf_score_model(model: NativeScoreModel | dict[str, torch.Tensor], hf_config):
     """The transformers model (token classification when the head has a bias, else sequence
-    classification) holding our weights, for `save_pretrained`."""
+    classification) holding our weights, for `save_pretrained`: from our model or its state dict."""
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
+    state = model if isinstance(model, dict) else model.state_dict()
     config = hf_config.__class__.from_dict(hf_config.to_dict())
-    config.num_labels = model.num_labels
-    cls = (
-        AutoModelForTokenClassification
-        if model.score.bias is not None
-        else AutoModelForSequenceClassification
-    )
-    hf = cls.from_config(config, dtype=next(model.parameters()).dtype)
-    hf.load_state_dict(model.state_dict(), strict=True)
+    config.num_labels = state["score.weight"].shape[0]
+    cls = AutoModelForTokenClassification if "score.bias" in state else AutoModelForSequenceClassification
+    hf = cls.from_config(config, dtype=next(iter(state.values())).dtype)
+    hf.load_state_dict(state, strict=True)
     return hf
 
 
