@@ -141,6 +141,11 @@ class TrainingBatch:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def minibatches(self, size: int | None) -> list[TrainingBatch]:
+        """Consecutive mini-batches of `size` sequences (None: one of the whole batch)."""
+        size = size or len(self)
+        return [self.select(list(range(s, min(s + size, len(self))))) for s in range(0, len(self), size)]
+
     def select(self, rows: list[int]) -> TrainingBatch:
         """Rows `rows`, with token tensors trimmed to their longest response."""
         width = max((len(self.response_ids[i]) for i in rows), default=0)

@@ -24,11 +24,16 @@ def shard_rows(batch: TrainingBatch, world_size: int) -> list[list[int]]:
     return balance_partitions(sequence_lengths(batch), world_size)
 
 
+def share(batch: TrainingBatch, rows: list[int]) -> TrainingBatch:
+    """A rank's share of `batch` (the batch itself when the share is all of it, as with one rank)."""
+    return batch if len(rows) == len(batch) else batch.select(rows)
+
+
 def merge_rows(results: list[Any], parts: list[list[int]]) -> Any:
     """Per-rank row results (tensors [rows, ...], tuples of them, or None) in the batch's order."""
     first = results[0]
-    if first is None:
-        return None
+    if len(results) == 1 or first is None:  # one rank holds every row, in order
+        return first
     if isinstance(first, tuple):
         return tuple(merge_rows([r[i] for r in results], parts) for i in range(len(first)))
     width = max(r.shape[1] for r in results) if first.dim() > 1 else None
@@ -42,12 +47,10 @@ def minibatch_shards(
     batch: TrainingBatch, per_update: int | None, world_size: int
 ) -> list[list[TrainingBatch]]:
     """For each rank, its share of every mini-batch of `per_update` sequences (all of them: None)."""
-    per_update = per_update or len(batch)
     shards: list[list[TrainingBatch]] = [[] for _ in range(world_size)]
-    for start in range(0, len(batch), per_update):
-        minibatch = batch.select(list(range(start, min(start + per_update, len(batch)))))
+    for minibatch in batch.minibatches(per_update):
         for rank, rows in enumerate(shard_rows(minibatch, world_size)):
-            shards[rank].append(minibatch.select(rows))
+            shards[rank].append(share(minibatch, rows))
     return shards
 
 

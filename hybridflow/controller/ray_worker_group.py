@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hybridflow.batch import balance_partitions
+from hybridflow.controller.dispatch import merge_rows
 
 
 class WorkerError(RuntimeError):
@@ -176,13 +177,10 @@ class RayWorkerGroup:
         run `method(shard, **kwargs)` on each worker. Tensor results (first dim = shard rows) come
         back as one tensor in the batch's row order; any other results as a list by rank."""
         parts = balance_partitions(list(lengths), self.world_size)
-        refs = [w.run.remote(method, (batch.select(rows),), kwargs) for w, rows in zip(self.workers, parts)]
-        results = self._results(refs)
+        results = self.call_each(method, [(batch.select(rows),) for rows in parts], **kwargs)
         if not all(isinstance(r, torch.Tensor) for r in results):
             return results
-        order = torch.tensor([i for rows in parts for i in rows])
-        merged = torch.cat(results)  # rows in partition order
-        return merged[torch.argsort(order)]
+        return merge_rows(results, parts)
 
     def shutdown(self) -> None:
         import ray

@@ -23,7 +23,7 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
-from hybridflow.controller.dispatch import merge_rows, minibatch_shards, prompt_shards, shard_rows
+from hybridflow.controller.dispatch import merge_rows, minibatch_shards, prompt_shards, shard_rows, share
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.memory_plan import plan_for
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
@@ -253,7 +253,7 @@ class RLTrainer:
     def _per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
         """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
         parts = shard_rows(batch, self.workers.world_size)
-        return merge_rows(self.workers.call_each(method, [(batch.select(rows),) for rows in parts]), parts)
+        return merge_rows(self.workers.call_each(method, [(share(batch, rows),) for rows in parts]), parts)
 
     def _update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
         """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
@@ -390,9 +390,7 @@ class RLTrainer:
             )
 
     def _sleep_rollout(self) -> None:
-        """On a GPU, the engine's KV cache is freed while the other roles run."""
-        if self.device.type == "cuda":
-            self.workers.call("sleep_rollout")
+        self.workers.call("sleep_rollout")  # a GPU worker frees its KV cache while the other roles run
 
     def save(self) -> Path:
         """The workers write the sharded model and optimizer states and the transformers exports;

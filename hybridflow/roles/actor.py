@@ -113,11 +113,7 @@ class Actor:
 
     def update(self, batch: TrainingBatch) -> dict[str, float]:
         """PPO epochs over mini-batches of `sequences_per_update` sequences; metrics (actor/*)."""
-        per_update = self.config.sequences_per_update or len(batch)
-        starts = range(0, len(batch), per_update)
-        return self.update_minibatches(
-            [batch.select(list(range(s, min(s + per_update, len(batch))))) for s in starts]
-        )
+        return self.update_minibatches(batch.minibatches(self.config.sequences_per_update))
 
     def update_minibatches(self, minibatches: list[TrainingBatch]) -> dict[str, float]:
         """PPO epochs over the given mini-batches (under data parallelism: this rank's share of each

@@ -101,14 +101,6 @@ class Critic:
                 out[rows, : v.shape[1]] = v.cpu()
         return out * batch.response_mask
 
-    def update(
-        self, batch: TrainingBatch, *, sequences_per_update: int | None = None, epochs: int = 1
-    ) -> dict[str, float]:
-        per_update = sequences_per_update or len(batch)
-        starts = range(0, len(batch), per_update)
-        minibatches = [batch.select(list(range(s, min(s + per_update, len(batch))))) for s in starts]
-        return self.update_minibatches(minibatches, epochs=epochs)
-
     def update_minibatches(self, minibatches: list[TrainingBatch], *, epochs: int = 1) -> dict[str, float]:
         """Value-loss epochs over the given mini-batches (under data parallelism: this rank's share of
         each global mini-batch, normalised by global counts as the actor does); metrics (critic/*)."""
