@@ -55,8 +55,9 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
 
 class WeightUpdater:
     """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
-    graphs stay valid. On CUDA all copies of one dtype pair run as one Triton launch; its plan is
-    kept while the same tensors come back at the same addresses (as a trainer's parameters do)."""
+    graphs stay valid. Tensors that come back at the same addresses (a trainer's parameters, from
+    the second update on) are copied on CUDA by one Triton launch per dtype pair from a kept plan;
+    tensors seen once (layers gathered from FSDP shards) are copied one by one, planning nothing."""
 
     def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
         self.targets = targets
@@ -64,6 +65,7 @@ class WeightUpdater:
         self._key: tuple | None = None
         self._sources: list[torch.Tensor] = []  # kept alive: the plan holds their addresses
         self._written = 0
+        self._last_key: tuple | None = None  # the previous call's, when it had no plan
 
     @torch.no_grad()
     def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -85,8 +87,11 @@ class WeightUpdater:
         ]
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         self._plan, self._key, self._sources = None, None, []
-        if copies and all(
-            d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies
+        repeated, self._last_key = key == self._last_key, key
+        if (
+            repeated
+            and copies
+            and all(d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies)
         ):
             from hybridflow.engine.triton_copy import CastCopyPlan
 
