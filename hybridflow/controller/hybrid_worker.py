@@ -6,7 +6,6 @@ one FSDP unit (decoder layer) at a time."""
 from __future__ import annotations
 
 import copy
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -155,11 +154,10 @@ class HybridWorker:
             return self.critic.update_minibatches(minibatches, epochs=epochs)
 
     @torch.no_grad()
-    def sync_weights(self) -> float:
-        """Copy the actor's weights into the rollout backend in place; returns the seconds taken.
-        Sharded: one FSDP unit at a time is gathered (a decoder layer, then the embedding, final
-        norm and head), so no more than one layer's full weights exist beyond the engine's copy."""
-        start = time.perf_counter()
+    def sync_weights(self) -> None:
+        """Copy the actor's weights into the rollout backend in place. Sharded: one FSDP unit at a
+        time is gathered (a decoder layer, then the embedding, final norm and head), so no more than
+        one layer's full weights exist beyond the engine's copy."""
         with self._phase("update_weights"):
             model = self.actor.model
             if self.world_size == 1:
@@ -171,9 +169,8 @@ class HybridWorker:
                         (name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)
                     )
                     unit.reshard()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the controller times this call: include the copies
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
 
     def take_memory_metrics(self) -> dict[str, float]:
         peaks, self.peaks = self.peaks, {}

@@ -109,7 +109,7 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool) -> float:
 
 def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int) -> MemoryPlan:
     c = config
-    master = DTYPES[c.model.dtype].itemsize if isinstance(c.model.dtype, str) else 4
+    master = DTYPES[c.model.dtype].itemsize  # the trained models' dtype
     w = workers
     p = shape.params
     resident: dict[str, float] = {
