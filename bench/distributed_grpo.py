@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     prompts = [

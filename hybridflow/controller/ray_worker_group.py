@@ -23,6 +23,7 @@ import torch
 
 from hybridflow.batch import balance_partitions
 from hybridflow.controller.dispatch import merge_rows
+from hybridflow.errors import UserError
 
 
 class WorkerError(RuntimeError):
@@ -99,6 +100,13 @@ class RayWorkerGroup:
         self.timeout_s = timeout_s
         if not ray.is_initialized():
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+        kind = "GPU" if gpus else "CPU"
+        have = ray.cluster_resources().get(kind, 0)
+        if have < num_workers:  # a placement group that cannot be placed would wait forever
+            raise UserError(
+                f"the Ray cluster has {have:g} {kind}s but the run asks for {num_workers} workers with one "
+                f"{kind} each (trainer.n_gpus_per_node x trainer.nnodes, or resources.num_workers on CPU)"
+            )
         bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * num_workers, strategy="PACK")
         ray.get(self.placement.ready())
