@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
@@ -24,6 +25,7 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
+from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.roles.actor import Actor
 from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
@@ -45,18 +47,27 @@ class HybridWorker:
         hf_model.to(self.device)
         self.hf_config = hf_model.config
         model = policy_model(c, hf_model)
-        sharded = world_size > 1
+        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        # FSDP2 shards over several workers; in one it is what offloads parameters to the CPU
+        shard_actor = world_size > 1 or c.actor.offload_params
+        shard_ref = needs_ref and (world_size > 1 or c.ref.offload_params)
+        sharded = shard_actor or shard_ref
         if sharded and not isinstance(model, native.NativeModule):
             raise UserError(
-                f"more than one worker shards the model with FSDP2, which needs our native model; model type "
-                f"{self.hf_config.model_type!r} has none (or model.impl=hf)"
+                f"FSDP2 (more than one worker, or actor/ref.offload_params) needs our native model; model "
+                f"type {self.hf_config.model_type!r} has none (or model.impl=hf)"
             )
         if sharded and c.model.compile:
-            raise UserError("model.compile=true runs with one worker only for now; set model.compile=false")
+            raise UserError(
+                "model.compile=true runs unsharded only for now (one worker, no offload_params); set "
+                "model.compile=false"
+            )
         if sharded and c.rollout.backend == "vllm":
-            raise UserError("rollout.backend=vllm runs with one worker only; use rollout.backend=native")
+            raise UserError(
+                "rollout.backend=vllm runs unsharded only (one worker, no offload_params); use "
+                "rollout.backend=native"
+            )
         pad = self.tokenizer.pad_token_id
-        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
         ref_model = copy.deepcopy(model) if needs_ref else None
         critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
         # the rollout backend takes its own full copy before the trained models are sharded
@@ -67,17 +78,30 @@ class HybridWorker:
             self.tokenizer,
             self.device,
             Path(c.trainer.run_dir),
-            share_weights=not sharded,
+            share_weights=not shard_actor,
         )
+        self._own_process_group = False
         if sharded:
             from torch.distributed.device_mesh import init_device_mesh
 
             from hybridflow.parallel import apply_fsdp
 
+            if not torch.distributed.is_initialized():  # one in-process worker
+                torch.distributed.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo",
+                    store=torch.distributed.HashStore(),
+                    rank=0,
+                    world_size=1,
+                    device_id=self.device if self.device.type == "cuda" else None,
+                )
+                self._own_process_group = True
             mesh = init_device_mesh(self.device.type, (world_size,))
-            for m in (model, ref_model, critic_model):
-                if m is not None:
-                    apply_fsdp(m, mesh)
+            if shard_actor:
+                apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
+            if shard_ref:
+                apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
+            if critic_model is not None and world_size > 1:
+                apply_fsdp(critic_model, mesh)
         self.actor = Actor(
             model,
             c.actor,
@@ -85,6 +109,7 @@ class HybridWorker:
             max_response_tokens=c.data.max_response_tokens,
             pad_token_id=pad,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            device=self.device,
         )
         self.ref = (
             Reference(
@@ -92,6 +117,7 @@ class HybridWorker:
                 max_tokens_per_microbatch=c.ref.max_tokens_per_microbatch,
                 compute_dtype=c.actor.compute_dtype,
                 pad_token_id=pad,
+                device=self.device,
             )
             if ref_model is not None
             else None
@@ -103,6 +129,7 @@ class HybridWorker:
                 total_updates=total_updates,
                 compute_dtype=c.actor.compute_dtype,
                 pad_token_id=pad,
+                device=self.device,
             )
             if critic_model is not None
             else None
@@ -110,6 +137,11 @@ class HybridWorker:
         if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
             compile_native_models([m for m in (model, ref_model, critic_model) if m is not None])
         self.rollout = Rollout(backend)
+        # with offload_params the optimizer lives (and steps) on the CPU already
+        self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
+        del hf_model  # the native engine has its own copy now (the hf backend keeps this one)
+        if sharded and hasattr(backend, "resize_pool"):  # the native engine
+            backend.resize_pool()  # built beside whole models, which are sharded or offloaded now
         self.peaks: dict[str, float] = {}
 
     @contextmanager
@@ -146,8 +178,12 @@ class HybridWorker:
             return self.critic.values(batch)
 
     def update_actor(self, minibatches: list[TrainingBatch]) -> dict[str, float]:
-        with self._phase("update_actor"):
+        """With actor.offload_optimizer, Adam's state is on the GPU for this call only."""
+        with self._phase("update_actor"), self._actor_optimizer_on_gpu():
             return self.actor.update_minibatches(minibatches)
+
+    def _actor_optimizer_on_gpu(self):
+        return optimizer_state_on(self.actor.optimizer, self.device, enabled=self.offload_actor_optimizer)
 
     def update_critic(self, minibatches: list[TrainingBatch], epochs: int) -> dict[str, float]:
         with self._phase("update_critic"):
@@ -160,7 +196,7 @@ class HybridWorker:
         one layer's full weights exist beyond the engine's copy."""
         with self._phase("update_weights"):
             model = self.actor.model
-            if self.world_size == 1:
+            if not isinstance(model, FSDPModule):
                 self.rollout.update_weights(model.named_parameters())
             else:
                 for prefix, unit in _fsdp_units(model):
@@ -171,6 +207,12 @@ class HybridWorker:
                     unit.reshard()
         if self.device.type == "cuda":  # the controller times this call: include the copies
             torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        """An in-process worker ends the one-rank process group that it started for FSDP2."""
+        if self._own_process_group:
+            torch.distributed.destroy_process_group()
+            self._own_process_group = False
 
     def take_memory_metrics(self) -> dict[str, float]:
         peaks, self.peaks = self.peaks, {}
@@ -199,6 +241,8 @@ class HybridWorker:
             _init_optimizer_state(role.optimizer)
             load_sharded(role.model, role.optimizer, path / f"{name}_state")
             role.scheduler.load_state_dict(schedulers[f"{name}_scheduler"])
+        if self.offload_actor_optimizer:
+            move_optimizer_state(self.actor.optimizer, CPU)
 
     def _export(self, model: torch.nn.Module, directory: Path, *, score: bool) -> None:
         """Rank 0 writes `model` as a transformers directory; ours is first gathered whole from its

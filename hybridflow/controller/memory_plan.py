@@ -5,9 +5,11 @@ trainer's start-up line.
 Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keeps a full copy):
   resident   actor master weights + gradients + Adam (dtype x 1, x 1, fp32 x 2 per parameter, / W),
              reference weights (/ W), critic the same as the actor, the engine's weights (bf16
-             matmuls, fp32 embedding, a bf16 LM head)
+             matmuls, fp32 embedding, a bf16 LM head); offloaded parts (actor.offload_params,
+             actor.offload_optimizer, ref.offload_params) live in CPU memory instead, and an
+             offloaded model gathers a layer (and prefetches the next) onto the GPU as it runs
   gen        resident + the KV pool (gpu_memory_utilization of the memory free when the engine is
-             built, or rollout.kv_cache_tokens)
+             built — sharded or offloaded: once the models are — or rollout.kv_cache_tokens)
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
   update_actor         resident + saved activations + the log-prob chunks' forward and backward
   update_weights       resident + one gathered layer
@@ -112,12 +114,14 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     master = DTYPES[c.model.dtype].itemsize  # the trained models' dtype
     w = workers
     p = shape.params
-    resident: dict[str, float] = {
-        "actor weights": master * p / w,
-        "actor gradients": master * p / w,
-        "actor Adam state": 8 * p / w,
-    }
-    if c.actor.use_kl_loss or c.algorithm.use_kl_in_reward:
+    resident: dict[str, float] = {}
+    if not c.actor.offload_params:  # offloaded: weights, gradients and Adam live in CPU memory
+        resident["actor weights"] = master * p / w
+        resident["actor gradients"] = master * p / w
+        if not c.actor.offload_optimizer:  # offloaded: on the GPU during the update only
+            resident["actor Adam state"] = 8 * p / w
+    needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+    if needs_ref and not c.ref.offload_params:
         resident["reference weights"] = master * p / w
     critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
     if c.algorithm.adv_estimator == "gae":
@@ -127,9 +131,17 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     resident["engine weights"] = 2 * matmul + 4 * shape.embedding + 2 * head_copy
     static = sum(resident.values()) + CUDA_CONTEXT
     # the engine is built before FSDP shards anything: full copies of the trained models are there
-    at_engine_build = master * p * (1 + ("reference weights" in resident)) + resident["engine weights"]
+    at_engine_build = master * p * (1 + needs_ref) + resident["engine weights"]
     if c.algorithm.adv_estimator == "gae":
         at_engine_build += master * critic_params
+    offloaded = c.actor.offload_params or (needs_ref and c.ref.offload_params)
+    if w > 1 or offloaded:  # the pool is sized again once the models are sharded (no grads or Adam yet)
+        at_engine_build = (
+            resident.get("actor weights", 0.0)
+            + resident.get("reference weights", 0.0)
+            + (master * critic_params / w if c.algorithm.adv_estimator == "gae" else 0.0)
+            + resident["engine weights"]
+        )
     kv_per_token = shape.kv_bytes_per_token()
     if c.rollout.kv_cache_tokens is not None:
         kv_bytes = c.rollout.kv_cache_tokens * kv_per_token
@@ -138,18 +150,26 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     logits = 4 * LOGPROB_CHUNK * shape.vocab * 4
     forward = logits + 4 * (shape.hidden + shape.intermediate) * c.ref.max_tokens_per_microbatch
     layer = master * (p - shape.embedding) / shape.layers
+    # an offloaded model gathers each layer (and prefetches the next) onto the GPU as it runs
+    gathered = 2 * layer + master * shape.embedding * (1 if shape.tied else 2)
+    optimizer_for_update = 8 * p / w if c.actor.offload_optimizer and not c.actor.offload_params else 0.0
     phases = {
         "gen": static + kv_bytes,
-        "ref/old_log_prob": static + forward,
+        "ref/old_log_prob": static + forward + (gathered if offloaded else 0.0),
+        # an offloaded optimizer comes back for the step, after the activations are freed
         "update_actor": static
-        + _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing)
-        + logits,
+        + max(
+            _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing)
+            + logits
+            + (gathered + layer if c.actor.offload_params else 0.0),  # + a layer's gradients on their way out
+            optimizer_for_update,
+        ),
     }
     if c.algorithm.adv_estimator == "gae":
         phases["update_critic"] = static + _activations(
             shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
         )
-    phases["update_weights"] = static + (layer if w > 1 else 0.0)
+    phases["update_weights"] = static + (layer if w > 1 or c.actor.offload_params else 0.0)
     plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token))
     plan.suggestions = _suggestions(config, shape, plan, static, logits, kv_per_token)
     return plan
@@ -160,6 +180,9 @@ def _suggestions(
 ) -> list[str]:
     c, out = config, []
     room = plan.gpu_bytes - static - logits
+    need = min(c.rollout.max_batch_sequences, c.data.prompts_per_step * c.rollout.samples_per_prompt) * (
+        c.data.max_prompt_tokens + c.data.max_response_tokens
+    )
     if plan.phases["update_actor"] > plan.gpu_bytes:
         per_token = _activations(shape, 1, c.model.enable_gradient_checkpointing)
         fits = int(room // per_token) if room > 0 else 0
@@ -169,11 +192,16 @@ def _suggestions(
             )
         if not c.model.enable_gradient_checkpointing:
             out.append("model.enable_gradient_checkpointing=true (saves each layer's input only)")
-        if fits < 512:
+        if fits < 4096:
             out.append("more GPUs (FSDP2 shards weights, gradients and Adam state over them)")
-    need = min(c.rollout.max_batch_sequences, c.data.prompts_per_step * c.rollout.samples_per_prompt) * (
-        c.data.max_prompt_tokens + c.data.max_response_tokens
-    )
+            if not c.actor.offload_params:
+                out.append(
+                    "actor.offload_params=true (weights, gradients and Adam in CPU memory; the step runs "
+                    "on the CPU)"
+                )
+    if plan.phases["gen"] > plan.gpu_bytes or plan.kv_tokens < need:
+        if not (c.actor.offload_optimizer or c.actor.offload_params):
+            out.append("actor.offload_optimizer=true (Adam's state in CPU memory outside the update)")
     if plan.kv_tokens < need:
         out.append(
             f"the KV pool holds {plan.kv_tokens:,} tokens, less than {need:,} for a full batch at full length: "

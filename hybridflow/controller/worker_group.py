@@ -36,7 +36,8 @@ class InProcessWorkerGroup:
         return [getattr(self.worker, method)(*args, **kwargs)]
 
     def shutdown(self) -> None:
-        pass
+        if hasattr(self.worker, "shutdown"):
+            self.worker.shutdown()
 
 
 def worker_group(resources, device, factory: Callable[[int, int], Any]) -> WorkerGroup:

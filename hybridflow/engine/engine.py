@@ -70,10 +70,10 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         mc = self.model.config
         kv_dtype = self.compute_dtype
-        page_bytes = KVCache.bytes_per_page(
+        self.page_bytes = KVCache.bytes_per_page(
             mc.num_hidden_layers, c.page_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
         )
-        self.num_pages = self._pool_pages(page_bytes)
+        self.num_pages = self._pool_pages()
         self.cache = KVCache(
             num_layers=mc.num_hidden_layers,
             num_pages=self.num_pages,
@@ -94,14 +94,27 @@ class Engine:
         self.asleep = False
         self.stats: dict[str, float] = {}
 
-    def _pool_pages(self, page_bytes: int) -> int:
+    def resize_pool(self) -> None:
+        """Size the KV pool again from the GPU memory free now (gpu_memory_utilization of it), e.g.
+        once the trainer has sharded or offloaded the models that were whole when the engine was
+        built. A pool of fixed size (kv_cache_tokens), or off the GPU, stays as it is."""
+        if self.config.kv_cache_tokens is not None or self.device.type != "cuda":
+            return
+        awake = not self.asleep
+        self.sleep()
+        self.cache.resize(self._pool_pages())
+        self.num_pages = self.cache.num_pages
+        if awake:
+            self.wake()
+
+    def _pool_pages(self) -> int:
         c = self.config
         per_seq = -(-c.max_context_tokens // c.page_size)
         if c.kv_cache_tokens is not None:
             pages = -(-c.kv_cache_tokens // c.page_size)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            pages = int(free * c.gpu_memory_utilization) // page_bytes
+            pages = int(free * c.gpu_memory_utilization) // self.page_bytes
         else:
             pages = per_seq * c.max_batch_sequences
         if pages < per_seq + 1:

@@ -68,6 +68,13 @@ class KVCache:
             self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
+    def resize(self, num_pages: int) -> None:
+        """A pool of `num_pages` pages instead (released: no sequence holds a page)."""
+        if self.k is not None:
+            raise RuntimeError("release the KV cache before resizing it")
+        self.shape = (self.shape[0], num_pages * self.page_size, *self.shape[2:])
+        self.num_pages, self.pool = num_pages, PagePool(num_pages)
+
     def release(self) -> None:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("cannot free the KV cache while sequences hold pages")

@@ -34,7 +34,7 @@ def apply_fsdp(
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
     }
-    if offload_params:
+    if offload_params and mesh.device_type != "cpu":  # on a CPU mesh the shards are in CPU memory already
         options["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, **options)

@@ -70,10 +70,12 @@ class Actor:
         max_response_tokens: int,
         pad_token_id: int,
         gradient_checkpointing: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.config = config
-        self.device = next(model.parameters()).device
+        # the compute device: parameters offloaded to the CPU (FSDP2) still run there
+        self.device = device or next(model.parameters()).device
         self.pad_token_id = pad_token_id
         self.max_response_tokens = max_response_tokens
         if gradient_checkpointing:

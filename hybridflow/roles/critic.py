@@ -68,10 +68,12 @@ class Critic:
         total_updates: int,
         compute_dtype: str,
         pad_token_id: int,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.config = config
-        self.device = next(model.parameters()).device
+        # the compute device: parameters offloaded to the CPU (FSDP2) still run there
+        self.device = device or next(model.parameters()).device
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)

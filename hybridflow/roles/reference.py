@@ -12,10 +12,17 @@ class Reference:
     """Frozen policy; built only when a KL term (KL loss or KL in reward) is on."""
 
     def __init__(
-        self, model: torch.nn.Module, *, max_tokens_per_microbatch: int, compute_dtype: str, pad_token_id: int
+        self,
+        model: torch.nn.Module,
+        *,
+        max_tokens_per_microbatch: int,
+        compute_dtype: str,
+        pad_token_id: int,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
-        self.device = next(model.parameters()).device
+        # the compute device: parameters offloaded to the CPU (FSDP2) still run there
+        self.device = device or next(model.parameters()).device
         self.max_tokens = max_tokens_per_microbatch
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
