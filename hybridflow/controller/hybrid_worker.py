@@ -92,7 +92,7 @@ class HybridWorker:
                     store=torch.distributed.HashStore(),
                     rank=0,
                     world_size=1,
-                    device_id=self.device if self.device.type == "cuda" else None,
+                    device_id=_indexed(self.device),
                 )
                 self._own_process_group = True
             mesh = init_device_mesh(self.device.type, (world_size,))
@@ -260,6 +260,13 @@ class HybridWorker:
             model.save_pretrained(directory)
         else:
             save_hf(model, self.tokenizer, directory)
+
+
+def _indexed(device: torch.device) -> torch.device | None:
+    """A CUDA device with its index, as a process group's device_id needs it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
