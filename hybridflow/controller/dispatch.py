@@ -54,6 +54,12 @@ def minibatch_shards(
     return shards
 
 
+def to_sequence_parallel_ranks(per_group: list, sp_size: int) -> list:
+    """Per data-parallel group -> per rank: the P ranks of a sequence-parallel group share the
+    group's arguments (rank r is in group r // P)."""
+    return [args for args in per_group for _ in range(sp_size)]
+
+
 def prompt_shards(prompts: list[Prompt], world_size: int) -> list[tuple[list[Prompt], int]]:
     """Contiguous runs of prompts per rank, with each run's first index (its first group id offset),
     so that concatenating the ranks' rollouts keeps the prompt order."""

@@ -26,6 +26,7 @@ from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
+from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
 from hybridflow.roles.actor import Actor
 from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
@@ -102,6 +103,11 @@ class HybridWorker:
                 apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
             if critic_model is not None and world_size > 1:
                 apply_fsdp(critic_model, mesh)
+        sp = init_sequence_parallel(c.actor.sequence_parallel_size)
+        if sp is not None:  # every trained (and reference) model splits its micro-batches' tokens
+            for m in (model, ref_model, critic_model):
+                if m is not None:
+                    apply_sequence_parallel(m, sp)
         self.actor = Actor(
             model,
             c.actor,

@@ -199,9 +199,9 @@ def _suggestions(
                     "actor.offload_params=true (weights, gradients and Adam in CPU memory; the step runs "
                     "on the CPU)"
                 )
-    if plan.phases["gen"] > plan.gpu_bytes or plan.kv_tokens < need:
-        if not (c.actor.offload_optimizer or c.actor.offload_params):
-            out.append("actor.offload_optimizer=true (Adam's state in CPU memory outside the update)")
+    short_of_kv = plan.phases["gen"] > plan.gpu_bytes or plan.kv_tokens < need
+    if short_of_kv and not (c.actor.offload_optimizer or c.actor.offload_params):
+        out.append("actor.offload_optimizer=true (Adam's state in CPU memory outside the update)")
     if plan.kv_tokens < need:
         out.append(
             f"the KV pool holds {plan.kv_tokens:,} tokens, less than {need:,} for a full batch at full length: "

@@ -23,7 +23,14 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
-from hybridflow.controller.dispatch import merge_rows, minibatch_shards, prompt_shards, shard_rows, share
+from hybridflow.controller.dispatch import (
+    merge_rows,
+    minibatch_shards,
+    prompt_shards,
+    shard_rows,
+    share,
+    to_sequence_parallel_ranks,
+)
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.memory_plan import plan_for
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
@@ -252,13 +259,19 @@ class RLTrainer:
 
     def _per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
         """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
-        parts = shard_rows(batch, self.workers.world_size)
-        return merge_rows(self.workers.call_each(method, [(share(batch, rows),) for rows in parts]), parts)
+        sp = self.config.actor.sequence_parallel_size
+        parts = shard_rows(batch, self.workers.world_size // sp)
+        per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)
+        return merge_rows(self.workers.call_each(method, per_rank)[::sp], parts)
 
     def _update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
         """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
-        shards = minibatch_shards(batch, self.config.actor.sequences_per_update, self.workers.world_size)
-        return self.workers.call_each(method, [(s,) for s in shards], **kwargs)[0]
+        sp = self.config.actor.sequence_parallel_size
+        shards = minibatch_shards(
+            batch, self.config.actor.sequences_per_update, self.workers.world_size // sp
+        )
+        per_rank = to_sequence_parallel_ranks([(s,) for s in shards], sp)
+        return self.workers.call_each(method, per_rank, **kwargs)[0]
 
     def _memory_metrics(self) -> dict[str, float]:
         """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""

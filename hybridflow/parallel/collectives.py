@@ -1,9 +1,19 @@
-"""The few reductions over data-parallel ranks that the roles need; identities in one process."""
+"""The few reductions over data-parallel ranks that the roles need; identities in one process.
+
+With sequence parallelism the P ranks of a group hold the same data: a sum over all ranks counts it
+P times, so the sums here divide by P, and the data-parallel size is the world size over P."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+_SEQUENCE_PARALLEL = 1  # ranks per sequence-parallel group (parallel/ulysses.py sets it)
+
+
+def set_sequence_parallel_size(size: int) -> None:
+    global _SEQUENCE_PARALLEL
+    _SEQUENCE_PARALLEL = size
 
 
 def _distributed() -> bool:
@@ -12,8 +22,8 @@ def _distributed() -> bool:
 
 def data_parallel_scale() -> int:
     """What a rank multiplies its globally-normalised loss by, so that FSDP2's mean over ranks is the
-    single-process gradient: the number of ranks (1 without torch.distributed)."""
-    return dist.get_world_size() if _distributed() else 1
+    single-process gradient: the number of data-parallel ranks (1 without torch.distributed)."""
+    return dist.get_world_size() // _SEQUENCE_PARALLEL if _distributed() else 1
 
 
 def _all_reduce(values: list[float], op) -> list[float]:
@@ -26,7 +36,8 @@ def _all_reduce(values: list[float], op) -> list[float]:
 
 
 def sum_over_ranks(values: list[float]) -> list[float]:
-    return _all_reduce(values, dist.ReduceOp.SUM)
+    """Each value summed over the data-parallel ranks."""
+    return [v / _SEQUENCE_PARALLEL for v in _all_reduce(values, dist.ReduceOp.SUM)]
 
 
 def max_over_ranks(value: int) -> int:

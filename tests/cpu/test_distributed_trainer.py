@@ -1,6 +1,6 @@
 """The trainer over two Ray workers (gloo, FSDP2 over both) against the in-process single worker:
 the same data, the same step, the same weights; checkpoints written by two ranks resume on one and
-the other way round."""
+the other way round; Ulysses sequence parallelism over the two gives the same step too."""
 
 import json
 
@@ -77,3 +77,8 @@ def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_p
     # the sharded critic is exported whole too
     critic = json.loads((tmp_path / "b/checkpoints/global_step_2/critic/config.json").read_text())
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
+    # Ulysses: both ranks one sequence-parallel group (each keeps half of every micro-batch's tokens)
+    ulysses = _train(setup, tmp_path / "sp", 2, *TWO, "actor.sequence_parallel_size=2")
+    for step in (1, 2):
+        _assert_same_step(single[step], ulysses[step])
+    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "sp", 2))

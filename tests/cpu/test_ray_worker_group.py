@@ -167,6 +167,51 @@ def test_fsdp_over_two_workers_gives_the_single_process_gradients(group):
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
+class SequenceParallelRole(FSDPRole):
+    """FSDP2 and Ulysses over both workers: one sequence-parallel group, each rank given the same
+    sequences and keeping half of their tokens."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
+
+        super().__init__(rank, world_size)
+        apply_sequence_parallel(self.model, init_sequence_parallel(world_size))
+
+    def hidden_states(self, sequences: Rows) -> torch.Tensor:
+        from hybridflow.batch import pack_sequences
+
+        packed = pack_sequences(list(sequences))
+        with torch.no_grad():
+            return self.model.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+
+
+@pytest.mark.slow
+def test_ulysses_over_two_workers_equals_one_process(group):
+    from hybridflow.batch import pack_sequences
+    from hybridflow.models import tiny_model
+    from hybridflow.models.native import from_hf_model
+
+    # 57 tokens: the packed stream is padded to split evenly; 4 query heads, 2 KV heads split 2 ways
+    sequences = Rows([[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 71)), [7, 7, 8, 9, 250, 1, 2]])
+    tokens = sum(len(s) - 1 for s in sequences)
+    sp = RayWorkerGroup(SequenceParallelRole, num_workers=2, timeout_s=300)
+    try:
+        hidden = sp.call("hidden_states", sequences)
+        per_rank = sp.call("gradients", sequences, global_tokens=tokens)
+    finally:
+        sp.shutdown()
+    model = from_hf_model(tiny_model("qwen2", seed=3))
+    packed = pack_sequences(list(sequences))
+    with torch.no_grad():
+        expected = model.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    for h in hidden:  # every rank of the group holds all 57 positions
+        torch.testing.assert_close(h, expected, atol=1e-5, rtol=1e-5)
+    reference = _loss_gradients(model.train(), sequences, tokens)
+    for grads in per_rank:
+        for name, g in reference.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 class TrainerRole(FSDPRole):
     """One AdamW step of the sharded model, sharded checkpoints, and full weights for comparison."""
 

@@ -45,6 +45,7 @@ class PackedLayout:
     cu_seqlens: torch.Tensor  # [B + 1] int32 on the model's device
     bounds: list[int]  # the same on the host
     max_len: int
+    sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
 
 
 @lru_cache(maxsize=1)
@@ -145,6 +146,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layout: PackedLayout):
         before, after = self.compiled or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin)
+        sp = layout.sequence_parallel
+        if sp is not None:
+            return after(x, sp.attention(q, k, v, layout, packed_causal_attention))
         return after(x, packed_causal_attention(q, k, v, layout))
 
 
@@ -158,21 +162,26 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gradient_checkpointing = False
+        self.sequence_parallel = None  # set by parallel.ulysses.apply_sequence_parallel
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
         """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
-        x = self.embed_tokens(input_ids)  # [N, H]
+        sp, total = self.sequence_parallel, input_ids.shape[0]
+        if sp is not None:  # this rank keeps 1/P of the (padded) tokens: [n] each
+            input_ids, position_ids, cu_seqlens = sp.split(input_ids, position_ids, cu_seqlens)
+        x = self.embed_tokens(input_ids)  # [N, H] ([n, H] under sequence parallelism)
         bounds = cu_seqlens.tolist()
-        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))
+        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp)
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, layout)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if sp is None else sp.gather(x, total)
 
 
 class NativeModule(nn.Module):
