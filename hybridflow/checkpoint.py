@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridflow.errors import UserError
+
 import torch
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -70,12 +72,20 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep_last: int,
+    needed_bytes: int = 0,
 ) -> Path:
     """Write global_step_{step} atomically; `write_models(directory)` writes the models (and their
     sharded states) into the checkpoint's directory. Older checkpoints beyond `keep_last` are deleted (only ones this run's layout names)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"global_step_{step}"
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes:  # a disk that fills up half-way leaves an obscure writer error
+        raise UserError(
+            f"checkpoint global_step_{step} needs about {needed_bytes / 1e9:.1f} GB in {root} but only "
+            f"{free / 1e9:.1f} GB are free; free some space, lower trainer.keep_last_checkpoints, or move "
+            "trainer.run_dir"
+        )
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
     try:
         write_models(tmp)

@@ -239,6 +239,17 @@ class HybridWorker:
             schedulers["critic_scheduler"] = self.critic.scheduler.state_dict()
         return schedulers if self.rank == 0 else None
 
+    def checkpoint_bytes(self) -> int:
+        """About what `save` writes from this rank: its shards of the trained models with their Adam
+        moments (two fp32 values per parameter), and on rank 0 the whole models exported."""
+        total = 0
+        for role in (self.actor, self.critic):
+            for p in role.model.parameters() if role is not None else ():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += local.numel() * (local.element_size() + 8)
+                total += p.numel() * p.element_size() if self.rank == 0 else 0
+        return total
+
     def load(self, directory: str, schedulers: dict) -> None:
         path = Path(directory)
         for role, name in ((self.actor, "actor"), (self.critic, "critic")):

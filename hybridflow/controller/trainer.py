@@ -428,6 +428,7 @@ class RLTrainer:
             trainer_state=state,
             config_yaml=to_yaml(self.config),
             keep_last=self.config.trainer.keep_last_checkpoints,
+            needed_bytes=sum(self.workers.call("checkpoint_bytes")),
         )
         return self.last_checkpoint
 

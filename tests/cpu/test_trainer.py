@@ -126,6 +126,22 @@ def test_run_dir_with_foreign_files_is_refused(setup, tmp_path):
     assert (tmp_path / "run" / "notes.md").read_text() == "mine"
 
 
+def test_a_checkpoint_the_disk_cannot_hold_stops_before_writing(setup, tmp_path, monkeypatch):
+    import shutil
+
+    from hybridflow import checkpoint
+
+    trainer = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1"))
+    params = sum(p.numel() for p in trainer.workers.worker.actor.model.parameters())
+    # fp32 weights and two Adam moments per parameter, plus the fp32 export
+    assert trainer.workers.call("checkpoint_bytes") == [params * (4 + 8 + 4)]
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(UserError, match=r"global_step_1 needs about .* GB in .* but only 0.0 GB are free"):
+        trainer.fit()
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing half-written
+
+
 def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path):
     trainer = RLTrainer(
         config(
