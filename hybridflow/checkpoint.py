@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridflow.errors import UserError
-
 import torch
+
+from hybridflow.errors import UserError
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 

@@ -4,7 +4,6 @@ there between updates. On a CPU the memory does not move, but the code path is t
 step, the same weights as the plain run, and checkpoints that move between the two."""
 
 import pytest
-
 from rl_run import config, read_metrics
 from test_distributed_trainer import ROLES, _assert_same_step, _assert_same_weights, _policy
 
