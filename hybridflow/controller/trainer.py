@@ -140,11 +140,13 @@ class RLTrainer:
                 start = time.perf_counter()
                 metrics |= self._validate()
                 metrics["timing_s/testing"] = time.perf_counter() - start
-            if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
-                start = time.perf_counter()
-                self.save()
-                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-            self._log(metrics, step=self.step)
+            try:
+                if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+                    start = time.perf_counter()
+                    self.save()
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+            finally:  # a failed save still records the step it followed
+                self._log(metrics, step=self.step)
         for sink in self.sinks:
             sink.close()
         self.reward.close()

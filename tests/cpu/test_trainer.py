@@ -140,6 +140,7 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_before_writing(setup, tmp_path,
     with pytest.raises(UserError, match=r"global_step_1 needs about .* GB in .* but only 0.0 GB are free"):
         trainer.fit()
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing half-written
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]  # the step is still on record
 
 
 def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path):
