@@ -288,6 +288,9 @@ class ResourcesConfig:
     num_workers: int = 1
     """Workers on CPU (device=cpu): more than one runs them as Ray actors joined with gloo, the
     distributed path on a laptop. On GPUs the worker count is n_gpus_per_node x nnodes."""
+    rollout_workers: int = 0
+    """0: the rollout engine shares every worker's GPU (the hybrid engine). N: the last N workers
+    hold only a rollout engine each (disaggregated) and receive the actor's weights by broadcast."""
     ray_address: str | None = None
     """An existing Ray cluster to join (multi-node); None starts a local one when needed."""
     worker_timeout_s: float | None = None
@@ -296,6 +299,8 @@ class ResourcesConfig:
 
     def __post_init__(self) -> None:
         _check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.rollout_workers < 0:
+            raise UserError(f"config resources.rollout_workers={self.rollout_workers} must be >= 0")
 
 
 @dataclass

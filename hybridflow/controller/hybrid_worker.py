@@ -27,6 +27,7 @@ from hybridflow.models import load_causal_lm, native, save_hf
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
+from hybridflow.parallel.weight_sync import WeightSync, pack
 from hybridflow.roles.actor import Actor
 from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
@@ -71,15 +72,21 @@ class HybridWorker:
         pad = self.tokenizer.pad_token_id
         ref_model = copy.deepcopy(model) if needs_ref else None
         critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
-        # the rollout backend takes its own full copy before the trained models are sharded
-        backend = rollout_backend(
-            c,
-            hf_model,
-            model,
-            self.tokenizer,
-            self.device,
-            Path(c.trainer.run_dir),
-            share_weights=not shard_actor,
+        # the rollout backend takes its own full copy before the trained models are sharded;
+        # disaggregated, the rollout workers hold the engines and this worker none
+        colocated = c.resources.rollout_workers == 0
+        backend = (
+            rollout_backend(
+                c,
+                hf_model,
+                model,
+                self.tokenizer,
+                self.device,
+                Path(c.trainer.run_dir),
+                share_weights=not shard_actor,
+            )
+            if colocated
+            else None
         )
         self._own_process_group = False
         if sharded:
@@ -142,7 +149,8 @@ class HybridWorker:
         )
         if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
             compile_native_models([m for m in (model, ref_model, critic_model) if m is not None])
-        self.rollout = Rollout(backend)
+        self.rollout = Rollout(backend) if colocated else None
+        self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
         del hf_model  # the native engine has its own copy now (the hf backend keeps this one)
@@ -163,12 +171,13 @@ class HybridWorker:
 
     # ---- the roles, as the controller calls them ----------------------------------------------
     def generate(self, prompts: list[Prompt], params: SamplingParams, first_group: int = 0) -> Rollouts:
+        assert self.rollout is not None, "disaggregated: the rollout workers generate"
         with self._phase("gen"):
             return self.rollout.generate(prompts, params, first_group=first_group)
 
     def sleep_rollout(self) -> None:
         """On a GPU, the engine's KV cache is freed while the other roles run."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.rollout is not None:
             self.rollout.sleep()
 
     def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -197,22 +206,47 @@ class HybridWorker:
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Copy the actor's weights into the rollout backend in place. Sharded: one FSDP unit at a
+        """Copy the actor's weights into the rollout engine in place — this worker's own, or,
+        disaggregated, the rollout workers' by broadcast from rank 0. Sharded, one FSDP unit at a
         time is gathered (a decoder layer, then the embedding, final norm and head), so no more than
         one layer's full weights exist beyond the engine's copy."""
         with self._phase("update_weights"):
             model = self.actor.model
-            if not isinstance(model, FSDPModule):
-                self.rollout.update_weights(model.named_parameters())
+            if self.rollout is not None and not isinstance(model, FSDPModule):
+                self.rollout.update_weights(model.named_parameters())  # the cached copy plan
             else:
-                for prefix, unit in _fsdp_units(model):
-                    unit.unshard()
-                    self.rollout.update_weights(
-                        (name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)
-                    )
-                    unit.reshard()
+                for unit in self._gathered_units():
+                    if self.rollout is not None:
+                        self.rollout.update_weights(unit)
+                    elif self.weight_sync is not None:  # rank 0
+                        self.weight_sync.broadcast(pack([t for _, t in unit]))
         if self.device.type == "cuda":  # the controller times this call: include the copies
             torch.cuda.synchronize(self.device)
+
+    def _gathered_units(self):
+        """(name, full tensor) pairs of the actor, one FSDP unit at a time."""
+        model = self.actor.model
+        sharded = isinstance(model, FSDPModule)
+        for prefix, unit in _fsdp_units(model):
+            if sharded:
+                unit.unshard()
+            yield [(name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
+            if sharded:
+                unit.reshard()
+
+    def weight_manifest(self) -> tuple[list[list[tuple[str, tuple[int, ...]]]], str]:
+        """What `sync_weights` broadcasts: (name, shape) per unit, and the dtype of every tensor."""
+        model = self.actor.model
+        units = [
+            [(name, tuple(p.shape)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
+            for prefix, _ in _fsdp_units(model)
+        ]
+        return units, str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def join_weight_sync(self, master: tuple[str, int] | None, sync_rank: int, sync_size: int) -> None:
+        """Rank 0 joins the rollout workers' weight-sync group (the other ranks are given None)."""
+        if master is not None:
+            self.weight_sync = WeightSync(master, sync_rank, sync_size, self.device)
 
     def shutdown(self) -> None:
         """An in-process worker ends the one-rank process group that it started for FSDP2."""

@@ -9,7 +9,9 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
              actor.offload_optimizer, ref.offload_params) live in CPU memory instead, and an
              offloaded model gathers a layer (and prefetches the next) onto the GPU as it runs
   gen        resident + the KV pool (gpu_memory_utilization of the memory free when the engine is
-             built — sharded or offloaded: once the models are — or rollout.kv_cache_tokens)
+             built — sharded or offloaded: once the models are — or rollout.kv_cache_tokens);
+             disaggregated (resources.rollout_workers), on a rollout GPU: the engine + its pool, and
+             W counts the training GPUs only
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
   update_actor         resident + saved activations + the log-prob chunks' forward and backward
   update_weights       resident + one gathered layer
@@ -128,10 +130,13 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
     head_copy = shape.embedding  # a tied head gets its own bf16 copy; an untied one is a matmul
     matmul = p - shape.embedding * (1 if shape.tied else 2)
-    resident["engine weights"] = 2 * matmul + 4 * shape.embedding + 2 * head_copy
+    engine = 2 * matmul + 4 * shape.embedding + 2 * head_copy
+    apart = c.resources.rollout_workers > 0  # disaggregated: the engines sit on GPUs of their own
+    if not apart:
+        resident["engine weights"] = engine
     static = sum(resident.values()) + CUDA_CONTEXT
     # the engine is built before FSDP shards anything: full copies of the trained models are there
-    at_engine_build = master * p * (1 + needs_ref) + resident["engine weights"]
+    at_engine_build = master * p * (1 + needs_ref) + engine
     if c.algorithm.adv_estimator == "gae":
         at_engine_build += master * critic_params
     offloaded = c.actor.offload_params or (needs_ref and c.ref.offload_params)
@@ -140,8 +145,10 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
             resident.get("actor weights", 0.0)
             + resident.get("reference weights", 0.0)
             + (master * critic_params / w if c.algorithm.adv_estimator == "gae" else 0.0)
-            + resident["engine weights"]
+            + engine
         )
+    if apart:  # a rollout worker sizes its pool beside the engine alone
+        at_engine_build = engine
     kv_per_token = shape.kv_bytes_per_token()
     if c.rollout.kv_cache_tokens is not None:
         kv_bytes = c.rollout.kv_cache_tokens * kv_per_token
@@ -154,7 +161,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     gathered = 2 * layer + master * shape.embedding * (1 if shape.tied else 2)
     optimizer_for_update = 8 * p / w if c.actor.offload_optimizer and not c.actor.offload_params else 0.0
     phases = {
-        "gen": static + kv_bytes,
+        "gen": (CUDA_CONTEXT + engine if apart else static) + kv_bytes,
         "ref/old_log_prob": static + forward + (gathered if offloaded else 0.0),
         # an offloaded optimizer comes back for the step, after the activations are freed
         "update_actor": static
@@ -232,5 +239,7 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
             torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 * GIB
         )
     if workers is None:
-        workers = config.resources.n_gpus_per_node * config.resources.nnodes
+        workers = (
+            config.resources.n_gpus_per_node * config.resources.nnodes - config.resources.rollout_workers
+        )
     return estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)

@@ -13,7 +13,6 @@ import contextlib
 import faulthandler
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ import torch
 
 from hybridflow.batch import balance_partitions
 from hybridflow.controller.dispatch import merge_rows
+from hybridflow.controller.worker_group import free_address
 from hybridflow.errors import UserError
 
 
@@ -44,11 +44,7 @@ class _Worker:
 
     def address(self) -> tuple[str, int]:
         """This worker's IP and a free port: rank 0 hosts the process group's rendezvous."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return free_address()
 
     def init_process_group(self, master: tuple[str, int], backend: str) -> None:
         os.environ |= {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
@@ -119,7 +115,7 @@ class RayWorkerGroup:
             ).remote(i, num_workers)
             for i in range(num_workers)
         ]
-        (master,) = self._results([self.workers[0].run.remote("address", (), {}, own=True)])
+        master = self.address()
         backend = "nccl" if gpus else "gloo"
         self._results(
             [w.run.remote("init_process_group", (master, backend), {}, own=True) for w in self.workers]
@@ -173,12 +169,26 @@ class RayWorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The method on every worker with the same arguments; results by rank."""
-        return self._results([w.run.remote(method, args, kwargs) for w in self.workers])
+        return self.wait(self.submit_each(method, [args] * self.world_size, **kwargs))
 
     def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         """`method(*per_rank[r], **kwargs)` on worker r; results by rank."""
+        return self.wait(self.submit_each(method, per_rank, **kwargs))
+
+    def submit_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list:
+        """Start `method(*per_rank[r], **kwargs)` on worker r without waiting: `wait` collects it.
+        For calls that meet another group in a collective (the weight-sync broadcast)."""
         assert len(per_rank) == self.world_size
-        return self._results([w.run.remote(method, args, kwargs) for w, args in zip(self.workers, per_rank)])
+        return [w.run.remote(method, args, kwargs) for w, args in zip(self.workers, per_rank)]
+
+    def wait(self, pending: list) -> list[Any]:
+        """The results of submitted calls, by rank (errors and timeouts as for `call`)."""
+        return self._results(pending)
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's IP and a free port there, for a rendezvous it hosts."""
+        (address,) = self._results([self.workers[0].run.remote("address", (), {}, own=True)])
+        return address
 
     def call_split(self, method: str, batch: Any, lengths: Sequence[int], **kwargs: Any) -> Any:
         """Split `batch` (anything with `select(rows)`) by data-parallel rank, balanced on `lengths`;

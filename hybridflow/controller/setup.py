@@ -36,6 +36,11 @@ def check_config(config: Config) -> None:
             f"(data.prompts_per_step={config.data.prompts_per_step} x "
             f"rollout.samples_per_prompt={config.rollout.samples_per_prompt})"
         )
+    if config.resources.rollout_workers and config.rollout.backend not in ("auto", "native"):
+        raise UserError(
+            f"resources.rollout_workers={config.resources.rollout_workers} runs our rollout engine on its "
+            f"own workers; rollout.backend={config.rollout.backend!r} cannot receive weights there (use native)"
+        )
     if config.critic.warmup_steps and algo.adv_estimator != "gae":
         raise UserError(
             "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"

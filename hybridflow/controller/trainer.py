@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import shutil
 import time
@@ -31,12 +30,11 @@ from hybridflow.controller.dispatch import (
     share,
     to_sequence_parallel_ranks,
 )
-from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.memory_plan import plan_for
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
+from hybridflow.controller.placement import Placement
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
-from hybridflow.controller.worker_group import worker_group
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.devices import resolve_device
@@ -102,8 +100,8 @@ class RLTrainer:
         self.has_critic = c.algorithm.adv_estimator == "gae"
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
             self._print_memory_plan()
-        factory = functools.partial(HybridWorker, c, total_updates=self.total_steps * updates_per_step(c))
-        self.workers = worker_group(c.resources, self.device, factory)
+        self.placement = Placement(c, self.device, total_updates=self.total_steps * updates_per_step(c))
+        self.workers = self.placement.train  # the workers that hold actor, reference and critic
         kl = c.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(kl.kl_coef)
@@ -150,7 +148,7 @@ class RLTrainer:
         for sink in self.sinks:
             sink.close()
         self.reward.close()
-        self.workers.shutdown()
+        self.placement.shutdown()
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -221,7 +219,7 @@ class RLTrainer:
                     metrics |= self._update("update_actor", batch)
                 self._check_finite(metrics)
             with timer("update_weights"):
-                self.workers.call("sync_weights")
+                self.placement.sync_weights()
         metrics |= self._memory_metrics()
         metrics |= data_metrics(
             rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
@@ -252,12 +250,13 @@ class RLTrainer:
     # ---- the roles over the workers: data-parallel split and gather ------------------------------
     def _rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
         """Each worker samples a contiguous run of the prompts; rollouts come back in prompt order."""
-        shards = prompt_shards(prompts, self.workers.world_size)
+        generators = self.placement.generators
+        shards = prompt_shards(prompts, generators.world_size)
         per_rank = [
             (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
             for part, offset in shards
         ]
-        return Rollouts.concat(self.workers.call_each("generate", per_rank))
+        return Rollouts.concat(generators.call_each("generate", per_rank))
 
     def _per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
         """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
@@ -278,7 +277,7 @@ class RLTrainer:
     def _memory_metrics(self) -> dict[str, float]:
         """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""
         merged: dict[str, float] = {}
-        for per_rank in self.workers.call("take_memory_metrics"):
+        for per_rank in self.placement.memory_metrics():
             for k, v in per_rank.items():
                 merged[k] = max(merged.get(k, 0.0), v)
         if merged:
@@ -405,7 +404,7 @@ class RLTrainer:
             )
 
     def _sleep_rollout(self) -> None:
-        self.workers.call("sleep_rollout")  # a GPU worker frees its KV cache while the other roles run
+        self.placement.sleep_rollout()
 
     def save(self) -> Path:
         """The workers write the sharded model and optimizer states and the transformers exports;
@@ -446,7 +445,7 @@ class RLTrainer:
                 "run from its policy/ directory (model.path) or pass --overwrite"
             )
         self.workers.call("load", str(path), schedulers)
-        self.workers.call("sync_weights")
+        self.placement.sync_weights()
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])

@@ -17,6 +17,9 @@ class WorkerGroup(Protocol):
     def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         """`method(*per_rank[r], **kwargs)` on worker r; results by rank."""
 
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 can host a rendezvous: its IP and a free port."""
+
     def shutdown(self) -> None: ...
 
 
@@ -35,16 +38,41 @@ class InProcessWorkerGroup:
         (args,) = per_rank
         return [getattr(self.worker, method)(*args, **kwargs)]
 
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
     def shutdown(self) -> None:
         if hasattr(self.worker, "shutdown"):
             self.worker.shutdown()
 
 
-def worker_group(resources, device, factory: Callable[[int, int], Any]) -> WorkerGroup:
-    """In process for one worker; otherwise Ray workers (one per GPU: n_gpus_per_node x nnodes;
-    on CPU: resources.num_workers, joined with gloo)."""
+def free_address() -> tuple[str, int]:
+    """This host's IP (as Ray sees it, so other nodes can reach it) and a free port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address(), port
+    except ImportError:
+        return "127.0.0.1", port
+
+
+def worker_count(resources, device) -> int:
+    """All workers of the run: one per GPU (n_gpus_per_node x nnodes), or resources.num_workers on CPU."""
+    return resources.n_gpus_per_node * resources.nnodes if device.type == "cuda" else resources.num_workers
+
+
+def worker_group(
+    resources, device, factory: Callable[[int, int], Any], *, count: int | None = None
+) -> WorkerGroup:
+    """`count` workers (default: all of them, `worker_count`): in process for one, otherwise Ray
+    workers joined with NCCL on GPUs, gloo on CPUs."""
     cuda = device.type == "cuda"
-    count = resources.n_gpus_per_node * resources.nnodes if cuda else resources.num_workers
+    count = worker_count(resources, device) if count is None else count
     if count == 1:
         return InProcessWorkerGroup(factory)
     from hybridflow.controller.ray_worker_group import RayWorkerGroup

@@ -82,3 +82,18 @@ def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_p
     for step in (1, 2):
         _assert_same_step(single[step], ulysses[step])
     _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "sp", 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, trainers):
+    """Disaggregated: one worker trains (in process) or two (Ray, FSDP2), one Ray worker generates
+    and receives the actor's weights by broadcast after each update — the same steps and weights
+    as one colocated process."""
+    single = _train(setup, tmp_path / "single", 2)
+    workers = ["resources.device=cpu", f"resources.num_workers={trainers + 1}", "resources.rollout_workers=1"]
+    apart = _train(setup, tmp_path / "apart", 1, *workers)
+    apart |= _train(setup, tmp_path / "apart", 2, *workers)  # resumed: the loaded weights are broadcast too
+    for step in (1, 2):
+        _assert_same_step(single[step], apart[step])
+    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "apart", 2))

@@ -80,3 +80,27 @@ def test_plan_command_prints_the_report(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "2 worker(s)" in out and "peak per phase:" in out
     assert "update_actor" in out and "suggestion:" in out  # half a GiB: the KV pool is too small
+
+
+def test_offload_and_disaggregation_move_memory_off_the_training_gpu():
+    shape = _shape(**QWEN_15B)
+    p = shape.params
+    plain = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=1)
+    optimizer = estimate(
+        load_config(None, [*BENCH, "actor.offload_optimizer=true"]), shape, gpu_bytes=H200, workers=1
+    )
+    assert "actor Adam state" not in optimizer.resident  # on the GPU for the update only
+    assert plain.phases["gen"] - optimizer.phases["gen"] == pytest.approx(8 * p)
+    offloaded = estimate(
+        load_config(None, [*BENCH, "actor.offload_params=true", "ref.offload_params=true"]), shape, gpu_bytes=H200, workers=1
+    )  # fmt: skip
+    assert list(offloaded.resident) == ["engine weights"]
+    apart = estimate(
+        load_config(None, [*BENCH, "resources.rollout_workers=1"]), shape, gpu_bytes=H200, workers=1
+    )
+    engine = plain.resident["engine weights"]
+    assert "engine weights" not in apart.resident
+    # a rollout GPU: the engine and half of what is left beside it (gpu_memory_utilization=0.5)
+    kv = 0.5 * (H200 - CUDA_CONTEXT - engine)
+    assert apart.phases["gen"] == pytest.approx(CUDA_CONTEXT + engine + kv)
+    assert apart.phases["update_actor"] == pytest.approx(plain.phases["update_actor"] - engine)

@@ -1,0 +1,84 @@
+"""Where the roles run. Colocated (the default, the hybrid engine): every worker holds actor,
+reference, critic and a rollout engine on its GPU, and weights move into the engine in place.
+Disaggregated (`resources.rollout_workers=N`): the last N workers hold only a rollout engine each,
+generation runs there, and after each update the actor's rank 0 broadcasts the gathered weights to
+them over a weight-sync group of their own (NCCL between GPUs, gloo on CPUs)."""
+
+from __future__ import annotations
+
+import functools
+
+from hybridflow.config.schema import Config
+from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.worker_group import WorkerGroup, worker_count, worker_group
+from hybridflow.errors import UserError
+
+
+class Placement:
+    def __init__(self, config: Config, device, *, total_updates: int) -> None:
+        c = config
+        rollout_count = c.resources.rollout_workers
+        train_count = worker_count(c.resources, device) - rollout_count
+        if train_count < 1:
+            raise UserError(
+                f"resources.rollout_workers={rollout_count} leaves no worker for training out of "
+                f"{worker_count(c.resources, device)} (trainer.n_gpus_per_node x trainer.nnodes, or "
+                "resources.num_workers on CPU)"
+            )
+        factory = functools.partial(HybridWorker, c, total_updates=total_updates)
+        self.train: WorkerGroup = worker_group(c.resources, device, factory, count=train_count)
+        self.rollout: WorkerGroup | None = None
+        if rollout_count:
+            from hybridflow.controller.ray_worker_group import RayWorkerGroup
+            from hybridflow.controller.rollout_worker import RolloutWorker
+
+            self.rollout = RayWorkerGroup(
+                functools.partial(RolloutWorker, c),
+                num_workers=rollout_count,
+                gpus=device.type == "cuda",
+                ray_address=c.resources.ray_address,
+                timeout_s=c.resources.worker_timeout_s,
+            )
+            self._join_weight_sync()
+
+    @property
+    def generators(self) -> WorkerGroup:
+        """The workers that generate: the rollout workers, or (colocated) every worker."""
+        return self.rollout or self.train
+
+    def _join_weight_sync(self) -> None:
+        """The actor's rank 0 hosts the group; the rollout workers are its ranks 1..N. Both sides
+        block until all have joined, so the rollout side is started first."""
+        master, size = self.train.address(), self.rollout.world_size + 1
+        joining = self.rollout.submit_each(
+            "join_weight_sync", [(master, 1 + r, size) for r in range(self.rollout.world_size)]
+        )
+        self.train.call_each(
+            "join_weight_sync", [(master if r == 0 else None, 0, size) for r in range(self.train.world_size)]
+        )
+        self.rollout.wait(joining)
+        self.manifest = self.train.call("weight_manifest")[0]
+
+    def sleep_rollout(self) -> None:
+        """Colocated engines free their KV cache while the other roles run; own GPUs keep theirs."""
+        if self.rollout is None:
+            self.train.call("sleep_rollout")
+
+    def sync_weights(self) -> None:
+        """The actor's current weights into every rollout engine."""
+        if self.rollout is None:
+            self.train.call("sync_weights")
+            return
+        receiving = self.rollout.submit_each("receive_weights", [self.manifest] * self.rollout.world_size)
+        self.train.call("sync_weights")
+        self.rollout.wait(receiving)
+
+    def memory_metrics(self) -> list[dict[str, float]]:
+        """Every worker's peak memory per phase."""
+        groups = [self.train] + ([self.rollout] if self.rollout is not None else [])
+        return [m for group in groups for m in group.call("take_memory_metrics")]
+
+    def shutdown(self) -> None:
+        self.train.shutdown()
+        if self.rollout is not None:
+            self.rollout.shutdown()

@@ -1,0 +1,67 @@
+"""A rollout worker of a disaggregated placement: a GPU (or CPU slot) that holds only the rollout
+engine, with a full copy of the policy, and receives the actor's weights by broadcast after each
+update instead of sharing a GPU with the trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridflow.batch import Prompt, Rollouts
+from hybridflow.config.schema import Config
+from hybridflow.controller.role_models import policy_model, rollout_backend
+from hybridflow.devices import DTYPES, resolve_device
+from hybridflow.models import load_causal_lm
+from hybridflow.parallel.weight_sync import WeightSync, unpack
+from hybridflow.roles.rollout import Rollout
+from hybridflow.rollout.sampling import SamplingParams
+
+
+class RolloutWorker:
+    """Built by a worker group as `RolloutWorker(config, rank, world_size)`."""
+
+    def __init__(self, config: Config, rank: int, world_size: int) -> None:
+        c = self.config = config
+        self.rank = rank
+        self.device = resolve_device(c.resources.device)
+        torch.manual_seed(c.trainer.seed)
+        hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        hf_model.to(self.device)
+        policy = policy_model(c, hf_model)  # the engine copies it (the same start as the actor's)
+        backend = rollout_backend(
+            c, hf_model, policy, tokenizer, self.device, Path(c.trainer.run_dir), share_weights=False
+        )
+        del hf_model, policy
+        if hasattr(backend, "resize_pool"):
+            backend.resize_pool()  # the policy it was copied from is gone: room for more KV
+        self.rollout = Rollout(backend)
+        self.weight_sync: WeightSync | None = None
+        self.peak = 0.0
+
+    def join_weight_sync(self, master: tuple[str, int], sync_rank: int, sync_size: int) -> None:
+        self.weight_sync = WeightSync(master, sync_rank, sync_size, self.device)
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, first_group: int = 0) -> Rollouts:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        out = self.rollout.generate(prompts, params, first_group=first_group)
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) / 2**30)
+        return out
+
+    @torch.no_grad()
+    def receive_weights(self, units: list[list[tuple[str, tuple[int, ...]]]], dtype: str) -> None:
+        """The actor's weights, one broadcast per unit of (name, shape) pairs, into the engine."""
+        for unit in units:
+            flat = torch.empty(
+                sum(torch.Size(s).numel() for _, s in unit), dtype=DTYPES[dtype], device=self.device
+            )
+            self.weight_sync.broadcast(flat)
+            self.rollout.update_weights(zip((n for n, _ in unit), unpack(flat, [s for _, s in unit])))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def take_memory_metrics(self) -> dict[str, float]:
+        peak, self.peak = self.peak, 0.0
+        return {"perf/max_memory_allocated_gb/gen": peak} if peak else {}
