@@ -42,6 +42,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     layers: int
+    heads: int
     kv_heads: int
     head_dim: int
     tied: bool
@@ -60,6 +61,7 @@ class ModelShape:
             hidden=hf_config.hidden_size,
             intermediate=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
             layers=hf_config.num_hidden_layers,
+            heads=heads,
             kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -221,8 +223,8 @@ def _suggestions(
     return out
 
 
-def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:
-    """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
+def model_shape(config: Config) -> ModelShape:
+    """The shape of `config`'s model, from its config file alone."""
     from transformers import AutoConfig
 
     from hybridflow.models.default import default_model_dir
@@ -233,7 +235,12 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     else:
         hf_config = AutoConfig.from_pretrained(path)
-    shape = ModelShape.from_hf_config(hf_config)
+    return ModelShape.from_hf_config(hf_config)
+
+
+def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:
+    """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
+    shape = model_shape(config)
     if gpu_bytes is None:
         gpu_bytes = (
             torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 * GIB

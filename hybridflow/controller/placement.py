@@ -42,6 +42,11 @@ class Placement:
             self._join_weight_sync()
 
     @property
+    def world_size(self) -> int:
+        """Every worker of the run, training and rollout."""
+        return self.train.world_size + (self.rollout.world_size if self.rollout is not None else 0)
+
+    @property
     def generators(self) -> WorkerGroup:
         """The workers that generate: the rollout workers, or (colocated) every worker."""
         return self.rollout or self.train

@@ -30,8 +30,9 @@ from hybridflow.controller.dispatch import (
     share,
     to_sequence_parallel_ranks,
 )
-from hybridflow.controller.memory_plan import plan_for
+from hybridflow.controller.memory_plan import model_shape, plan_for
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
+from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
@@ -100,6 +101,8 @@ class RLTrainer:
         self.has_critic = c.algorithm.adv_estimator == "gae"
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
             self._print_memory_plan()
+        self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
+        self.model_shape = model_shape(c) if self.peak_flops else None
         self.placement = Placement(c, self.device, total_updates=self.total_steps * updates_per_step(c))
         self.workers = self.placement.train  # the workers that hold actor, reference and critic
         kl = c.algorithm.kl_ctrl
@@ -226,10 +229,15 @@ class RLTrainer:
         )
         metrics |= timer.metrics()
         metrics["timing_s/gen"] -= metrics.get("timing_s/reward", 0.0)  # scoring ran inside the gen phase
-        tokens = sum(len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))
-        metrics |= {"perf/total_num_tokens": float(tokens), "perf/time_per_step": timer.times["step"]}
-        devices = self.workers.world_size
-        metrics["perf/throughput"] = tokens / timer.times["step"] / devices  # tokens/s per device (verl)
+        metrics |= perf_metrics(
+            timer.times,
+            prompt_lengths=[len(p) for p in rollouts.prompt_ids],
+            response_lengths=[len(r) for r in rollouts.response_ids],
+            devices=self.placement.world_size,
+            shape=self.model_shape,
+            actor_passes=c.actor.ppo_epochs,
+            peak=self.peak_flops,
+        )
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
 

@@ -49,6 +49,8 @@ def test_metrics_use_verls_names_and_errors_are_counted(setup, tmp_path):
         "response_length/mean", "response_length/clip_ratio", "prompt_length/mean", "timing_s/step", "timing_s/gen",
         "timing_s/reward", "timing_s/ref", "timing_s/update_actor", "timing_s/update_weights",
         "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "training/rollout_probs_diff_max",
+        "perf/cpu_memory_used_gb", "perf/gen_tokens_per_s", "timing_per_token_ms/gen", "timing_per_token_ms/ref",
+        "timing_per_token_ms/update_actor",
     ):  # fmt: skip
         assert key in metrics[0], key
     # prompts tagged RAISE make the reward function raise: scored 0, counted, never fatal
@@ -81,7 +83,9 @@ def test_resume_gives_exactly_the_uninterrupted_run(setup, tmp_path):
         same = {
             k: v
             for k, v in ma.items()
-            if not k.startswith(("timing_s", "perf/throughput", "perf/time", "reward/latency"))
+            if not k.startswith(
+                ("timing", "perf/throughput", "perf/time", "perf/cpu", "perf/gen", "reward/latency")
+            )
         }
         assert same == {k: mb[k] for k in same}
     wa, wb = _weights(straight.workers.worker.actor.model), _weights(resumed.workers.worker.actor.model)
