@@ -140,6 +140,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if recipe is None:
         recipe = DEMO_RECIPE
         print(f"no recipe given: running the demo recipe {recipe}", flush=True)
+    if args.quiet:
+        overrides = [*overrides, "trainer.progress=false"]
     RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
@@ -215,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start over: delete this run's earlier checkpoints and metrics",
     )
+    train.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser(

@@ -268,6 +268,13 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (WANDB_MODE=offline works)."""
+    log_samples_freq: int = 10
+    """Every N steps (and at step 1) a few generations go to RUN_DIR/samples.jsonl; 0: never."""
+    log_samples: int = 4
+    """How many generations each time, each from a different prompt."""
+    progress: bool = True
+    """A progress bar over the steps (with ETA and the phase running) when stderr is a terminal."""
     project_name: str = "hybridflow"
     experiment_name: str = "run"
     run_dir: str = "runs/${trainer.experiment_name}"

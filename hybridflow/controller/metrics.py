@@ -67,11 +67,15 @@ def probs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -
 class Timer:
     """Collects timing_s/{name} for the phases of one step."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start=None) -> None:
+        """`on_start(name)` hears of each phase as it begins (the progress bar shows it)."""
         self.times: dict[str, float] = defaultdict(float)
+        self.on_start = on_start
 
     @contextmanager
     def __call__(self, name: str):
+        if self.on_start is not None:
+            self.on_start(name)
         start = time.perf_counter()
         try:
             yield

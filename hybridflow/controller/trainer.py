@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
@@ -43,6 +45,7 @@ from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
+from hybridflow.tracking.samples import append_samples, sample_rows
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,10 @@ class RLTrainer:
         self.run_dir = Path(c.trainer.run_dir)
         self._refuse_foreign_run_dir(overwrite)
         if overwrite:
-            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            for name in ("checkpoints", "tensorboard", "wandb"):
+                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+            for name in ("metrics.jsonl", "samples.jsonl", "report.html", "wandb_run_id"):
+                (self.run_dir / name).unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
@@ -115,7 +120,7 @@ class RLTrainer:
         self.bad_steps = 0
         self.last_checkpoint: Path | None = None
         self._resume()
-        self.sinks = make_sinks(c.trainer.logger, self.run_dir)
+        self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -131,6 +136,13 @@ class RLTrainer:
             )
         if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
             self._log(self._validate(), step=0)
+        self.progress = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (c.trainer.progress and sys.stderr.isatty()),
+        )
         while self.step < self.total_steps:
             self.step += 1
             metrics = self.train_step()
@@ -148,6 +160,8 @@ class RLTrainer:
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
             finally:  # a failed save still records the step it followed
                 self._log(metrics, step=self.step)
+            self.progress.update()
+        self.progress.close()
         for sink in self.sinks:
             sink.close()
         self.reward.close()
@@ -155,7 +169,7 @@ class RLTrainer:
         return metrics
 
     def train_step(self) -> dict[str, float]:
-        c, timer = self.config, Timer()
+        c, timer = self.config, Timer(on_start=self._show_phase)
         with timer("step"):
             with timer("gen"):
                 try:
@@ -239,7 +253,23 @@ class RLTrainer:
             peak=self.peak_flops,
         )
         metrics["training/epoch"] = float(self.sampler.epoch)
+        freq = c.trainer.log_samples_freq
+        if freq and (self.step == 1 or self.step % freq == 0):
+            self._log_samples(
+                sample_rows(self.step, rollouts, scored.scores, batch.advantages, mask, self.tokenizer,
+                            c.trainer.log_samples)
+            )  # fmt: skip
         return metrics
+
+    def _show_phase(self, name: str) -> None:
+        if getattr(self, "progress", None) is not None and name != "step":
+            self.progress.set_postfix_str(name, refresh=True)
+
+    def _log_samples(self, rows: list[dict]) -> None:
+        append_samples(self.run_dir / "samples.jsonl", rows)
+        for sink in self.sinks:
+            if hasattr(sink, "log_samples"):
+                sink.log_samples(rows, self.step)
 
     def _print_memory_plan(self) -> None:
         try:
@@ -400,7 +430,8 @@ class RLTrainer:
     # ---- checkpoints ----------------------------------------------------------------------------
     def _refuse_foreign_run_dir(self, overwrite: bool) -> None:
         """Never write into a directory holding something other than this run's own files."""
-        ours = {"checkpoints", "metrics.jsonl", "rollout_start_policy"}
+        ours = {"checkpoints", "metrics.jsonl", "samples.jsonl", "rollout_start_policy", "tensorboard", "wandb",
+                "wandb_run_id", "report.html"}  # fmt: skip
         if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
             raise UserError(
                 f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
@@ -444,7 +475,8 @@ class RLTrainer:
     def _resume(self) -> None:
         path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
         if path is None:
-            truncate_jsonl(self.run_dir / "metrics.jsonl", 0)  # a fresh start forgets an unsaved attempt
+            for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh start forgets an unsaved attempt
+                truncate_jsonl(self.run_dir / name, 0)
             return
         state, schedulers = load_checkpoint_state(path)
         if not (path / "actor_state").is_dir():
@@ -459,5 +491,6 @@ class RLTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         set_rng_state(state["rng"])
         self.last_checkpoint = path
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_jsonl(self.run_dir / name, self.step)
         print(f"resumed from {path} (step {self.step})", flush=True)

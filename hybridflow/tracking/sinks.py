@@ -1,4 +1,6 @@
-"""Metric sinks: a compact console line per step and metrics.jsonl with every metric."""
+"""Metric sinks, chosen by trainer.logger: a compact console line per step, metrics.jsonl with every
+metric, TensorBoard and Weights & Biases (tracking/external.py). Sample generations go to
+samples.jsonl always, and to the sinks that can show a table."""
 
 from __future__ import annotations
 
@@ -7,12 +9,17 @@ import math
 from pathlib import Path
 from typing import Protocol
 
+from tqdm import tqdm
+
 from hybridflow.errors import UserError
 
 
 class Sink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
     def close(self) -> None: ...
+
+
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 class ConsoleSink:
@@ -37,7 +44,7 @@ class ConsoleSink:
             for k, v in metrics.items()
             if k.startswith("val-core/") and "/mean@" in k
         ]
-        print(" | ".join(parts), flush=True)
+        tqdm.write(" | ".join(parts))  # above a progress bar, when one is drawn
 
     def close(self) -> None:
         pass
@@ -60,15 +67,25 @@ class JsonlSink:
         self.file.close()
 
 
-def make_sinks(names: list[str], run_dir: Path) -> list[Sink]:
+def make_sinks(names: list[str], run_dir: Path, config) -> list[Sink]:
+    """The sinks `names` lists; `config` (the resolved Config) goes to those that keep it."""
+    from hybridflow.config.loader import to_dict, to_yaml
+    from hybridflow.tracking.external import TensorBoardSink, WandbSink
+
+    unknown = [n for n in names if n not in SINKS]
+    if unknown:
+        raise UserError(f"trainer.logger: unknown sink {unknown[0]!r} (available: {', '.join(SINKS)})")
     sinks: list[Sink] = []
     for name in names:
         if name == "console":
             sinks.append(ConsoleSink())
         elif name == "jsonl":
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(run_dir, to_yaml(config)))
         else:
-            raise UserError(f"trainer.logger: unknown sink {name!r} (available: console, jsonl)")
+            t = config.trainer
+            sinks.append(WandbSink(run_dir, to_dict(config), project=t.project_name, name=t.experiment_name))
     return sinks
 
 

@@ -1,0 +1,96 @@
+"""Every sink gets the same metrics: TensorBoard's events read back with its own reader, the offline
+W&B run's records decoded, both equal to metrics.jsonl; sample generations in samples.jsonl and in
+the sinks' tables."""
+
+import json
+import math
+import struct
+
+import pytest
+from rl_run import config, read_metrics
+
+from hybridflow.controller.trainer import RLTrainer
+from hybridflow.errors import UserError
+from hybridflow.tracking.external import _require
+
+SINKS = "trainer.logger=[console,jsonl,tensorboard,wandb]"
+
+
+def _wandb_records(path):
+    """Records of an offline W&B run file: a 7-byte header, then LevelDB-style log records (crc32,
+    length, type; 32 KiB blocks) holding protobuf `Record`s."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, chunks = path.read_bytes(), 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks, pos = chunks + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+@pytest.mark.slow
+def test_every_sink_receives_the_same_metrics_and_samples(setup, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    overrides = [
+        SINKS,
+        "trainer.total_training_steps=2",
+        "trainer.log_samples_freq=1",
+        "trainer.log_samples=3",
+    ]
+    RLTrainer(config(setup, run, *overrides)).fit()
+    expected = {
+        m["step"]: {k: v for k, v in m.items() if k != "step" and v is not None} for m in read_metrics(run)
+    }
+    assert list(expected) == [1, 2] and len(expected[1]) > 40
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    for step, metrics in expected.items():
+        for key, value in metrics.items():
+            (logged,) = [e.value for e in events.Scalars(key) if e.step == step]
+            assert logged == pytest.approx(value, rel=1e-6, abs=1e-30), key  # stored as float32
+    assert {"samples/text_summary", "config/text_summary"} <= set(events.Tags()["tensors"])
+
+    (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    history, config_keys = {}, set()
+    for record in _wandb_records(wandb_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":  # a name with "/" comes as a one-part nested key; tables as several parts
+            items = {i.key or i.nested_key[0]: json.loads(i.value_json) for i in record.history.item
+                     if i.key or len(i.nested_key) == 1}  # fmt: skip
+            history.setdefault(items["_step"], {}).update(
+                {k: v for k, v in items.items() if not k.startswith("_")}
+            )
+        elif kind in ("config", "run"):  # the config comes with the run record or as an update
+            update = record.config.update if kind == "config" else record.run.config.update
+            config_keys |= {i.key for i in update}
+    for step, metrics in expected.items():
+        logged = history[step]
+        assert logged.keys() == metrics.keys()
+        assert all(math.isclose(logged[k], v, rel_tol=1e-12) for k, v in metrics.items())
+    assert {"trainer", "actor", "rollout"} <= config_keys  # the resolved config rides along
+    assert list(run.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))
+
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
+    assert {"prompt", "response", "score", "advantage", "response_length", "finish_reason"} <= samples[
+        0
+    ].keys()
+    assert len({s["prompt"] for s in samples[:3]}) == 3  # each from a different prompt
+
+
+def test_unknown_or_missing_sinks_are_named(setup, tmp_path):
+    with pytest.raises(UserError, match="unknown sink 'mlflow'"):
+        RLTrainer(config(setup, tmp_path / "run", "trainer.logger=[console,mlflow]"))
+    with pytest.raises(UserError, match="not installed: pip install no_such_tracker"):
+        _require("no_such_tracker", "tensorboard")
