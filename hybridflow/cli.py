@@ -145,6 +145,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from hybridflow.report import write_report
+
+    print(write_report(args.runs, args.out))
+
+
 def cmd_data_make(args: argparse.Namespace) -> None:
     from hybridflow.data.tasks import make_task
 
@@ -229,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-gib", type=float, help="memory of one GPU (default: this machine's GPU, else 80)"
     )
     plan.set_defaults(func=cmd_plan)
+
+    report = sub.add_parser(
+        "report", help="write a self-contained HTML report of a run, or of several runs overlaid"
+    )
+    report.add_argument("runs", nargs="+", help="run directories (trainer.run_dir); several are compared")
+    report.add_argument("--out", help="the HTML file (default: RUN_DIR/report.html of the first run)")
+    report.set_defaults(func=cmd_report)
 
     config = sub.add_parser("config", help="inspect configuration").add_subparsers(
         dest="action", required=True

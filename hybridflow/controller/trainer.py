@@ -68,7 +68,14 @@ class RLTrainer:
         if overwrite:
             for name in ("checkpoints", "tensorboard", "wandb"):
                 shutil.rmtree(self.run_dir / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "samples.jsonl", "report.html", "wandb_run_id"):
+            for name in (
+                "metrics.jsonl",
+                "samples.jsonl",
+                "report.html",
+                "wandb_run_id",
+                "config.yaml",
+                "step_plan.txt",
+            ):
                 (self.run_dir / name).unlink(missing_ok=True)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
@@ -125,17 +132,17 @@ class RLTrainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         c = self.config
-        print(
-            step_plan(c, self.total_steps, len(self.train_prompts), self.sampler.steps_per_epoch), flush=True
-        )
+        plan = step_plan(c, self.total_steps, len(self.train_prompts), self.sampler.steps_per_epoch)
+        print(plan, flush=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(c), encoding="utf-8")  # for the report
+        (self.run_dir / "step_plan.txt").write_text(plan + "\n", encoding="utf-8")
         metrics: dict[str, float] = {}
         if self.step >= self.total_steps:
             print(
                 f"{self.run_dir} already finished {self.step} steps; pass --overwrite to start over",
                 flush=True,
             )
-        if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
-            self._log(self._validate(), step=0)
         self.progress = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -143,30 +150,47 @@ class RLTrainer:
             dynamic_ncols=True,
             disable=not (c.trainer.progress and sys.stderr.isatty()),
         )
-        while self.step < self.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            last = self.step == self.total_steps
-            if self.val_prompts and (
-                last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)
-            ):
-                start = time.perf_counter()
-                metrics |= self._validate()
-                metrics["timing_s/testing"] = time.perf_counter() - start
-            try:
-                if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
-                    start = time.perf_counter()
-                    self.save()
-                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-            finally:  # a failed save still records the step it followed
-                self._log(metrics, step=self.step)
-            self.progress.update()
-        self.progress.close()
+        try:
+            if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
+                self._log(self._validate(), step=0)
+            while self.step < self.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                self._after_step(metrics)
+                self.progress.update()
+        finally:  # the report is written at the end, and on an error or an interruption too
+            self.progress.close()
+            self._write_report()
         for sink in self.sinks:
             sink.close()
         self.reward.close()
         self.placement.shutdown()
         return metrics
+
+    def _after_step(self, metrics: dict[str, float]) -> None:
+        """Validation and checkpoint when due, then the step's metrics to the sinks."""
+        c, last = self.config, self.step == self.total_steps
+        if self.val_prompts and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
+            start = time.perf_counter()
+            metrics |= self._validate()
+            metrics["timing_s/testing"] = time.perf_counter() - start
+        try:
+            if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+                start = time.perf_counter()
+                self.save()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+        finally:  # a failed save still records the step it followed
+            self._log(metrics, step=self.step)
+
+    def _write_report(self) -> None:
+        if "jsonl" not in self.config.trainer.logger:
+            return  # the report reads metrics.jsonl
+        try:
+            from hybridflow.report import write_report
+
+            print(f"report: {write_report([self.run_dir])}", flush=True)
+        except Exception as e:  # a report must never hide how the run ended
+            print(f"report not written ({type(e).__name__}: {e})", flush=True)
 
     def train_step(self) -> dict[str, float]:
         c, timer = self.config, Timer(on_start=self._show_phase)
@@ -431,7 +455,7 @@ class RLTrainer:
     def _refuse_foreign_run_dir(self, overwrite: bool) -> None:
         """Never write into a directory holding something other than this run's own files."""
         ours = {"checkpoints", "metrics.jsonl", "samples.jsonl", "rollout_start_policy", "tensorboard", "wandb",
-                "wandb_run_id", "report.html"}  # fmt: skip
+                "wandb_run_id", "config.yaml", "step_plan.txt", "report.html"}  # fmt: skip
         if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
             raise UserError(
                 f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
