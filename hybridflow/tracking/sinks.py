@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -34,17 +35,22 @@ class ConsoleSink:
         ("timing_s/step", "s"),
     )
 
+    def __init__(self, styled: bool | None = None) -> None:
+        """`styled`: bold labels and a bold step number (default: when stdout is a terminal)."""
+        self.styled = sys.stdout.isatty() if styled is None else styled
+
     def log(self, metrics: dict[str, float], step: int) -> None:
-        parts = [f"[step {step}]"]
+        bold = (lambda t: f"\033[1m{t}\033[0m") if self.styled else (lambda t: t)
+        parts = [bold(f"[step {step}]")]
         for key, label in self.KEYS:
             if key in metrics:
-                parts.append(f"{label} {metrics[key]:.4g}")
+                parts.append(f"{label} {bold(f'{metrics[key]:.4g}')}")
         parts += [
-            f"{k.split('/', 1)[1]} {v:.3f}"
+            f"{k.split('/', 1)[1]} {bold(f'{v:.3f}')}"
             for k, v in metrics.items()
             if k.startswith("val-core/") and "/mean@" in k
         ]
-        tqdm.write(" | ".join(parts))  # above a progress bar, when one is drawn
+        tqdm.write(" | ".join(parts), file=sys.stdout)  # above a progress bar, when one is drawn
 
     def close(self) -> None:
         pass

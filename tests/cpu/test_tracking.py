@@ -94,3 +94,14 @@ def test_unknown_or_missing_sinks_are_named(setup, tmp_path):
         RLTrainer(config(setup, tmp_path / "run", "trainer.logger=[console,mlflow]"))
     with pytest.raises(UserError, match="not installed: pip install no_such_tracker"):
         _require("no_such_tracker", "tensorboard")
+
+
+def test_console_line_is_plain_off_a_terminal_and_bold_on_one(capsys):
+    from hybridflow.tracking.sinks import ConsoleSink
+
+    metrics = {"critic/score/mean": 0.5, "timing_s/step": 1.25, "val-core/gsm8k/acc/mean@1": 0.4, "other": 1.0}
+    ConsoleSink().log(metrics, 3)  # pytest's captured stdout is no terminal
+    ConsoleSink(styled=True).log(metrics, 3)
+    plain, styled = capsys.readouterr().out.splitlines()
+    assert plain == "[step 3] | score 0.5 | s 1.25 | gsm8k/acc/mean@1 0.400"
+    assert styled.replace("\033[1m", "").replace("\033[0m", "") == plain and "\033[1m" in styled
