@@ -105,7 +105,14 @@ class RayWorkerGroup:
             )
         bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * num_workers, strategy="PACK")
-        ray.get(self.placement.ready())
+        try:  # resources held by other work (another group, another job) leave it waiting
+            ray.get(self.placement.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement)
+            raise WorkerError(
+                f"Ray could not place {num_workers} workers with one {kind} each within {timeout_s} s: the "
+                f"cluster's {have:g} {kind}s are held by other work (ray status shows what)"
+            ) from None
         actor = ray.remote(_Worker)
         self.workers = [
             actor.options(

@@ -16,7 +16,7 @@ from hybridflow.report.runs import Run, load_run
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px; color: #1d232a; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #dde; }
-img { max-width: 100%; } pre { background: #f5f6f8; padding: 10px; overflow-x: auto; font-size: 12px; }
+img { max-width: 100%; } pre { background: #f5f6f8; padding: 10px; white-space: pre-wrap; font-size: 12px; }
 table { border-collapse: collapse; font-size: 12px; width: 100%; }
 td, th { border: 1px solid #dde; padding: 4px 6px; vertical-align: top; text-align: left; }
 td.text { white-space: pre-wrap; max-width: 460px; font-family: ui-monospace, monospace; }

@@ -99,7 +99,12 @@ def test_unknown_or_missing_sinks_are_named(setup, tmp_path):
 def test_console_line_is_plain_off_a_terminal_and_bold_on_one(capsys):
     from hybridflow.tracking.sinks import ConsoleSink
 
-    metrics = {"critic/score/mean": 0.5, "timing_s/step": 1.25, "val-core/gsm8k/acc/mean@1": 0.4, "other": 1.0}
+    metrics = {
+        "critic/score/mean": 0.5,
+        "timing_s/step": 1.25,
+        "val-core/gsm8k/acc/mean@1": 0.4,
+        "other": 1.0,
+    }
     ConsoleSink().log(metrics, 3)  # pytest's captured stdout is no terminal
     ConsoleSink(styled=True).log(metrics, 3)
     plain, styled = capsys.readouterr().out.splitlines()
