@@ -123,6 +123,7 @@ class HybridWorker:
             pad_token_id=pad,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
             device=self.device,
+            progress=c.trainer.progress,
         )
         self.ref = (
             Reference(

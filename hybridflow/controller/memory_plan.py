@@ -250,3 +250,19 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
             config.resources.n_gpus_per_node * config.resources.nnodes - config.resources.rollout_workers
         )
     return estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
+
+
+def print_plan(config: Config) -> None:
+    """The trainer's start-up line, and a warning naming the fixes when a phase will not fit."""
+    try:
+        plan = plan_for(config)
+    except Exception as e:  # an estimate must never stop a run
+        print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
+        return
+    print(plan.summary(), flush=True)
+    if not plan.fits():
+        print(
+            "warning: a phase will not fit in GPU memory (`hybridflow plan` for the details): "
+            + "; ".join(plan.suggestions),
+            flush=True,
+        )

@@ -116,5 +116,6 @@ def rollout_backend(
         cuda_graphs=r.cuda_graphs,
         compute_dtype=compute,
         share_weights=share_weights,
+        progress=c.trainer.progress,
     )
     return Engine(policy, eos_token_ids=eos, config=engine_config, device=device)

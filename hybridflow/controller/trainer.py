@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
@@ -32,10 +29,11 @@ from hybridflow.controller.dispatch import (
     share,
     to_sequence_parallel_ranks,
 )
-from hybridflow.controller.memory_plan import model_shape, plan_for
+from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
+from hybridflow.controller.run_dir import check_run_dir, clear_run_dir
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
 from hybridflow.data.prompts import load_prompts
@@ -45,6 +43,7 @@ from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
+from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
 
@@ -64,19 +63,9 @@ class RLTrainer:
         check_config(config)
         self.config = c = config
         self.run_dir = Path(c.trainer.run_dir)
-        self._refuse_foreign_run_dir(overwrite)
+        check_run_dir(self.run_dir, resume=c.trainer.resume, overwrite=overwrite)
         if overwrite:
-            for name in ("checkpoints", "tensorboard", "wandb"):
-                shutil.rmtree(self.run_dir / name, ignore_errors=True)
-            for name in (
-                "metrics.jsonl",
-                "samples.jsonl",
-                "report.html",
-                "wandb_run_id",
-                "config.yaml",
-                "step_plan.txt",
-            ):
-                (self.run_dir / name).unlink(missing_ok=True)
+            clear_run_dir(self.run_dir)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
@@ -112,7 +101,7 @@ class RLTrainer:
         self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
         self.has_critic = c.algorithm.adv_estimator == "gae"
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
-            self._print_memory_plan()
+            print_plan(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
         self.model_shape = model_shape(c) if self.peak_flops else None
         self.placement = Placement(c, self.device, total_updates=self.total_steps * updates_per_step(c))
@@ -143,13 +132,7 @@ class RLTrainer:
                 f"{self.run_dir} already finished {self.step} steps; pass --overwrite to start over",
                 flush=True,
             )
-        self.progress = tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            unit="step",
-            dynamic_ncols=True,
-            disable=not (c.trainer.progress and sys.stderr.isatty()),
-        )
+        self.progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
         try:
             if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                 self._log(self._validate(), step=0)
@@ -199,7 +182,7 @@ class RLTrainer:
                 try:
                     rollouts, scored, metrics = self._generate()
                     if c.algorithm.adv_estimator != "remax":
-                        self._sleep_rollout()
+                        self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
                     raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
             mask = pad_ragged([[1.0] * len(r) for r in rollouts.response_ids])  # [B, T]
@@ -243,7 +226,7 @@ class RLTrainer:
                 baselines = None
                 if c.algorithm.adv_estimator == "remax":
                     baselines = self._greedy_baselines(rollouts)
-                    self._sleep_rollout()
+                    self.placement.sleep_rollout()
                 batch.advantages, batch.returns = compute_advantages(
                     c.algorithm,
                     token_rewards=token_rewards,
@@ -294,20 +277,6 @@ class RLTrainer:
         for sink in self.sinks:
             if hasattr(sink, "log_samples"):
                 sink.log_samples(rows, self.step)
-
-    def _print_memory_plan(self) -> None:
-        try:
-            plan = plan_for(self.config)
-        except Exception as e:  # an estimate must never stop a run
-            print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
-            return
-        print(plan.summary(), flush=True)
-        if not plan.fits():
-            print(
-                "warning: a phase will not fit in GPU memory (`hybridflow plan` for the details): "
-                + "; ".join(plan.suggestions),
-                flush=True,
-            )
 
     # ---- the roles over the workers: data-parallel split and gather ------------------------------
     def _rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
@@ -413,7 +382,7 @@ class RLTrainer:
         r = self.config.rollout
         params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
         metrics, _ = validate(self._rollouts, self.reward, self.val_prompts, params)
-        self._sleep_rollout()
+        self.placement.sleep_rollout()
         return metrics
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
@@ -452,23 +421,6 @@ class RLTrainer:
             sink.log(metrics, step)
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def _refuse_foreign_run_dir(self, overwrite: bool) -> None:
-        """Never write into a directory holding something other than this run's own files."""
-        ours = {"checkpoints", "metrics.jsonl", "samples.jsonl", "rollout_start_policy", "tensorboard", "wandb",
-                "wandb_run_id", "config.yaml", "step_plan.txt", "report.html"}  # fmt: skip
-        if self.run_dir.exists() and any(p.name not in ours for p in self.run_dir.iterdir()):
-            raise UserError(
-                f"run directory {self.run_dir} holds files this trainer did not write; choose another trainer.run_dir"
-            )
-        resuming = self.config.trainer.resume == "auto" or overwrite
-        if not resuming and self.run_dir.exists() and any(self.run_dir.iterdir()):
-            raise UserError(
-                f"run directory {self.run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
-            )
-
-    def _sleep_rollout(self) -> None:
-        self.placement.sleep_rollout()
-
     def save(self) -> Path:
         """The workers write the sharded model and optimizer states and the transformers exports;
         the controller adds the LR schedulers, its own state and the config."""

@@ -17,6 +17,7 @@ from hybridflow.engine.weights import WeightUpdater, engine_model, weight_target
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
+from hybridflow.tracking.progress import bar
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
+    progress: bool = False
+    """A transient bar of finished sequences during `generate` (on a terminal only)."""
     share_weights: bool = True
     """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
     False keeps a copy (the trainer's module is about to be sharded)."""
@@ -159,6 +162,7 @@ class Engine:
                 scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.int64)
         start, steps = time.perf_counter(), 0
+        finished = bar(total, "generate", enabled=c.progress, inner=True)
         while scheduler.has_work:
             jobs = scheduler.schedule_prefill()
             if jobs:
@@ -176,8 +180,9 @@ class Engine:
                 logits = self.runner.decode(batch, table)  # [B, V]
                 for s in batch:
                     s.cached += 1
-            self._append(batch, logits, params, stops, scheduler)
+            finished.update(self._append(batch, logits, params, stops, scheduler))
             steps += 1
+        finished.close()
         assert self.cache.pool.num_free == self.cache.pool.num_pages, "pages leaked"
         seconds = time.perf_counter() - start
         new_tokens = sum(s.num_generated for s in seqs)
@@ -194,9 +199,9 @@ class Engine:
             for s in seqs
         ]
 
-    def _append(self, batch, logits, params, stops, scheduler: Scheduler) -> None:
+    def _append(self, batch, logits, params, stops, scheduler: Scheduler) -> int:
         """Sample one token per sequence, decide stops on the device, bring both back in one copy,
-        record the tokens and retire finished sequences."""
+        record the tokens and retire finished sequences (returns how many)."""
         dev = logits.device
         seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(dev, non_blocking=True)
         generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
@@ -211,6 +216,7 @@ class Engine:
             raise NonFiniteLogits("the model produced NaN or inf logits during generation")
         length = (generated + 1 >= params.max_tokens) | (lengths + 1 >= self.config.max_context_tokens)
         token_list, lp_list, ulp_list = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
+        done = 0
         for s, token, lp, ulp, stop, full in zip(
             batch, token_list, lp_list, ulp_list, host[3].bool().tolist(), length.tolist()
         ):
@@ -220,6 +226,8 @@ class Engine:
             if stop or full:
                 s.finish_reason = "stop" if stop else "length"
                 scheduler.finish(s)
+                done += 1
+        return done
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);

@@ -45,26 +45,18 @@ def _heads_to_tokens(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return back.transpose(0, 1).reshape(n, size * h, d)
 
 
-class _TokensToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """`_tokens_to_heads` (or, `inverse`, `_heads_to_tokens`); the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, size, group):
-        ctx.size, ctx.group = size, group
-        return _tokens_to_heads(x, size, group)
+    def forward(ctx, x, size, group, inverse: bool):
+        ctx.size, ctx.group, ctx.inverse = size, group, inverse
+        return (_heads_to_tokens if inverse else _tokens_to_heads)(x, size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_tokens(grad, ctx.size, ctx.group), None, None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, group):
-        ctx.size, ctx.group = size, group
-        return _heads_to_tokens(x, size, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_to_heads(grad, ctx.size, ctx.group), None, None
+        back = _tokens_to_heads if ctx.inverse else _heads_to_tokens
+        return back(grad, ctx.size, ctx.group), None, None, None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -113,8 +105,8 @@ class SequenceParallel:
         if k.shape[1] % self.size:  # too few KV heads to split: give every query head its own
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        q, k, v = (_TokensToHeads.apply(t, self.size, self.group) for t in (q, k, v))
-        return _HeadsToTokens.apply(attend(q, k, v, layout), self.size, self.group)
+        q, k, v = (_Reshard.apply(t, self.size, self.group, False) for t in (q, k, v))
+        return _Reshard.apply(attend(q, k, v, layout), self.size, self.group, True)
 
     def gather(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """This rank's final hidden states [n, H] -> the whole unpadded stream [total, H]."""

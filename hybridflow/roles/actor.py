@@ -11,10 +11,11 @@ import torch
 from hybridflow.algorithms.aggregation import aggregate, count_sequences, count_tokens
 from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
-from hybridflow.batch import TrainingBatch
+from hybridflow.batch import TrainingBatch, plan_microbatches
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
 from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
+from hybridflow.tracking.progress import bar
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: int):
@@ -56,6 +57,10 @@ def optimizer_step(
     return sums
 
 
+def _lengths(batch: TrainingBatch) -> list[int]:
+    return [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+
+
 class Actor:
     """Policy model + optimizer. `update` runs ppo_epochs over mini-batches of `sequences_per_update`,
     each split into micro-batches by token budget with gradient accumulation; the loss divides by the
@@ -71,7 +76,9 @@ class Actor:
         pad_token_id: int,
         gradient_checkpointing: bool = False,
         device: torch.device | None = None,
+        progress: bool = False,
     ) -> None:
+        """`progress`: a transient bar of micro-batches during an update (on a terminal only)."""
         self.model = model
         self.config = config
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
@@ -84,6 +91,7 @@ class Actor:
             else:  # the native model checkpoints each layer
                 model.gradient_checkpointing = True
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
+        self.progress = progress
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
         return policy_logprobs(
@@ -126,6 +134,10 @@ class Actor:
         updates = skipped = 0
         self._rollout_gaps: list[torch.Tensor] = []
         self.model.train()
+        cfg = self.config
+        micro = sum(len(plan_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch))
+                    for mb in minibatches)  # fmt: skip
+        self._bar = bar(micro * cfg.ppo_epochs, "update", enabled=self.progress, inner=True)
         for _ in range(self.config.ppo_epochs):
             for mb in minibatches:
                 metrics = self._update_minibatch(mb)
@@ -135,6 +147,7 @@ class Actor:
                 updates += 1
                 for k, v in metrics.items():
                     sums[k] += v
+        self._bar.close()
         self.model.eval()
         out = {f"actor/{k}": v / max(updates, 1) for k, v in sums.items()}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -163,7 +176,7 @@ class Actor:
         mask = mb.response_mask
         # Under data parallelism `mb` is this rank's share: the denominators count the whole mini-batch
         tokens, seqs = (int(x) for x in sum_over_ranks([count_tokens(mask), count_sequences(mask)]))
-        lengths = [len(p) + len(r) for p, r in zip(mb.prompt_ids, mb.response_ids)]
+        lengths = _lengths(mb)
         sums: dict[str, float] = defaultdict(float)
         self.optimizer.zero_grad(set_to_none=True)
         # every rank runs as many micro-batches (FSDP gathers per forward); padding ones count zero
@@ -223,6 +236,7 @@ class Actor:
                 continue
             # a non-finite loss makes the (global) gradient norm non-finite: every rank skips the step
             (loss * data_parallel_scale()).backward()
+            self._bar.update()
             sums["pg_loss"] += pg_loss.item()
             sums["entropy"] += entropy_loss.item()
             for k, v in pg_metrics.items():

@@ -2,9 +2,11 @@
 W&B run's records decoded, both equal to metrics.jsonl; sample generations in samples.jsonl and in
 the sinks' tables."""
 
+import io
 import json
 import math
 import struct
+import sys
 
 import pytest
 from rl_run import config, read_metrics
@@ -110,3 +112,21 @@ def test_console_line_is_plain_off_a_terminal_and_bold_on_one(capsys):
     plain, styled = capsys.readouterr().out.splitlines()
     assert plain == "[step 3] | score 0.5 | s 1.25 | gsm8k/acc/mean@1 0.400"
     assert styled.replace("\033[1m", "").replace("\033[0m", "") == plain and "\033[1m" in styled
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_on_a_terminal_only(setup, tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    RLTrainer(config(setup, tmp_path / "a", "trainer.total_training_steps=2")).fit()
+    drawn = terminal.getvalue()
+    assert "steps: 100%" in drawn and "2/2" in drawn  # the step bar, with its count and ETA
+    assert "generate:" in drawn and "update:" in drawn  # the transient bars of the long phases
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    RLTrainer(config(setup, tmp_path / "b", "trainer.total_training_steps=1", "trainer.progress=false")).fit()
+    assert "steps:" not in quiet.getvalue() and "generate:" not in quiet.getvalue()
