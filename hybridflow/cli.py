@@ -145,6 +145,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
+def cmd_sft(args: argparse.Namespace) -> None:
+    from hybridflow.config import load_config
+    from hybridflow.offline import SFTTrainer
+
+    recipe, overrides = _recipe_and_overrides(args)
+    if args.quiet:
+        overrides = [*overrides, "trainer.progress=false"]
+    SFTTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from hybridflow.report import write_report
 
@@ -225,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
     train.set_defaults(func=cmd_train)
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning (chat messages or prompt/response rows)")
+    sft.add_argument("recipe", help="recipe YAML (or built-in recipe name, e.g. arithmetic_sft)")
+    sft.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sft.batch_size=16")
+    sft.add_argument("--overwrite", action="store_true", help="start over: delete this run's earlier files")
+    sft.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
+    sft.set_defaults(func=cmd_sft)
 
     plan = sub.add_parser(
         "plan", help="estimate peak GPU memory per training phase for a recipe, with suggestions"

@@ -311,6 +311,26 @@ class ResourcesConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning (`hybridflow sft`): rows of chat messages (loss on the assistant turns)
+    or prompt/response columns (loss on the response). Dotted keys reach nested fields, e.g.
+    extra_info.solution."""
+
+    messages_key: str | None = None
+    """A column of chat messages; when set, prompt_key/response_key are not used."""
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    max_tokens: int = 1024
+    """Longer examples are dropped (and counted)."""
+    batch_size: int = 32
+    """Examples per optimizer step; micro-batches pack them to actor.max_tokens_per_microbatch."""
+
+    def __post_init__(self) -> None:
+        _check_positive("sft", "max_tokens", self.max_tokens)
+        _check_positive("sft", "batch_size", self.batch_size)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -322,3 +342,4 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)

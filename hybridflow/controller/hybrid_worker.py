@@ -290,7 +290,6 @@ class HybridWorker:
         for role, name in ((self.actor, "actor"), (self.critic, "critic")):
             if role is None:
                 continue
-            _init_optimizer_state(role.optimizer)
             load_sharded(role.model, role.optimizer, path / f"{name}_state")
             role.scheduler.load_state_dict(schedulers[f"{name}_scheduler"])
         if self.offload_actor_optimizer:
@@ -334,19 +333,3 @@ def _in_unit(name: str, prefix: str) -> bool:
 def _full(p: torch.Tensor) -> torch.Tensor:
     """An unsharded parameter as a plain tensor (a DTensor still sharded is gathered)."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-
-
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Adam's state exists only after a step, and a sharded load fills existing state: take one step
-    with zero gradients at learning rate 0 (no change to any weight; the load replaces the state)."""
-    if optimizer.state:
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr

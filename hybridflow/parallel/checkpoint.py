@@ -33,10 +33,26 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """Load `path` into `model` and `optimizer` in place, whatever the number of ranks that saved it.
-    The optimizer must have state already (one step, or built with zeroed state)."""
+    """Load `path` into `model` and `optimizer` in place, whatever the number of ranks that saved it."""
+    _init_optimizer_state(optimizer)  # the load fills existing state
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     with _quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's state exists only after a step, and a sharded load fills existing state: take one step
+    with zero gradients at learning rate 0 (no change to any weight; the load replaces the state)."""
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr

@@ -64,6 +64,10 @@ def reward(runs: list[Run]) -> Figure | None:
     )
 
 
+def sft_loss(runs: list[Run]) -> Figure | None:
+    return _lines("SFT loss", runs, [("loss per target token", ["train/loss", "val/loss"])])
+
+
 def kl_and_entropy(runs: list[Run]) -> Figure | None:
     return _lines(
         "KL and entropy",
@@ -133,5 +137,5 @@ def throughput(runs: list[Run]) -> Figure | None:
 
 
 FIGURES: tuple[Callable[[list[Run]], Figure | None], ...] = (
-    reward, kl_and_entropy, response_length, time_per_phase, throughput
+    reward, sft_loss, kl_and_entropy, response_length, time_per_phase, throughput
 )  # fmt: skip

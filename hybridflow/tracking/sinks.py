@@ -32,6 +32,9 @@ class ConsoleSink:
         ("actor/grad_norm", "grad"),
         ("critic/vf_loss", "vf_loss"),
         ("response_length/mean", "resp_len"),
+        ("train/loss", "loss"),  # SFT
+        ("val/loss", "val_loss"),
+        ("train/grad_norm", "grad"),
         ("timing_s/step", "s"),
     )
 

@@ -1,0 +1,108 @@
+"""SFT: loss only on assistant turns (or the response), packing that changes nothing, a loss that
+falls, exact resume, and a checkpoint the RL trainer starts from as it is."""
+
+import json
+
+import pytest
+import torch
+from rl_run import config as rl_config
+from rl_run import read_metrics
+
+from hybridflow.config import load_config
+from hybridflow.models import byte_tokenizer
+from hybridflow.offline import SFTTrainer
+from hybridflow.offline.sft_data import messages_example, prompt_response_example
+
+CONVERSATION = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "ans"},
+]
+
+
+def _targets(example, tokenizer) -> str:
+    return tokenizer.decode([t for t, m in zip(example.token_ids, example.loss_mask) if m])
+
+
+def test_loss_masks_cover_assistant_turns_or_the_response_only():
+    tokenizer = byte_tokenizer()
+    example = messages_example(CONVERSATION, tokenizer, "row 0")
+    assert tokenizer.decode(example.token_ids).count("<|im_start|>") == 5
+    assert _targets(example, tokenizer) == "yo<|im_end|>\nans<|im_end|>\n"  # each turn with its end
+    plain = prompt_response_example("2+2?", "4", tokenizer, chat=True, system_prompt=None, where="row 0")
+    assert _targets(plain, tokenizer) == "4" + tokenizer.eos_token
+
+
+def _sft_config(setup, run_dir, *overrides):
+    return load_config(
+        None,
+        [
+            f"model.path={setup / 'model'}",
+            f"data.train_files=[{setup / 'sft.jsonl'}]",
+            "sft.messages_key=messages",
+            "sft.batch_size=8",
+            "actor.optim.lr=3e-3",
+            "actor.compute_dtype=float32",
+            "actor.max_tokens_per_microbatch=96",  # several packed micro-batches per step
+            "trainer.logger=[jsonl]",
+            f"trainer.run_dir={run_dir}",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def sft_setup(setup):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": "a" * (3 + i % 5)},
+            ]
+        }
+        for i in range(32)
+    ]
+    (setup / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return setup
+
+
+def test_packed_micro_batch_gives_the_loss_of_each_example_alone(sft_setup, tmp_path):
+    trainer = SFTTrainer(_sft_config(sft_setup, tmp_path / "run", "trainer.total_training_steps=1"))
+    examples = trainer.train_examples[:5]
+    with torch.no_grad():
+        packed, targets = trainer._nll(examples)
+        alone = [trainer._nll([e]) for e in examples]
+    assert targets == sum(t for _, t in alone) == sum(sum(e.loss_mask) for e in examples)
+    assert packed.item() == pytest.approx(sum(n.item() for n, _ in alone), rel=1e-5)
+
+
+def _weights(trainer):
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_loss_falls_resume_is_exact_and_rl_starts_from_the_export(sft_setup, tmp_path):
+    straight = SFTTrainer(_sft_config(sft_setup, tmp_path / "a", "trainer.total_training_steps=6"))
+    straight.fit()
+    SFTTrainer(_sft_config(sft_setup, tmp_path / "b", "trainer.total_training_steps=3")).fit()
+    resumed = SFTTrainer(_sft_config(sft_setup, tmp_path / "b", "trainer.total_training_steps=6"))
+    assert resumed.step == 3
+    resumed.fit()
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    assert [m["train/loss"] for m in a] == [m["train/loss"] for m in b]
+    wa, wb = _weights(straight), _weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "SFT loss" in (tmp_path / "a" / "report.html").read_text()  # the run's report, its loss curve
+    assert a[-1]["train/loss"] < 0.7 * a[0]["train/loss"]  # it learns the answers' shape (5.1 -> 3.2)
+    # the exported policy is the RL trainer's starting point, unconverted
+    policy = tmp_path / "a" / "checkpoints" / "global_step_6" / "policy"
+    from hybridflow.controller.trainer import RLTrainer
+
+    rl = RLTrainer(
+        rl_config(sft_setup, tmp_path / "rl", f"model.path={policy}", "trainer.total_training_steps=1")
+    )
+    exported = {k: v for k, v in rl.workers.worker.actor.model.state_dict().items()}
+    assert all(torch.equal(exported[k], wa[k]) for k in wa)
