@@ -145,14 +145,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
-def cmd_sft(args: argparse.Namespace) -> None:
+def cmd_offline(args: argparse.Namespace) -> None:
+    from hybridflow import offline
     from hybridflow.config import load_config
-    from hybridflow.offline import SFTTrainer
 
+    trainer = {"sft": offline.SFTTrainer, "dpo": offline.DPOTrainer, "kto": offline.KTOTrainer}[args.command]
     recipe, overrides = _recipe_and_overrides(args)
     if args.quiet:
         overrides = [*overrides, "trainer.progress=false"]
-    SFTTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
+    trainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -236,12 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
     train.set_defaults(func=cmd_train)
 
-    sft = sub.add_parser("sft", help="supervised fine-tuning (chat messages or prompt/response rows)")
-    sft.add_argument("recipe", help="recipe YAML (or built-in recipe name, e.g. arithmetic_sft)")
-    sft.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sft.batch_size=16")
-    sft.add_argument("--overwrite", action="store_true", help="start over: delete this run's earlier files")
-    sft.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
-    sft.set_defaults(func=cmd_sft)
+    for name, about in (
+        ("sft", "supervised fine-tuning (chat messages or prompt/response rows)"),
+        ("dpo", "DPO and variants on preference pairs (prompt/chosen/rejected rows)"),
+        ("kto", "KTO on completions labelled desirable or not (prompt/completion/label rows)"),
+    ):
+        offline = sub.add_parser(name, help=about)
+        offline.add_argument("recipe", help="recipe YAML (or built-in recipe name, e.g. arithmetic_sft)")
+        offline.add_argument(
+            "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10"
+        )
+        offline.add_argument(
+            "--overwrite", action="store_true", help="start over: delete this run's earlier files"
+        )
+        offline.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
+        offline.set_defaults(func=cmd_offline)
 
     plan = sub.add_parser(
         "plan", help="estimate peak GPU memory per training phase for a recipe, with suggestions"

@@ -331,6 +331,40 @@ class SFTConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """DPO (`hybridflow dpo`: rows prompt/chosen/rejected) and KTO (`hybridflow kto`: rows
+    prompt/completion/label). Responses are strings, or messages whose last turn is the response."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    """DPO: sigmoid, ipo, hinge, robust (against the reference), simpo, orpo (reference-free)."""
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 1.0
+    desirable_weight: float = 1.0
+    """KTO: weights of desirable and undesirable completions."""
+    undesirable_weight: float = 1.0
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    completion_key: str = "completion"
+    label_key: str = "label"
+    max_tokens: int = 1024
+    """Longer examples (prompt + longest response) are dropped (and counted)."""
+    batch_size: int = 16
+    """Pairs (DPO) or completions (KTO) per optimizer step."""
+    precompute_ref_logprobs: bool = True
+    """DPO: the reference's log-probs once before training (then the reference is freed)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "preference", "loss_type", self.loss_type, ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+        )
+        _check_positive("preference", "beta", self.beta)
+        _check_positive("preference", "batch_size", self.batch_size)
+        _check_positive("preference", "max_tokens", self.max_tokens)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -343,3 +377,4 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)

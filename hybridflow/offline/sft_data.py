@@ -21,14 +21,13 @@ class Example:
     loss_mask: list[int]  # 1 where the token is a target (predicted from the tokens before it)
 
 
-def _field(row: dict, key: str, where: str) -> Any:
+def field_at(row: dict, key: str, where: str) -> Any:
+    """row[key], a dotted key reaching into nested fields (extra_info.solution)."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
             keys = ", ".join(sorted(row)) or "none"
-            raise UserError(
-                f"{where} has no '{key}' (keys: {keys}); set sft.messages_key or sft.prompt_key/response_key"
-            )
+            raise UserError(f"{where} has no '{key}' (keys: {keys}); name the column in the recipe")
         value = value[part]
     return value
 
@@ -81,14 +80,14 @@ def load_examples(files: list[str], tokenizer, config: Config) -> list[Example]:
         for i, row in enumerate(read_rows(path)):
             where = f"{path}: row {i}"
             if s.messages_key:
-                messages = check_prompt(_field(row, s.messages_key, where), where, s.messages_key)
+                messages = check_prompt(field_at(row, s.messages_key, where), where, s.messages_key)
                 if isinstance(messages, str):
                     raise UserError(f"{where}: '{s.messages_key}' must be chat messages, got a string")
                 example = messages_example(messages, tokenizer, where)
             else:
-                prompt = check_prompt(_field(row, s.prompt_key, where), where, s.prompt_key)
+                prompt = check_prompt(field_at(row, s.prompt_key, where), where, s.prompt_key)
                 example = prompt_response_example(
-                    prompt, _field(row, s.response_key, where), tokenizer,
+                    prompt, field_at(row, s.response_key, where), tokenizer,
                     chat=d.apply_chat_template, system_prompt=d.system_prompt, where=where,
                 )  # fmt: skip
             if len(example.token_ids) > s.max_tokens:

@@ -1,0 +1,179 @@
+"""What the offline trainers share: the run directory, the policy (our packed model where the family
+is supported), a seeded resumable example order, AdamW with the RL schedule, the step loop with
+validation, checkpoints in the RL trainer's layout (`actor_state/` + a transformers `policy/`), exact
+resume, sinks and the report. A trainer supplies its examples, `train_step` and `validate`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hybridflow.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from hybridflow.config import Config, to_yaml
+from hybridflow.controller.role_models import policy_model
+from hybridflow.controller.run_dir import check_run_dir, clear_run_dir
+from hybridflow.data.sampler import PromptSampler
+from hybridflow.devices import resolve_device
+from hybridflow.models import load_causal_lm, native, save_hf
+from hybridflow.parallel.checkpoint import load_sharded, save_sharded
+from hybridflow.roles.actor import build_optimizer
+from hybridflow.roles.forward import policy_logprobs
+from hybridflow.tracking.progress import bar
+from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
+
+
+class OfflineTrainer:
+    name = "offline"
+
+    def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
+        c = self.config = config
+        self.run_dir = Path(c.trainer.run_dir)
+        check_run_dir(self.run_dir, resume=c.trainer.resume, overwrite=overwrite)
+        if overwrite:
+            clear_run_dir(self.run_dir)
+        torch.manual_seed(c.trainer.seed)
+        self.device = resolve_device(c.resources.device)
+        hf_model, self.tokenizer = load_causal_lm(
+            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
+        )
+        self.hf_config = hf_model.config
+        self.model = policy_model(c, hf_model.to(self.device))
+        if c.model.enable_gradient_checkpointing:
+            if isinstance(self.model, native.NativeModule):
+                self.model.gradient_checkpointing = True
+            else:
+                self.model.gradient_checkpointing_enable()
+        if c.data.task and not c.data.train_files:
+            from hybridflow.data.tasks import cached_task
+            from hybridflow.models.default import cache_root
+
+            files = cached_task(c.data.task, dict(c.data.task_options), cache_root(c.model.cache_dir))
+            c.data.train_files, c.data.val_files = (
+                [str(files["train"])],
+                c.data.val_files or [str(files["test"])],
+            )
+        self.train_examples = self.load(c.data.train_files)
+        self.val_examples = self.load(c.data.val_files) if c.data.val_files else []
+        self.sampler = PromptSampler(
+            self.train_examples, batch_size, seed=c.trainer.seed, shuffle=c.data.shuffle
+        )
+        self.total_steps = (
+            c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
+        )
+        self.optimizer, self.scheduler = build_optimizer(self.model, c.actor.optim, self.total_steps)
+        self.step = 0
+        self.setup()
+        self._resume()
+        self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
+
+    # ---- what a trainer supplies ----------------------------------------------------------------
+    def setup(self) -> None:
+        """Runs before a checkpoint is loaded: the model is still the starting policy here."""
+
+    def load(self, files: list[str]) -> list:
+        raise NotImplementedError
+
+    def train_step(self, examples: list) -> dict[str, float]:
+        raise NotImplementedError
+
+    def validate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------------
+    def response_logprobs(self, model, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+        """Log-prob [b, T] of each response token after its prompt (zero past a response's end)."""
+        logp, _ = policy_logprobs(
+            model, prompts, responses, device=self.device, compute_dtype=self.config.actor.compute_dtype,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )  # fmt: skip
+        return logp
+
+    def fit(self) -> dict[str, float]:
+        c = self.config
+        print(
+            f"{self.name}: {len(self.train_examples)} examples, {self.sampler.prompts_per_step} per step, "
+            f"{self.total_steps} steps, micro-batch budget {c.actor.max_tokens_per_microbatch} tokens",
+            flush=True,
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(c), encoding="utf-8")  # for the report
+        metrics: dict[str, float] = {}
+        if self.step == 0 and self.val_examples and c.trainer.val_before_train:
+            self._log(self.validate(), 0)
+        progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
+        try:
+            while self.step < self.total_steps:
+                self.step += 1
+                metrics = self._step()
+                progress.update()
+        finally:
+            progress.close()
+            if "jsonl" in c.trainer.logger:
+                from hybridflow.report import write_report
+
+                print(f"report: {write_report([self.run_dir])}", flush=True)
+        for sink in self.sinks:
+            sink.close()
+        return metrics
+
+    def _step(self) -> dict[str, float]:
+        c, last = self.config, self.step == self.total_steps
+        start = time.perf_counter()
+        self.model.train()
+        metrics = self.train_step(self.sampler.next())
+        metrics["timing_s/step"] = time.perf_counter() - start
+        if self.val_examples and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
+            self.model.eval()
+            with torch.no_grad():
+                metrics |= self.validate()
+        if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+            start = time.perf_counter()
+            self.save()
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+        self._log(metrics, self.step)
+        return metrics
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def save(self) -> Path:
+        def write_models(directory: Path) -> None:
+            save_sharded(self.model, self.optimizer, directory / "actor_state")
+            model = self.model
+            export = (
+                native.to_hf_model(model, self.hf_config) if isinstance(model, native.NativeModule) else model
+            )
+            save_hf(export, self.tokenizer, directory / "policy")
+
+        return save_checkpoint(
+            self.run_dir,
+            self.step,
+            write_models=write_models,
+            optim_state={"actor_scheduler": self.scheduler.state_dict()},
+            trainer_state={"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state()},
+            config_yaml=to_yaml(self.config),
+            keep_last=self.config.trainer.keep_last_checkpoints,
+        )
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
+        if path is None:
+            truncate_jsonl(self.run_dir / "metrics.jsonl", 0)
+            return
+        state, schedulers = load_checkpoint_state(path)
+        load_sharded(self.model, self.optimizer, path / "actor_state")
+        self.scheduler.load_state_dict(schedulers["actor_scheduler"])
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+        print(f"resumed from {path} (step {self.step})", flush=True)
