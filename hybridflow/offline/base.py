@@ -130,6 +130,8 @@ class OfflineTrainer:
         self.model.train()
         metrics = self.train_step(self.sampler.next())
         metrics["timing_s/step"] = time.perf_counter() - start
+        if "train/tokens" in metrics:  # tokens through the policy's forward
+            metrics["perf/throughput"] = metrics["train/tokens"] / metrics["timing_s/step"]
         if self.val_examples and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
             self.model.eval()
             with torch.no_grad():

@@ -84,7 +84,8 @@ class KTOTrainer(OfflineTrainer):
         )
         out = {f"train/{k}" if k == "loss" else k: v for k, v in sums.items()}
         out |= {"train/grad_norm": done["grad_norm"] if done else float("nan"),
-                "train/lr": self.scheduler.get_last_lr()[0], "train/skipped_updates": float(done is None)}  # fmt: skip
+                "train/lr": self.scheduler.get_last_lr()[0], "train/skipped_updates": float(done is None),
+                "train/tokens": float(sum(len(i.prompt) + len(i.completion) for i in items))}  # fmt: skip
         return out
 
     def validate(self) -> dict[str, float]:

@@ -62,6 +62,7 @@ class SFTTrainer(OfflineTrainer):
             "train/grad_norm": done["grad_norm"] if done else float("nan"),
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/target_tokens": float(targets),
+            "train/tokens": float(sum(len(e.token_ids) for e in examples)),
             "train/skipped_updates": float(done is None),
         }
 
