@@ -210,10 +210,10 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         import ray
 
+        # every worker is asked at once; a stuck one (in a collective a failed peer never reached)
+        # does not get to it within the grace period and is killed as it is, as is a dead one
+        pending = [w.shutdown.remote() for w in self.workers]
+        ray.wait(pending, num_returns=len(pending), timeout=10)
         for w in self.workers:
-            # a dead worker needs no shutdown; a stuck one (in a collective a failed peer never
-            # reached) never gets to it and is killed as it is
-            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                ray.get(w.shutdown.remote(), timeout=10)
             ray.kill(w)
         ray.util.remove_placement_group(self.placement)
