@@ -32,3 +32,12 @@ def clear_run_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+
+
+def prepare_run_dir(config, *, overwrite: bool) -> Path:
+    """trainer.run_dir, checked (and emptied of this run's files with `overwrite`)."""
+    run_dir = Path(config.trainer.run_dir)
+    check_run_dir(run_dir, resume=config.trainer.resume, overwrite=overwrite)
+    if overwrite:
+        clear_run_dir(run_dir)
+    return run_dir

@@ -33,11 +33,12 @@ from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
-from hybridflow.controller.run_dir import check_run_dir, clear_run_dir
+from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
+from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
@@ -62,22 +63,11 @@ class RLTrainer:
         """`overwrite` deletes this run directory's earlier checkpoints and metrics (never other files)."""
         check_config(config)
         self.config = c = config
-        self.run_dir = Path(c.trainer.run_dir)
-        check_run_dir(self.run_dir, resume=c.trainer.resume, overwrite=overwrite)
-        if overwrite:
-            clear_run_dir(self.run_dir)
+        self.run_dir = prepare_run_dir(c, overwrite=overwrite)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
-        if c.data.task and not c.data.train_files:
-            from hybridflow.data.tasks import cached_task
-            from hybridflow.models.default import cache_root
-
-            files = cached_task(c.data.task, dict(c.data.task_options), cache_root(c.model.cache_dir))
-            c.data.train_files, c.data.val_files = (
-                [str(files["train"])],
-                c.data.val_files or [str(files["test"])],
-            )
+        use_task_files(c)
         self.train_prompts = load_prompts(c.data.train_files, self.tokenizer, c.data)
         self.val_prompts = (
             load_prompts(c.data.val_files, self.tokenizer, c.data)[: c.data.max_val_prompts]

@@ -19,12 +19,13 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.role_models import policy_model
-from hybridflow.controller.run_dir import check_run_dir, clear_run_dir
+from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
+from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
 from hybridflow.models import load_causal_lm, native, save_hf
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
-from hybridflow.roles.actor import build_optimizer
+from hybridflow.roles.actor import build_optimizer, optimizer_step
 from hybridflow.roles.forward import policy_logprobs
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
@@ -35,10 +36,7 @@ class OfflineTrainer:
 
     def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
         c = self.config = config
-        self.run_dir = Path(c.trainer.run_dir)
-        check_run_dir(self.run_dir, resume=c.trainer.resume, overwrite=overwrite)
-        if overwrite:
-            clear_run_dir(self.run_dir)
+        self.run_dir = prepare_run_dir(c, overwrite=overwrite)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_causal_lm(
@@ -51,15 +49,7 @@ class OfflineTrainer:
                 self.model.gradient_checkpointing = True
             else:
                 self.model.gradient_checkpointing_enable()
-        if c.data.task and not c.data.train_files:
-            from hybridflow.data.tasks import cached_task
-            from hybridflow.models.default import cache_root
-
-            files = cached_task(c.data.task, dict(c.data.task_options), cache_root(c.model.cache_dir))
-            c.data.train_files, c.data.val_files = (
-                [str(files["train"])],
-                c.data.val_files or [str(files["test"])],
-            )
+        use_task_files(c)
         self.train_examples = self.load(c.data.train_files)
         self.val_examples = self.load(c.data.val_files) if c.data.val_files else []
         self.sampler = PromptSampler(
@@ -142,6 +132,20 @@ class OfflineTrainer:
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
         self._log(metrics, self.step)
         return metrics
+
+    def finish_step(self, sums: dict[str, float], tokens: int) -> dict[str, float]:
+        """The optimizer step after a batch's backward passes; `sums` (its loss and metrics) as the
+        step's metrics, with the gradient norm, learning rate and token count."""
+        done = optimizer_step(
+            self.model, self.optimizer, self.scheduler, self.config.actor.optim.grad_clip, {}
+        )
+        out = {f"train/{k}" if k == "loss" else k: v for k, v in sums.items()}
+        return out | {
+            "train/grad_norm": done["grad_norm"] if done else float("nan"),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/skipped_updates": float(done is None),
+            "train/tokens": float(tokens),
+        }
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         for sink in self.sinks:

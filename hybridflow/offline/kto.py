@@ -15,7 +15,6 @@ from hybridflow.batch import plan_microbatches
 from hybridflow.config import Config
 from hybridflow.offline.base import OfflineTrainer
 from hybridflow.offline.preference_data import Completion, load_completions
-from hybridflow.roles.actor import optimizer_step
 
 
 class KTOTrainer(OfflineTrainer):
@@ -79,14 +78,7 @@ class KTOTrainer(OfflineTrainer):
     def train_step(self, items: list[Completion]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._pass(items, train=True)
-        done = optimizer_step(
-            self.model, self.optimizer, self.scheduler, self.config.actor.optim.grad_clip, {}
-        )
-        out = {f"train/{k}" if k == "loss" else k: v for k, v in sums.items()}
-        out |= {"train/grad_norm": done["grad_norm"] if done else float("nan"),
-                "train/lr": self.scheduler.get_last_lr()[0], "train/skipped_updates": float(done is None),
-                "train/tokens": float(sum(len(i.prompt) + len(i.completion) for i in items))}  # fmt: skip
-        return out
+        return self.finish_step(sums, sum(len(i.prompt) + len(i.completion) for i in items))
 
     def validate(self) -> dict[str, float]:
         return {f"val/{k}": v for k, v in self._pass(self.val_examples, train=False).items()}

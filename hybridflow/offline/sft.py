@@ -11,7 +11,6 @@ from hybridflow.batch import pad_ragged, plan_microbatches
 from hybridflow.config import Config
 from hybridflow.offline.base import OfflineTrainer
 from hybridflow.offline.sft_data import Example, load_examples
-from hybridflow.roles.actor import optimizer_step
 
 
 class SFTTrainer(OfflineTrainer):
@@ -54,17 +53,8 @@ class SFTTrainer(OfflineTrainer):
             nll, _ = self._nll(micro)
             (nll / targets).backward()
             total += nll.item()
-        done = optimizer_step(
-            self.model, self.optimizer, self.scheduler, self.config.actor.optim.grad_clip, {}
-        )
-        return {
-            "train/loss": total / targets,
-            "train/grad_norm": done["grad_norm"] if done else float("nan"),
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/target_tokens": float(targets),
-            "train/tokens": float(sum(len(e.token_ids) for e in examples)),
-            "train/skipped_updates": float(done is None),
-        }
+        tokens = sum(len(e.token_ids) for e in examples)
+        return self.finish_step({"loss": total / targets, "train/target_tokens": float(targets)}, tokens)
 
     def validate(self) -> dict[str, float]:
         nll, targets = 0.0, 0

@@ -59,3 +59,14 @@ def cached_task(task: str, options: dict, cache_root: Path) -> dict[str, Path]:
             shutil.rmtree(out)
         tmp.rename(out)
     return paths
+
+
+def use_task_files(config) -> None:
+    """With data.task set and no data.train_files, point data.train_files (and data.val_files, unless
+    given) at the task's cached train and test files."""
+    from hybridflow.models.default import cache_root
+
+    data = config.data
+    if data.task and not data.train_files:
+        files = cached_task(data.task, dict(data.task_options), cache_root(config.model.cache_dir))
+        data.train_files, data.val_files = [str(files["train"])], data.val_files or [str(files["test"])]
