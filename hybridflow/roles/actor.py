@@ -135,9 +135,11 @@ class Actor:
         self._rollout_gaps: list[torch.Tensor] = []
         self.model.train()
         cfg = self.config
-        micro = sum(len(plan_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch))
-                    for mb in minibatches)  # fmt: skip
-        self._bar = bar(micro * cfg.ppo_epochs, "update", enabled=self.progress, inner=True)
+        self._bar = bar(None, "update", enabled=self.progress, inner=True)
+        if not self._bar.disable:  # the micro-batch count is planned again only for a bar drawn
+            plans = (plan_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch)
+                     for mb in minibatches)  # fmt: skip
+            self._bar.total = cfg.ppo_epochs * sum(len(plan) for plan in plans)
         for _ in range(self.config.ppo_epochs):
             for mb in minibatches:
                 metrics = self._update_minibatch(mb)

@@ -22,8 +22,8 @@ def sample_rows(
     count: int,
 ) -> list[dict]:
     """`count` sequences, the first of each prompt group first. scores [B]; advantages, mask [B, T]."""
-    firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
-    order = sorted(firsts.values()) + [i for i in range(len(rollouts)) if i not in set(firsts.values())]
+    firsts = set({g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}.values())
+    order = sorted(firsts) + [i for i in range(len(rollouts)) if i not in firsts]
     mean_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     rows = []
     for i in order[:count]:
