@@ -60,6 +60,8 @@ def _unflatten(items: list[tuple[str, Any]]) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
+        if isinstance(node.get(leaf), dict) and isinstance(value, dict):  # entries of one mapping add up
+            value = {**node[leaf], **value}
         node[leaf] = value
     return tree
 

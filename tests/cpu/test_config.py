@@ -22,6 +22,13 @@ def test_yaml_then_overrides(tmp_path):
     assert c.trainer.run_dir == "runs/exp"
 
 
+def test_overrides_of_a_mapping_add_entries_to_the_recipes(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  task: arithmetic\n  task_options: {max_digits: 2, train_size: 100}\n")
+    c = load_config(str(recipe), ["data.task_options.train_size=500", "data.task_options.seed=3"])
+    assert c.data.task_options == {"max_digits": 2, "train_size": 500, "seed": 3}
+
+
 def test_verl_aliases_rename_and_convert_units(tmp_path):
     recipe = tmp_path / "verl.yaml"
     recipe.write_text(
