@@ -42,6 +42,16 @@ def _model_dir(out: Path, shape: str) -> Path:
     return path
 
 
+def show(m: dict) -> None:
+    phases = {k[len("timing_s/") :]: round(v, 2) for k, v in m.items() if k.startswith("timing_s/")}
+    memory = {
+        k.rsplit("/", 1)[-1]: round(v, 1)
+        for k, v in m.items()
+        if k.startswith("perf/max_memory_allocated_gb/")
+    }
+    print(json.dumps({"step": m["step"], "timing_s": phases, "peak_gib": memory}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -51,6 +61,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response", type=int, default=256)
+    parser.add_argument(
+        "--no-save",
+        action="store_true",
+        help="no checkpoint at the end (a 7B one is ~120 GB of fp32 weights and Adam state)",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -90,16 +105,19 @@ def main() -> None:
     start = time.perf_counter()
     trainer = RLTrainer(config, overwrite=True)
     setup_s = time.perf_counter() - start
-    trainer.fit()
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    for m in steps:
-        phases = {k[len("timing_s/") :]: round(v, 2) for k, v in m.items() if k.startswith("timing_s/")}
-        memory = {
-            k.rsplit("/", 1)[-1]: round(v, 1)
-            for k, v in m.items()
-            if k.startswith("perf/max_memory_allocated_gb/")
-        }
-        print(json.dumps({"step": m["step"], "timing_s": phases, "peak_gib": memory}), flush=True)
+    if args.no_save:  # the steps without fit()'s final checkpoint
+        steps = []
+        for step in range(1, trainer.total_steps + 1):
+            trainer.step = step
+            steps.append({"step": trainer.step, **trainer.train_step()})
+            show(steps[-1])
+        trainer.placement.shutdown()
+    else:
+        trainer.fit()
+        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    if not args.no_save:
+        for m in steps:
+            show(m)
     later = steps[1:] or steps
     keys = sorted({k for m in later for k in m if k.startswith(("timing_s/", "perf/"))})
     summary = {k: sum(m.get(k, 0.0) for m in later) / len(later) for k in keys}

@@ -26,7 +26,15 @@ class Placement:
                 "resources.num_workers on CPU)"
             )
         factory = functools.partial(HybridWorker, c, total_updates=total_updates)
-        self.train: WorkerGroup = worker_group(c.resources, device, factory, count=train_count)
+        # Ray hands out GPUs only to its own actors: next to Ray rollout workers, a lone trainer is a
+        # Ray actor too, or both would be given the first GPU
+        self.train: WorkerGroup = worker_group(
+            c.resources,
+            device,
+            factory,
+            count=train_count,
+            in_process=not (rollout_count and device.type == "cuda"),
+        )
         self.rollout: WorkerGroup | None = None
         if rollout_count:
             from hybridflow.controller.ray_worker_group import RayWorkerGroup

@@ -67,13 +67,18 @@ def worker_count(resources, device) -> int:
 
 
 def worker_group(
-    resources, device, factory: Callable[[int, int], Any], *, count: int | None = None
+    resources,
+    device,
+    factory: Callable[[int, int], Any],
+    *,
+    count: int | None = None,
+    in_process: bool = True,
 ) -> WorkerGroup:
-    """`count` workers (default: all of them, `worker_count`): in process for one, otherwise Ray
-    workers joined with NCCL on GPUs, gloo on CPUs."""
+    """`count` workers (default: all of them, `worker_count`): in process for one (unless
+    `in_process` is False), otherwise Ray workers joined with NCCL on GPUs, gloo on CPUs."""
     cuda = device.type == "cuda"
     count = worker_count(resources, device) if count is None else count
-    if count == 1:
+    if count == 1 and in_process:
         return InProcessWorkerGroup(factory)
     from hybridflow.controller.ray_worker_group import RayWorkerGroup
 

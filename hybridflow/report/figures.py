@@ -88,7 +88,8 @@ def response_length(runs: list[Run]) -> Figure | None:
         "response_length/clip_ratio",
     ]
     data = {r.name: {k: list(r.series(k)) for k in keys if r.series(k)[0]} for r in runs}
-    if not any("response_length/mean" in d for d in data.values()):
+    data = {name: series for name, series in data.items() if "response_length/mean" in series}  # RL runs
+    if not data:
         return None
     fig, (ax, clip) = plt.subplots(1, 2, figsize=(12, 3.6))
     for run, series in data.items():

@@ -51,6 +51,17 @@ def test_several_runs_are_overlaid(run, tmp_path):
     assert set(data["Reward and validation accuracy"]) == {"run", "other"}
 
 
+def test_an_rl_run_and_an_sft_run_share_one_report(run, tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    rows = [{"step": 1, "train/loss": 2.5}, {"step": 2, "train/loss": 2.0, "val/loss": 2.25}]
+    (sft / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _figure_data(write_report([run, sft], tmp_path / "both.html"))
+    assert set(data["Response length"]) == {"run"}  # only the RL run has responses
+    assert data["Reward and validation accuracy"]["run"]
+    assert data["SFT loss"]["sft"]["train/loss"] == [[1, 2], [2.5, 2.0]]
+
+
 def test_an_interrupted_run_still_gets_its_report(setup, tmp_path, monkeypatch):
     trainer = RLTrainer(config(setup, tmp_path / "run", *RUN))
     step = trainer.train_step
