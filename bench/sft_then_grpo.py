@@ -29,7 +29,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.controller.trainer import RLTrainer
 from hybridflow.data.prompts import load_prompts
-from hybridflow.data.tasks import cached_task
+from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.models import byte_tokenizer, load_causal_lm, save_hf, tiny_config
@@ -143,82 +143,76 @@ def val_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
+def grpo_overrides(scale: dict) -> list[str]:
+    return ["model.impl=native", "algorithm.adv_estimator=grpo", "trainer.val_before_train=true",
+            "actor.optim.warmup_steps=5", *scale["grpo"]]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--scale", default="h200", choices=sorted(SCALES))
-    parser.add_argument("--skip-dpo", action="store_true")
+    parser.add_argument("--stages", default="sft,grpo,dpo",
+                        help="stages to run (comma-separated); a stage left out reuses its run in OUT")  # fmt: skip
     for stage in ("model", "sft", "grpo", "dpo"):
         parser.add_argument(f"--{stage}", nargs="+", default=[], metavar="KEY=VALUE",
                             help=f"overrides of the {stage} stage's settings")  # fmt: skip
     args = parser.parse_args()
-    out, scale = args.out, SCALES[args.scale]
+    out, scale, stages = args.out, SCALES[args.scale], args.stages.split(",")
     scale = {**scale, "model": {**scale["model"], **{k: int(v) for k, v in (o.split("=") for o in args.model)}},
              **{stage: scale[stage] + getattr(args, stage) for stage in ("sft", "grpo", "dpo")}}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    init = random_model(out, scale["model"])
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary |= {"scale": args.scale, "task": TASK, "settings": scale}
+    accuracy, times = summary.setdefault("greedy_accuracy", {}), summary.setdefault("wall_s", {})
+    grpo_config = load_config(None, common(out, out / "model-init", "grpo", grpo_overrides(scale)))
+    use_task_files(grpo_config)
+    device = resolve_device(grpo_config.resources.device)
+    test = load_prompts(grpo_config.data.val_files, byte_tokenizer(), grpo_config.data)
+    summary["held_out_prompts"] = len(test)
 
-    t = time.perf_counter()
-    sft = SFTTrainer(load_config("arithmetic_sft", common(out, init, "sft", scale["sft"])), overwrite=True)
-    sft.fit()
-    times["sft_s"] = time.perf_counter() - t
+    if "sft" in stages:
+        t = time.perf_counter()
+        init = random_model(out, scale["model"])
+        SFTTrainer(
+            load_config("arithmetic_sft", common(out, init, "sft", scale["sft"])), overwrite=True
+        ).fit()
+        times["sft"] = time.perf_counter() - t
+        accuracy["sft"] = greedy_accuracy(policy_of(out / "sft"), test, device)
     sft_policy = policy_of(out / "sft")
 
-    t = time.perf_counter()
-    grpo_config = load_config(None, common(out, sft_policy, "grpo", [
-        "model.impl=native", "algorithm.adv_estimator=grpo", "trainer.val_before_train=true",
-        "actor.optim.warmup_steps=5", *scale["grpo"]]))  # fmt: skip
-    RLTrainer(grpo_config, overwrite=True).fit()
-    times["grpo_s"] = time.perf_counter() - t
-
-    device = resolve_device(grpo_config.resources.device)
-    tokenizer = byte_tokenizer()
-    test = load_prompts(grpo_config.data.val_files, tokenizer, grpo_config.data)
-    accuracy = {
-        "sft": greedy_accuracy(sft_policy, test, device),
-        "grpo": greedy_accuracy(policy_of(out / "grpo"), test, device),
-    }
-    summary = {
-        "scale": args.scale,
-        "task": TASK,
-        "held_out_prompts": len(test),
-        "grpo_val_curve": val_curve(out / "grpo"),
-    }
-
-    if not args.skip_dpo:
+    if "grpo" in stages:
         t = time.perf_counter()
-        train = load_prompts(
-            [str(cached_task("arithmetic", dict(grpo_config.data.task_options), out / "cache")["train"])],
-            tokenizer,
-            grpo_config.data,
-        )
-        summary["dpo_data"] = preference_pairs(
-            sft_policy, train[: scale["pair_prompts"]], device, out / "pairs.jsonl"
-        )
-    if not args.skip_dpo and summary["dpo_data"]["pairs"] == 0:
-        print("DPO skipped: the SFT model's samples are all right or all wrong, so there are no pairs")
-    elif not args.skip_dpo:
-        dpo_config = load_config(None, common(out, sft_policy, "dpo", [
-            f"data.train_files=[{out / 'pairs.jsonl'}]", "data.val_files=[]", *scale["dpo"]]))  # fmt: skip
-        DPOTrainer(dpo_config, overwrite=True).fit()
-        accuracy["dpo"] = greedy_accuracy(policy_of(out / "dpo"), test, device)
-        times["dpo_s"] = time.perf_counter() - t
+        RLTrainer(
+            load_config(None, common(out, sft_policy, "grpo", grpo_overrides(scale))), overwrite=True
+        ).fit()
+        times["grpo"] = time.perf_counter() - t
+        accuracy["grpo"] = greedy_accuracy(policy_of(out / "grpo"), test, device)
+        summary["grpo_val_curve"] = val_curve(out / "grpo")
 
-    times["total_s"] = time.perf_counter() - start
-    summary |= {
-        "greedy_accuracy": accuracy,
-        "gain_grpo_over_sft": accuracy["grpo"] - accuracy["sft"],
-        "wall": times,
-    }
+    if "dpo" in stages:
+        t = time.perf_counter()
+        train = load_prompts(grpo_config.data.train_files, byte_tokenizer(), grpo_config.data)
+        pairs = out / "pairs.jsonl"
+        summary["dpo_data"] = preference_pairs(sft_policy, train[: scale["pair_prompts"]], device, pairs)
+        if summary["dpo_data"]["pairs"]:
+            dpo_config = load_config(None, common(out, sft_policy, "dpo", [
+                f"data.train_files=[{pairs}]", "data.val_files=[]", *scale["dpo"]]))  # fmt: skip
+            DPOTrainer(dpo_config, overwrite=True).fit()
+            accuracy["dpo"] = greedy_accuracy(policy_of(out / "dpo"), test, device)
+        else:
+            print("DPO skipped: the SFT model's samples are all right or all wrong, so there are no pairs")
+        times["dpo"] = time.perf_counter() - t
+
+    if "sft" in accuracy and "grpo" in accuracy:
+        summary["gain_grpo_over_sft"] = accuracy["grpo"] - accuracy["sft"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
         from hybridflow.report import write_report
 
-        write_report(
-            [out / "sft", out / "grpo", *([out / "dpo"] if not args.skip_dpo else [])], out / "report.html"
-        )
+        runs = [out / stage for stage in ("sft", "grpo", "dpo") if (out / stage / "metrics.jsonl").is_file()]
+        write_report(runs, out / "report.html")
     except Exception as e:  # the numbers above are the result; a figure that fails must not hide them
         print(f"report not written ({type(e).__name__}: {e})")
     print(json.dumps(summary, indent=1))

@@ -141,6 +141,8 @@ def test_unknown_task_and_bad_spec(tmp_path):
         make_task("sudoku", tmp_path)
     with pytest.raises(UserError, match="operators must be"):
         make_task("arithmetic", tmp_path, operators="/")
+    with pytest.raises(UserError, match="could not find 300 distinct train problems"):  # 10 x 10 x 2 exist
+        make_task("arithmetic", tmp_path, train_size=300, test_size=10, max_digits=1)
 
 
 def test_preprocess_gsm8k_and_math(tmp_path):

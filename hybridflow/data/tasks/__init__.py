@@ -32,10 +32,13 @@ def make_task(
         task_spec = spec_cls(**spec)
     except (TypeError, ValueError) as e:
         raise UserError(f"task {task}: {e}") from e
-    test = make_rows(test_size, seed=seed, split="test", spec=task_spec)
-    train = make_rows(
-        train_size, seed=seed, split="train", spec=task_spec, exclude={_row_key(task, r) for r in test}
-    )
+    try:
+        test = make_rows(test_size, seed=seed, split="test", spec=task_spec)
+        train = make_rows(
+            train_size, seed=seed, split="train", spec=task_spec, exclude={_row_key(task, r) for r in test}
+        )
+    except ValueError as e:  # too few distinct problems for the sizes asked
+        raise UserError(f"task {task} (data.task_options): {e}") from e
     out = Path(out_dir)
     return {"train": write_rows(train, out / "train.parquet"), "test": write_rows(test, out / "test.parquet")}
 
