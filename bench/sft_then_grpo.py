@@ -3,16 +3,21 @@ pairs of the SFT model's own right and wrong answers — all through hybridflow'
 
     PYTHONPATH=. python bench/sft_then_grpo.py OUT                  # one H200 (nvidia-h200)
     PYTHONPATH=. python bench/sft_then_grpo.py OUT --scale smoke    # CPU, about a minute: the pipeline only
+    ... --stages grpo,dpo --grpo actor.optim.lr=3e-6                # again from OUT's SFT run
 
 1. a Qwen2-shaped model with random weights and the 259-token byte tokenizer;
 2. `SFTTrainer` on the built-in arithmetic task's worked solutions (recipe arithmetic_sft);
 3. `RLTrainer` (GRPO) from the SFT checkpoint's policy export, validating greedily on the held-out
-   problems every `--test-freq` steps (step 0 = the SFT model);
+   problems every trainer.test_freq steps (step 0 = the SFT model);
 4. `DPOTrainer` from the same SFT policy on pairs (correct vs wrong) sampled from it on the training
    prompts.
 The three policies (SFT, GRPO, DPO) are scored the same way: greedy answers on the held-out problems,
 by the native engine. OUT/summary.json holds accuracies, curves and wall times; OUT/report.html the
 runs' curves.
+
+Status (2026-11-30, docs/benchmarks.md "SFT then GRPO from scratch"): SFT works (0 -> 21-80% greedy
+depending on its length), but neither GRPO nor DPO has yet improved on the SFT model at any learning
+rate tried; the h200 settings below are the least harmful ones found, not a tuned result.
 """
 
 from __future__ import annotations
@@ -47,11 +52,11 @@ SCALES = {
     "h200": dict(
         model=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=4),
-        sft=["sft.batch_size=64", "trainer.total_training_steps=600", "actor.optim.lr=1e-3",
-             "actor.optim.warmup_steps=30", "trainer.test_freq=100"],
-        grpo=["data.prompts_per_step=64", "rollout.samples_per_prompt=8", "trainer.total_training_steps=150",
-              "actor.optim.lr=2e-5", "trainer.test_freq=25"],
-        dpo=["preference.batch_size=64", "actor.optim.lr=2e-6", "preference.beta=0.1"],
+        sft=["sft.batch_size=64", "trainer.total_training_steps=2000", "actor.optim.lr=1e-3",
+             "actor.optim.warmup_steps=30", "trainer.test_freq=500"],
+        grpo=["data.prompts_per_step=64", "rollout.samples_per_prompt=8", "trainer.total_training_steps=200",
+              "actor.optim.lr=1e-6", "trainer.test_freq=25"],
+        dpo=["preference.batch_size=64", "actor.optim.lr=1e-6", "preference.beta=0.1", "trainer.total_epochs=2"],
         pair_prompts=4000,
     ),
     # the pipeline end to end on a CPU in about a minute (learns little)
