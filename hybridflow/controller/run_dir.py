@@ -5,6 +5,7 @@ there is ever overwritten."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from hybridflow.errors import UserError
@@ -36,6 +37,13 @@ def clear_run_dir(run_dir: Path) -> None:
 
 def prepare_run_dir(config, *, overwrite: bool) -> Path:
     """trainer.run_dir, checked (and emptied of this run's files with `overwrite`)."""
+    if getattr(sys.modules.get("__main__"), "__name__", None) == "__mp_main__":
+        # a spawned worker (reward scoring) re-imports the user's script: a script that trains at
+        # import would start a second run here, over the first one's directory
+        raise UserError(
+            "a training run was started inside a worker process: the script starts training when it is "
+            'imported; put that code under `if __name__ == "__main__":`'
+        )
     run_dir = Path(config.trainer.run_dir)
     check_run_dir(run_dir, resume=config.trainer.resume, overwrite=overwrite)
     if overwrite:

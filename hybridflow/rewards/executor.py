@@ -13,12 +13,15 @@ import asyncio
 import inspect
 import math
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridflow.errors import UserError
 
 Item = tuple[str, str, Any, dict]  # (data_source, solution_str, ground_truth, extra_info)
 
@@ -135,13 +138,16 @@ class RewardExecutor:
         num_workers: int,
         timeout_s: float,
         options: dict | None = None,
+        start_timeout_s: float = 60.0,
     ) -> None:
         self.loader = loader
+        self.start_timeout_s = start_timeout_s
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.options = options or {}
         self.fn = loader()
         self.pool = self._new_pool() if num_workers > 0 else None
+        self._workers_started = False
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-collector")
 
     def _new_pool(self):
@@ -154,6 +160,8 @@ class RewardExecutor:
         if self.pool is None or not items:
             future.set_result(_run_items(self.fn, items, self.timeout_s, self.options))
             return future
+        if not self._workers_started:
+            self._check_workers_start()
         if is_batched(self.fn):
             chunks = [items]
         else:
@@ -163,6 +171,20 @@ class RewardExecutor:
             self.pool.apply_async(_worker_run, (chunk, self.timeout_s, self.options)) for chunk in chunks
         ]
         return self._collector.submit(self._collect, chunks, pending)
+
+    def _check_workers_start(self) -> None:
+        """Workers that die while starting are replaced forever, and every batch would then wait out
+        its deadline: stop with the likely cause instead. (By the first batch they have long started.)"""
+        try:
+            self.pool.apply_async(os.getpid).get(timeout=self.start_timeout_s)
+        except mp.TimeoutError:
+            self.close()
+            raise UserError(
+                f"the reward workers did not start within {self.start_timeout_s:g} s (see their errors "
+                "above). A script that starts training when imported makes them fail: put that code under "
+                '`if __name__ == "__main__":`, or score in this process with reward.num_workers=0'
+            ) from None
+        self._workers_started = True
 
     def _collect(self, chunks: list[list[Item]], pending: list) -> list[Outcome]:
         # A hard deadline backs up the in-worker alarm (code stuck in C ignores signals): past it the

@@ -1,7 +1,11 @@
 """The reward service: process pool, timeouts, errors, batch and async functions, the Reward role."""
 
 import functools
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +68,25 @@ def test_errors_timeouts_and_non_numbers_score_zero(reward_file, workers):
     assert [o.timeout for o in out] == [False, False, True, False, False, False]
     assert out[0].pred == "ok" and out[0].extras == {"length": 2.0}
     assert elapsed < 10  # the hanging function did not hold the run for its 60 s
+
+
+def test_workers_that_cannot_start_stop_with_the_cause(reward_file, tmp_path):
+    """Spawned workers re-import the main script: one that scores (or trains) at import kills every
+    worker while it starts. The first batch stops with that cause instead of waiting forever."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import functools\n"
+        "from hybridflow.rewards.executor import RewardExecutor\n"
+        "from hybridflow.rewards.loading import load_custom_function\n"
+        f"loader = functools.partial(load_custom_function, {str(reward_file)!r}, 'flaky')\n"
+        "RewardExecutor(loader, num_workers=1, timeout_s=1.0, start_timeout_s=10).score([('x', 'ok', 'ok', {})])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "did not start within 10 s" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+    assert time.monotonic() - start < 60
 
 
 def test_batch_and_async_functions(reward_file):

@@ -1,5 +1,7 @@
 """The RL trainer end to end on a tiny model: learning curves, resume equality, export, bad input."""
 
+import sys
+
 import pytest
 import torch
 from rl_run import config, read_metrics
@@ -120,6 +122,17 @@ def test_unknown_estimator_and_unscored_data_source(setup, tmp_path):
         RLTrainer(config(setup, tmp_path / "run", "algorithm.adv_estimator=grpoo"))
     with pytest.raises(UserError, match="no reward scorer for data_source 'synthetic'"):
         RLTrainer(config(setup, tmp_path / "run2", "reward.custom_function_path=null"))
+
+
+def test_a_run_started_inside_a_spawned_worker_is_refused(setup, tmp_path, monkeypatch):
+    """A spawned reward worker re-imports the user's script as __mp_main__: a script that trains at
+    import must not start a second run there (over the first one's directory)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__name__", "__mp_main__")
+    with pytest.raises(UserError, match='started inside a worker process.*if __name__ == "__main__":'):
+        RLTrainer(config(setup, tmp_path / "run"), overwrite=True)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"  # not cleared
 
 
 def test_run_dir_with_foreign_files_is_refused(setup, tmp_path):
