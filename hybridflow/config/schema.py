@@ -73,6 +73,10 @@ class DataConfig:
     system_prompt: str | None = None
     shuffle: bool = True
     max_val_prompts: int | None = None
+    cache_tokenized: bool = True
+    """Tokenize each data file once and read the cached prompts after (under model.cache_dir, or
+    $HYBRIDFLOW_CACHE or ~/.cache/hybridflow, in prompts/; keyed by file contents, tokenizer, template
+    and these data.* settings)."""
 
     def __post_init__(self) -> None:
         _check_choice("data", "overlong_prompts", self.overlong_prompts, ("filter", "error"))

@@ -42,6 +42,7 @@ from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
+from hybridflow.models.default import cache_root
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
@@ -68,9 +69,10 @@ class RLTrainer:
         self.device = resolve_device(c.resources.device)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
-        self.train_prompts = load_prompts(c.data.train_files, self.tokenizer, c.data)
+        cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
+        self.train_prompts = load_prompts(c.data.train_files, self.tokenizer, c.data, cache_root=cache)
         self.val_prompts = (
-            load_prompts(c.data.val_files, self.tokenizer, c.data)[: c.data.max_val_prompts]
+            load_prompts(c.data.val_files, self.tokenizer, c.data, cache_root=cache)[: c.data.max_val_prompts]
             if c.data.val_files
             else []
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hybridflow.batch import Prompt
@@ -108,13 +109,23 @@ def rows_to_prompts(
     return prompts
 
 
-def load_prompts(files: Sequence[str], tokenizer, config: DataConfig) -> list[Prompt]:
-    """Prompts from several files, in file order; Prompt.index counts rows across all files."""
+def load_prompts(
+    files: Sequence[str], tokenizer, config: DataConfig, *, cache_root: Path | None = None
+) -> list[Prompt]:
+    """Prompts from several files, in file order; Prompt.index counts rows across all files. With
+    `cache_root`, each file is tokenized once and read from CACHE/prompts after (data/packed.py)."""
     if not files:
         raise UserError("no data files given (set data.train_files)")
     prompts: list[Prompt] = []
     offset = 0
     for f in files:
+        if cache_root is not None:
+            from hybridflow.data.packed import PackedDataset
+
+            packed = PackedDataset.load(f, tokenizer, config, cache_root)
+            prompts += packed.prompts(index_offset=offset)
+            offset += packed.rows
+            continue
         rows = read_rows(f)
         prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset)
         offset += len(rows)
