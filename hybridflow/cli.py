@@ -162,6 +162,12 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(write_report(args.runs, args.out))
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from hybridflow.models.checkpoint_export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite))
+
+
 def cmd_data_make(args: argparse.Namespace) -> None:
     from hybridflow.data.tasks import make_task
 
@@ -269,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+", help="run directories (trainer.run_dir); several are compared")
     report.add_argument("--out", help="the HTML file (default: RUN_DIR/report.html of the first run)")
     report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser(
+        "export", help="a checkpoint's trained policy as a transformers directory, checked by reloading it"
+    )
+    export.add_argument(
+        "checkpoint", help="a checkpoint (RUN_DIR/checkpoints/global_step_N) or a run directory (its latest)"
+    )
+    export.add_argument("--out", required=True, help="the directory to write (must be empty or new)")
+    export.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    export.set_defaults(func=cmd_export)
 
     config = sub.add_parser("config", help="inspect configuration").add_subparsers(
         dest="action", required=True

@@ -42,6 +42,17 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+def load_model_weights(path: str | Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model weights `save_sharded` wrote to `path` (from any number of ranks), read in this
+    process into tensors shaped like `like`'s; names the checkpoint does not hold are left out."""
+    reader = dcp.FileSystemReader(str(path))
+    saved = set(reader.read_metadata().state_dict_metadata)
+    state = {"model": {name: torch.empty_like(t) for name, t in like.items() if f"model.{name}" in saved}}
+    with _quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not torch.distributed.is_initialized())
+    return state["model"]
+
+
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Adam's state exists only after a step, and a sharded load fills existing state: take one step
     with zero gradients at learning rate 0 (no change to any weight; the load replaces the state)."""

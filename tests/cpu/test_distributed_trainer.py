@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 from rl_run import config, read_metrics  # noqa: E402
 
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
+from hybridflow.models.checkpoint_export import export_checkpoint  # noqa: E402
 
 # actor, reference (KL loss) and critic (GAE) all sharded; micro-batches small enough that ranks run
 # different numbers of them
@@ -77,6 +78,9 @@ def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_p
     # the sharded critic is exported whole too
     critic = json.loads((tmp_path / "b/checkpoints/global_step_2/critic/config.json").read_text())
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
+    # `hybridflow export` of that two-rank checkpoint: the weights from its shards, reloaded and checked
+    export_checkpoint(tmp_path / "b", tmp_path / "b-export")
+    _assert_same_weights(_policy(tmp_path / "b", 2), load_file(tmp_path / "b-export" / "model.safetensors"))
     # Ulysses: both ranks one sequence-parallel group (each keeps half of every micro-batch's tokens)
     ulysses = _train(setup, tmp_path / "sp", 2, *TWO, "actor.sequence_parallel_size=2")
     for step in (1, 2):
