@@ -29,6 +29,7 @@ from hybridflow.controller.dispatch import (
     share,
     to_sequence_parallel_ranks,
 )
+from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
@@ -128,11 +129,14 @@ class RLTrainer:
         try:
             if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                 self._log(self._validate(), step=0)
-            while self.step < self.total_steps:
-                self.step += 1
-                metrics = self.train_step()
-                self._after_step(metrics)
-                self.progress.update()
+            with GracefulStop() as stop:
+                while self.step < self.total_steps and not stop.requested:
+                    self.step += 1
+                    metrics = self.train_step()
+                    self._after_step(metrics)
+                    self.progress.update()
+                if stop.requested:
+                    self._stop_with_checkpoint(stop.requested)
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
             self._write_report()
@@ -141,6 +145,12 @@ class RLTrainer:
         self.reward.close()
         self.placement.shutdown()
         return metrics
+
+    def _stop_with_checkpoint(self, signal_name: str) -> None:
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.step}":
+            self.save()
+        print(f"stopped by {signal_name} after step {self.step}; checkpoint {self.last_checkpoint}. To go on, "
+              "run the same command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
 
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Validation and checkpoint when due, then the step's metrics to the sinks."""

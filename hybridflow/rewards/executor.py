@@ -119,6 +119,7 @@ _WORKER_FN: Callable | None = None
 
 def _init_worker(loader: Callable[[], Callable]) -> None:
     global _WORKER_FN
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
     _WORKER_FN = loader()
 
 

@@ -1,0 +1,74 @@
+"""SIGTERM / Ctrl-C: the first lets the step finish, saves a checkpoint and exits 0 with how to go
+on (and the run then resumes from it); a second one stops at once, leaving only complete checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from rl_run import config
+from hybridflow.controller.trainer import RLTrainer
+
+if __name__ == "__main__":
+    RLTrainer(config(Path({setup!r}), Path({run!r}), "trainer.total_training_steps=" + sys.argv[1])).fit()
+"""
+
+
+def _start(setup, run, steps, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.Popen([sys.executable, str(script), str(steps)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+
+def _wait_for_steps(run, count, process, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= count:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the run did not reach its steps")
+
+
+def _steps(run):
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_saves_and_exits_0_then_the_run_resumes(setup, tmp_path):
+    run = tmp_path / "run"
+    process = _start(setup, run, 1000, tmp_path)
+    _wait_for_steps(run, 2, process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    stopped = _steps(run)[-1]
+    assert f"stopped by SIGTERM after step {stopped}" in out and "without --overwrite" in out
+    assert (run / "checkpoints" / f"global_step_{stopped}" / "trainer_state.json").is_file()
+    process = _start(setup, run, stopped + 2, tmp_path)  # the same run, two steps more
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    assert _steps(run) == list(range(1, stopped + 3))
+
+
+def test_a_second_ctrl_c_stops_at_once(setup, tmp_path):
+    run = tmp_path / "run"
+    process = _start(setup, run, 1000, tmp_path)
+    _wait_for_steps(run, 2, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode != 0 and "KeyboardInterrupt" in err
+    assert "stopped by SIGINT" not in out
+    for checkpoint in (run / "checkpoints").glob("global_step_*"):
+        assert (checkpoint / "trainer_state.json").is_file()  # complete, or not there at all
