@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,8 +19,6 @@ from hybridflow.batch import Prompt
 from hybridflow.config.schema import DataConfig
 from hybridflow.data.files import read_rows
 from hybridflow.errors import UserError
-
-log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the layout or the rendering changes
 # the data.* fields a cached prompt depends on
@@ -85,10 +82,10 @@ class PackedDataset:
         if not (directory / "header.json").is_file():  # written last: a folder without it is not used
             cls._build(path, tokenizer, config, directory)  # rows_to_prompts logs what it filtered
             return cls(directory)
+        from hybridflow.data.prompts import warn_overlong
+
         packed = cls(directory)
-        if packed.overlong:
-            log.warning("%s: filtered %d of %d prompts longer than data.max_prompt_tokens=%d (cached)",
-                        path, packed.overlong, packed.rows, config.max_prompt_tokens)  # fmt: skip
+        warn_overlong(path, packed.overlong, packed.rows, config.max_prompt_tokens)
         return packed
 
     @staticmethod

@@ -96,17 +96,16 @@ def rows_to_prompts(
                 messages=content,
             )
         )
-    if overlong:
-        log.warning(
-            "%s: filtered %d of %d prompts longer than data.max_prompt_tokens=%d",
-            source,
-            overlong,
-            len(rows),
-            config.max_prompt_tokens,
-        )
+    warn_overlong(source, overlong, len(rows), config.max_prompt_tokens)
     if not prompts:
         raise UserError(f"{source}: no prompts left ({len(rows)} rows, {overlong} over max_prompt_tokens)")
     return prompts
+
+
+def warn_overlong(source, overlong: int, rows: int, max_prompt_tokens: int) -> None:
+    if overlong:
+        log.warning("%s: filtered %d of %d prompts longer than data.max_prompt_tokens=%d",
+                    source, overlong, rows, max_prompt_tokens)  # fmt: skip
 
 
 def load_prompts(

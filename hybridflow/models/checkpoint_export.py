@@ -5,12 +5,14 @@ after transformers has loaded the written directory and its logits equal the che
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridflow.checkpoint import latest_checkpoint
+from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 from hybridflow.models.export import save_hf
 from hybridflow.models.loading import load_causal_lm
@@ -66,12 +68,10 @@ def load_trained_policy(checkpoint: Path):
 
 
 def _saved_dtype(policy: Path) -> str:
-    from safetensors import safe_open
-
-    files = sorted(policy.glob("*.safetensors"))
-    with safe_open(str(files[0]), framework="pt") as f:
-        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype, "float32")
+    """The dtype the policy export was written in (its config's), so the weights load unconverted."""
+    config = json.loads((policy / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in DTYPES else "float32"
 
 
 def _tied(model, name: str) -> bool:
