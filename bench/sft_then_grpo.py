@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.checkpoint import latest_checkpoint
 from hybridflow.config import load_config
 from hybridflow.controller.trainer import RLTrainer
 from hybridflow.data.prompts import load_prompts
@@ -101,8 +102,7 @@ def random_model(out: Path, shape: dict) -> Path:
 
 def policy_of(run_dir: Path) -> Path:
     """The transformers export in the run's latest checkpoint."""
-    steps = sorted(run_dir.glob("checkpoints/global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    return steps[-1] / "policy"
+    return latest_checkpoint(run_dir) / "policy"
 
 
 def sample(policy: Path, prompts, params: SamplingParams, device: torch.device) -> list[list[str]]:
