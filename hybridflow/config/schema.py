@@ -344,6 +344,10 @@ class PreferenceConfig:
     """DPO: sigmoid, ipo, hinge, robust (against the reference), simpo, orpo (reference-free)."""
     label_smoothing: float = 0.0
     simpo_gamma: float = 1.0
+    rpo_alpha: float = 0.0
+    """DPO: weight of the chosen responses' token-mean NLL added to the loss (TRL's rpo_alpha; Pang
+    et al. 2024, "Iterative Reasoning Preference Optimization"): keeps the chosen answers likely when
+    chosen and rejected differ in a few tokens, where DPO alone lowers both."""
     desirable_weight: float = 1.0
     """KTO: weights of desirable and undesirable completions."""
     undesirable_weight: float = 1.0
@@ -365,6 +369,7 @@ class PreferenceConfig:
         )
         _check_positive("preference", "beta", self.beta)
         _check_positive("preference", "batch_size", self.batch_size)
+        _check_positive("preference", "rpo_alpha", self.rpo_alpha, allow_zero=True)
         _check_positive("preference", "max_tokens", self.max_tokens)
 
 

@@ -124,6 +124,7 @@ class HybridWorker:
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
             device=self.device,
             progress=c.trainer.progress,
+            temperature=c.rollout.temperature or 1.0,
         )
         self.ref = (
             Reference(
@@ -132,6 +133,7 @@ class HybridWorker:
                 compute_dtype=c.actor.compute_dtype,
                 pad_token_id=pad,
                 device=self.device,
+                temperature=c.rollout.temperature or 1.0,
             )
             if ref_model is not None
             else None

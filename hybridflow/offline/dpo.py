@@ -91,6 +91,10 @@ class DPOTrainer(OfflineTrainer):
                 )
             loss, metrics = dpo_loss(chosen, rejected, ref_c, ref_r, beta=p.beta, label_smoothing=p.label_smoothing,
                                      kind=p.loss_type, global_seqs=count)  # fmt: skip
+        if p.rpo_alpha and p.loss_type != "orpo":  # ORPO's loss already holds the chosen NLL
+            nll = -chosen / len_c if p.loss_type != "ipo" else -chosen  # [b] token-mean NLL of each chosen
+            loss = loss + p.rpo_alpha * nll.sum() / count
+            metrics["nll_loss"] = nll.detach().mean()
         metrics = {k: v.item() for k, v in metrics.items()}
         metrics["logps/chosen"], metrics["logps/rejected"] = chosen.mean().item(), rejected.mean().item()
         return loss, metrics

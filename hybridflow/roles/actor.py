@@ -77,9 +77,13 @@ class Actor:
         gradient_checkpointing: bool = False,
         device: torch.device | None = None,
         progress: bool = False,
+        temperature: float = 1.0,
     ) -> None:
-        """`progress`: a transient bar of micro-batches during an update (on a terminal only)."""
+        """`progress`: a transient bar of micro-batches during an update (on a terminal only).
+        `temperature`: the rollout's; the policy is softmax(logits / temperature), as in verl, so the
+        trainer's log-probs equal the rollout's."""
         self.model = model
+        self.temperature = temperature
         self.config = config
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
         self.device = device or next(model.parameters()).device
@@ -97,7 +101,7 @@ class Actor:
         return policy_logprobs(
             self.model, batch.prompt_ids, batch.response_ids, device=self.device,
             compute_dtype=self.config.compute_dtype, pad_token_id=self.pad_token_id,
-            with_entropy=with_entropy, entropy_grad=entropy_grad,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=self.temperature,
         )  # fmt: skip
 
     @torch.no_grad()

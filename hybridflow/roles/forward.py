@@ -55,14 +55,16 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each response token [b, T] (float32, zero past each response) and optionally the
-    entropy of each predicting distribution (differentiable only with `entropy_grad`, which costs
-    memory). One row at a time, so float32 [R, V] is the largest temporary."""
+    """Log-prob of each response token [b, T] under softmax(logits / temperature) (float32, zero past
+    each response) and optionally the entropy of each predicting distribution (differentiable only
+    with `entropy_grad`, which costs memory). One row at a time, so float32 [R, V] is the largest
+    temporary."""
     width = max(len(r) for r in response_ids)
     logps, entropies = [], []
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        row = logits[i, len(p) - 1 : len(p) - 1 + len(r)].float()  # [R, V]
+        row = logits[i, len(p) - 1 : len(p) - 1 + len(r)].float() / temperature  # [R, V]
         targets = torch.tensor(r, dtype=torch.long, device=logits.device)[:, None]  # [R, 1]
         logps.append(F.pad(torch.log_softmax(row, -1).gather(-1, targets)[:, 0], (0, width - len(r))))
         if with_entropy:
@@ -117,6 +119,7 @@ def packed_response_logprobs(
     compute_dtype: str,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native model's path: sequences packed without padding, the LM head applied only at the
     positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`."""
@@ -126,9 +129,11 @@ def packed_response_logprobs(
     targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=device)  # [R]
     with autocast(device, compute_dtype):
         chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]
-        logp, entropy = chunked_token_logprobs(chosen, model.lm_head.weight, targets)  # [R] each
+        logp, entropy = chunked_token_logprobs(
+            chosen, model.lm_head.weight, targets, temperature=temperature
+        )  # [R] each
         if with_entropy and entropy_grad:  # differentiable entropy needs the [R, V] logits
-            entropy = entropy_from_logits(model.lm_head(chosen))
+            entropy = entropy_from_logits(model.lm_head(chosen) / temperature)
     return (
         unflatten_responses(logp, response_ids),
         unflatten_responses(entropy, response_ids) if with_entropy else None,
@@ -145,17 +150,19 @@ def policy_logprobs(
     pad_token_id: int,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Response-token log-probs [b, T] of a policy: packed for the native model, padded for any
-    other transformers model."""
+    """Response-token log-probs [b, T] of a policy at a sampling temperature (softmax(logits / T), as
+    the rollout sampled): packed for the native model, padded for any other transformers model."""
     if hasattr(model, "hidden_states"):
         return packed_response_logprobs(
             model, prompt_ids, response_ids, device=device, compute_dtype=compute_dtype,
-            with_entropy=with_entropy, entropy_grad=entropy_grad,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature,
         )  # fmt: skip
     input_ids, attention = right_padded_inputs(prompt_ids, response_ids, device, pad_token_id)
     with autocast(device, compute_dtype):
         logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # [b, L, V]
     return response_logprobs(
-        logits, prompt_ids, response_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
-    )
+        logits, prompt_ids, response_ids, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        temperature=temperature,
+    )  # fmt: skip

@@ -19,13 +19,16 @@ class Reference:
         compute_dtype: str,
         pad_token_id: int,
         device: torch.device | None = None,
+        temperature: float = 1.0,
     ) -> None:
+        """`temperature`: the rollout's, as for the actor (the KL compares the same distributions)."""
         self.model = model.eval().requires_grad_(False)
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
         self.device = device or next(model.parameters()).device
         self.max_tokens = max_tokens_per_microbatch
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
+        self.temperature = temperature
 
     @torch.no_grad()
     def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -36,7 +39,7 @@ class Reference:
             micro = batch.select(rows)
             lp, _ = policy_logprobs(
                 self.model, micro.prompt_ids, micro.response_ids, device=self.device,
-                compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id,
+                compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id, temperature=self.temperature,
             )  # fmt: skip
             if not padding:
                 out[rows, : lp.shape[1]] = lp.float().cpu()

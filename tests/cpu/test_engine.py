@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hybridflow.batch import TrainingBatch, pad_ragged
+from hybridflow.config.schema import ActorConfig
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.sampler import sample_reference
@@ -14,6 +16,7 @@ from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model, sequence_log_probs
 from hybridflow.models.tiny import FAMILIES
+from hybridflow.roles.actor import Actor
 from hybridflow.rollout.hf import HFBackend
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -87,6 +90,15 @@ def test_sampled_logprobs_equal_the_trainers(temperature):
         assert_close(ours, lp[len(PROMPTS[g.prompt_index]) - 1 :], atol=1e-5, rtol=0)
         if temperature == 1.0:
             assert_close(torch.tensor(g.logprobs), ours, atol=1e-6, rtol=0)
+    # the actor's policy is softmax(logits / T) (verl's convention): its log-probs are the rollout's
+    actor = Actor(model, ActorConfig(compute_dtype="float32"), total_updates=1, max_response_tokens=20,
+                  pad_token_id=0, temperature=temperature)  # fmt: skip
+    batch = TrainingBatch(
+        [PROMPTS[g.prompt_index] for g in out],
+        [g.token_ids for g in out],
+        pad_ragged([[1.0] * len(g.token_ids) for g in out]),
+    )
+    assert_close(actor.log_probs(batch)[0], pad_ragged([g.logprobs for g in out]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

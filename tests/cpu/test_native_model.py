@@ -51,22 +51,23 @@ def test_sequence_log_probs_equal_log_softmax(family):
         assert_close(lp.detach(), ref, atol=1e-5, rtol=0)
 
 
-def test_chunked_logprob_gradients_equal_naive():
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_logprob_gradients_equal_naive(temperature):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64).float().requires_grad_()
     weight = (torch.randn(50, 16, generator=g) * 0.1).requires_grad_()  # LM-head scale
     targets = torch.randint(0, 50, (37,), generator=g)
     upstream = torch.randn(37, generator=g)
-    naive = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None])[:, 0]
+    naive = torch.log_softmax(hidden @ weight.T / temperature, -1).gather(-1, targets[:, None])[:, 0]
     (naive * upstream).sum().backward()
     gh, gw = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    logp, entropy = chunked_token_logprobs(hidden, weight, targets, chunk=8)
+    logp, entropy = chunked_token_logprobs(hidden, weight, targets, chunk=8, temperature=temperature)
     (logp * upstream).sum().backward()
     assert_close(logp, naive, atol=1e-6, rtol=0)
     assert_close(hidden.grad, gh, atol=1e-6, rtol=0)
     assert_close(weight.grad, gw, atol=1e-6, rtol=0)
-    probs = torch.softmax(hidden.detach() @ weight.detach().T, -1)
+    probs = torch.softmax(hidden.detach() @ weight.detach().T / temperature, -1)
     assert_close(entropy, -(probs * probs.log()).sum(-1), atol=1e-5, rtol=0)
 
 

@@ -52,6 +52,22 @@ def test_dpo_raises_the_margin_and_its_cached_reference_changes_nothing(data, tm
     assert [m["train/loss"] for m in resumed] == pytest.approx([m["train/loss"] for m in cached], rel=1e-6)
 
 
+def test_rpo_alpha_adds_the_chosen_nll_and_keeps_the_chosen_likely(data, tmp_path):
+    def run(name, *overrides):
+        DPOTrainer(
+            _config(data, tmp_path / name, "pairs.jsonl", "trainer.total_training_steps=4", *overrides)
+        ).fit()
+        return read_metrics(tmp_path / name)
+
+    plain, rpo = run("dpo"), run("rpo", "preference.rpo_alpha=1.0")
+    first = rpo[0]  # policy == reference: the DPO term is log 2, the rest is the chosen token-mean NLL
+    assert first["train/loss"] == pytest.approx(0.693147 + first["nll_loss"], abs=1e-5)
+    assert first["nll_loss"] > 0 and "nll_loss" not in plain[0]
+    assert rpo[-1]["logps/chosen"] > plain[-1]["logps/chosen"]
+    with pytest.raises(UserError, match="preference.rpo_alpha=-1"):
+        _config(data, tmp_path / "bad", "pairs.jsonl", "preference.rpo_alpha=-1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ipo", "simpo"])
 def test_dpo_variants_learn_the_preference(data, tmp_path, loss):

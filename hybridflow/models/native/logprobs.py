@@ -9,19 +9,21 @@ import torch
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, scale: float
+    ):
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)  # matmuls run in the activations' dtype (bf16 under autocast)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         for s in range(0, n, chunk):
-            logits = (hidden[s : s + chunk] @ w.T).float()  # [c, V]
+            logits = (hidden[s : s + chunk] @ w.T).float() * scale  # [c, V]
             lse = torch.logsumexp(logits, -1)
             logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None])[:, 0] - lse
             probs = torch.softmax(logits, -1)
             entropy[s : s + chunk] = lse - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.scale = chunk, scale
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -37,26 +39,39 @@ class _ChunkedLogProbs(torch.autograd.Function):
         )
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
-            logits = (h @ w.T).float()  # [c, V]
-            # d logp_t / d logits = onehot(target) - softmax
+            logits = (h @ w.T).float() * ctx.scale  # [c, V]
+            # d logp_t / d logits = onehot(target) - softmax; the raw logits' gradient is that times scale
             d_logits = -torch.softmax(logits, -1) * grad_logp[s : s + ctx.chunk, None]
             d_logits.scatter_add_(
                 -1, targets[s : s + ctx.chunk, None], grad_logp[s : s + ctx.chunk, None].float()
             )
+            d_logits *= ctx.scale
             if grad_hidden is not None:
                 grad_hidden[s : s + ctx.chunk] = d_logits.to(w.dtype) @ w
             if grad_weight is not None:
                 grad_weight += (d_logits.to(w.dtype).T @ h).float()
-        return grad_hidden, (grad_weight.to(weight.dtype) if grad_weight is not None else None), None, None
+        return (
+            grad_hidden,
+            (grad_weight.to(weight.dtype) if grad_weight is not None else None),
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int = 2048
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk: int = 2048,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], lm-head weight [V, H], targets [N] -> (log p(target) [N] float32, entropy [N]
-    float32, no gradient). Peak extra memory: one [chunk, V] float32 block. Under autocast the
-    matmuls run in the autocast dtype (the final norm hands over float32 activations)."""
+    float32, no gradient) of softmax(logits / temperature). Peak extra memory: one [chunk, V] float32
+    block. Under autocast the matmuls run in the autocast dtype (the final norm hands over float32
+    activations)."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         hidden = hidden.to(torch.get_autocast_dtype(device))
-    return _ChunkedLogProbs.apply(hidden, weight, targets, chunk)
+    return _ChunkedLogProbs.apply(hidden, weight, targets, chunk, 1.0 / temperature)
