@@ -6,11 +6,35 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+API = (
+    "DAPOConfig", "DAPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "RLConfig", "RLOOConfig",
+    "RLOOTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
+)  # fmt: skip
+OFFLINE = ("SFTTrainer", "DPOTrainer", "KTOTrainer")
+
 if TYPE_CHECKING:
+    from hybridflow.api import (
+        DAPOConfig,
+        DAPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        PPOConfig,
+        PPOTrainer,
+        ReinforcePPConfig,
+        ReinforcePPTrainer,
+        RLConfig,
+        RLOOConfig,
+        RLOOTrainer,
+    )
     from hybridflow.config import Config, load_config
     from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.offline import DPOTrainer, KTOTrainer, SFTTrainer
 
-__all__ = ["Config", "RLTrainer", "__version__", "load_config"]
+__all__ = [
+    "Config", "DAPOConfig", "DAPOTrainer", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOTrainer", "PPOConfig",
+    "PPOTrainer", "RLConfig", "RLOOConfig", "RLOOTrainer", "RLTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
+    "SFTTrainer", "__version__", "load_config",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +47,12 @@ def __getattr__(name: str) -> Any:
         from hybridflow.controller.trainer import RLTrainer
 
         return RLTrainer
+    if name in API:
+        from hybridflow import api
+
+        return getattr(api, name)
+    if name in OFFLINE:
+        from hybridflow import offline
+
+        return getattr(offline, name)
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -122,10 +122,14 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, dic
     return out, deferred
 
 
-def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- recipe YAML <- overrides (later wins). Raises UserError naming the bad key/value."""
+def load_config(
+    recipe: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, settings: dict | None = None
+) -> Config:
+    """Defaults <- recipe YAML <- `settings` (a nested mapping like the YAML's, e.g. {"actor":
+    {"optim": {"lr": 1e-6}}}) <- overrides (later wins). Raises UserError naming the bad key/value."""
     known = set(valid_keys())
     items = _read_recipe(recipe) if recipe else []
+    items += _flatten(settings) if settings else []
     for item in overrides:
         items += _parse_override(item)
     ours, deferred = _translate(items, known)

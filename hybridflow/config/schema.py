@@ -179,6 +179,9 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
+    model_path: str | None = None
+    """The reference policy (an HF directory with the policy's tokenizer); None: the policy's starting
+    weights."""
     max_tokens_per_microbatch: int = 16384
     offload_params: bool = False
 

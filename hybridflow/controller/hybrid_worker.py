@@ -70,7 +70,12 @@ class HybridWorker:
                 "rollout.backend=native"
             )
         pad = self.tokenizer.pad_token_id
-        ref_model = copy.deepcopy(model) if needs_ref else None
+        ref_model = None
+        if needs_ref and c.ref.model_path:
+            ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+            ref_model = policy_model(c, ref_hf.to(self.device))
+        elif needs_ref:
+            ref_model = copy.deepcopy(model)
         critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
         # the rollout backend takes its own full copy before the trained models are sharded;
         # disaggregated, the rollout workers hold the engines and this worker none

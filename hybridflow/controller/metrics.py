@@ -19,6 +19,7 @@ def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
         f"{prefix}/mean": v.mean().item(),
         f"{prefix}/max": v.max().item(),
         f"{prefix}/min": v.min().item(),
+        f"{prefix}/std": v.std().item() if v.numel() > 1 else 0.0,
     }
 
 
@@ -49,6 +50,8 @@ def data_metrics(
         len(rollouts), 1
     )
     out |= stats("prompt_length", torch.tensor([len(p) for p in rollouts.prompt_ids], dtype=torch.float32))
+    out["rollout/prompts"] = float(len(set(rollouts.group_ids)))
+    out["rollout/responses"] = float(len(rollouts))
     return out
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from hybridflow.errors import UserError
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "step_plan.txt", "report.html", "wandb_run_id")
-RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb")
+RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 
 
 def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,11 +62,23 @@ class TrainingDiverged(UserError):
 class RLTrainer:
     """`RLTrainer(config).fit()` trains the policy with the configured RL algorithm."""
 
-    def __init__(self, config: Config, *, overwrite: bool = False) -> None:
-        """`overwrite` deletes this run directory's earlier checkpoints and metrics (never other files)."""
+    def __init__(
+        self,
+        config: Config,
+        *,
+        overwrite: bool = False,
+        reward_function: Callable | None = None,
+        write_inputs: Callable[[Path], None] | None = None,
+    ) -> None:
+        """`overwrite` deletes this run directory's earlier checkpoints and metrics (never other files).
+        `reward_function`: a live verl-style function scored in this process (instead of the config's
+        reward). `write_inputs(run_dir)` writes what the config names under run_dir/inputs (the Python
+        API's live models and datasets) once the run directory is checked."""
         check_config(config)
         self.config = c = config
         self.run_dir = prepare_run_dir(c, overwrite=overwrite)
+        if write_inputs is not None:
+            write_inputs(self.run_dir)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
@@ -83,12 +96,15 @@ class RLTrainer:
         self.total_steps = (
             c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
         )
+        self.stop_at = self.total_steps  # fit(max_steps) may stop sooner or go on
+        self._closed = False
         self.reward = Reward(
             self.tokenizer,
             c.reward,
             max_response_tokens=c.data.max_response_tokens,
             hide=(str(self.run_dir.resolve()),),  # model-written code never sees the run's files
             device=self.device,
+            function=reward_function,
         )
         self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
@@ -112,25 +128,29 @@ class RLTrainer:
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
     # ---- the loop -------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
+    def fit(self, max_steps: int | None = None, *, close: bool = True) -> dict[str, float]:
+        """Train to step `max_steps` (default: the configured total, which also sets the LR schedule),
+        validating and saving as configured and at the last step; the last step's metrics. `close`:
+        release the workers, reward processes and sinks after (`close()` does it later)."""
         c = self.config
-        plan = step_plan(c, self.total_steps, len(self.train_prompts), self.sampler.steps_per_epoch)
+        self.stop_at = self.total_steps if max_steps is None else max_steps
+        plan = step_plan(c, self.stop_at, len(self.train_prompts), self.sampler.steps_per_epoch)
         print(plan, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(c), encoding="utf-8")  # for the report
         (self.run_dir / "step_plan.txt").write_text(plan + "\n", encoding="utf-8")
         metrics: dict[str, float] = {}
-        if self.step >= self.total_steps:
+        if self.step >= self.stop_at:
             print(
                 f"{self.run_dir} already finished {self.step} steps; pass --overwrite to start over",
                 flush=True,
             )
-        self.progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
+        self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.step)
         try:
             if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                 self._log(self._validate(), step=0)
             with GracefulStop() as stop:
-                while self.step < self.total_steps and not stop.requested:
+                while self.step < self.stop_at and not stop.requested:
                     self.step += 1
                     metrics = self.train_step()
                     self._after_step(metrics)
@@ -140,11 +160,25 @@ class RLTrainer:
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
             self._write_report()
+        if close:
+            self.close()
+        return metrics
+
+    def close(self) -> None:
+        """Release the workers, the reward processes and the sinks (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         for sink in self.sinks:
             sink.close()
         self.reward.close()
         self.placement.shutdown()
-        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics (val-core/...) of the current policy on the configured val files."""
+        if not self.val_prompts:
+            raise UserError("no validation prompts: set data.val_files (or pass eval_dataset)")
+        return self._validate()
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:
         if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.step}":
@@ -154,7 +188,7 @@ class RLTrainer:
 
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Validation and checkpoint when due, then the step's metrics to the sinks."""
-        c, last = self.config, self.step == self.total_steps
+        c, last = self.config, self.step == self.stop_at
         if self.val_prompts and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
             start = time.perf_counter()
             metrics |= self._validate()

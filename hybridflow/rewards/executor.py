@@ -15,6 +15,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,7 +73,12 @@ def _call(fn: Callable, *args, **kwargs):
 
 def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict) -> list[Outcome]:
     """Score items here, each under a SIGALRM deadline (main thread of a pool worker)."""
-    use_alarm = timeout_s > 0 and hasattr(signal, "setitimer")
+    # alarms reach the main thread only: elsewhere (a trainer driven from a thread) no deadline
+    use_alarm = (
+        timeout_s > 0
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
     if use_alarm:
         signal.signal(signal.SIGALRM, _alarm)
     if is_batched(fn):

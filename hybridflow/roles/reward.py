@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -56,12 +57,18 @@ class Reward:
         max_response_tokens: int,
         hide: tuple[str, ...] = (),
         device="cpu",
+        function: Callable | None = None,
     ) -> None:
+        """`function`: a live reward function (verl's signature, per-sample or batched) scored in
+        this process: a lambda or a notebook's closure cannot reach spawned workers."""
         self.tokenizer = tokenizer
         self.config = config
         self.max_response_tokens = max_response_tokens
-        self.custom = config.custom_function_path is not None
-        if self.custom:
+        self.custom = function is not None or config.custom_function_path is not None
+        num_workers = config.num_workers
+        if function is not None:
+            loader, options, num_workers = (lambda: function), {}, 0
+        elif self.custom:
             loader = functools.partial(
                 load_custom_function, config.custom_function_path, config.custom_function_name
             )
@@ -85,7 +92,7 @@ class Reward:
                 },
             }
         self.executor = RewardExecutor(
-            loader, num_workers=config.num_workers, timeout_s=config.timeout_s, options=options
+            loader, num_workers=num_workers, timeout_s=config.timeout_s, options=options
         )
         self.model = None
         if config.model_path:

@@ -24,36 +24,60 @@ SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 class ConsoleSink:
-    KEYS = (
-        ("critic/score/mean", "score"),
-        ("actor/pg_loss", "pg_loss"),
-        ("actor/kl_loss", "kl"),
-        ("actor/entropy", "entropy"),
-        ("actor/grad_norm", "grad"),
-        ("critic/vf_loss", "vf_loss"),
-        ("response_length/mean", "resp_len"),
-        ("train/loss", "loss"),  # SFT
-        ("val/loss", "val_loss"),
-        ("train/grad_norm", "grad"),
-        ("timing_s/step", "s"),
-    )
+    """One line a step that reads like the step itself:
+    [step 3] rollout 8 prompts -> 64 responses (avg len 42) | reward mean 0.41 std 0.22 | kl 0.021 |
+    loss actor 0.18 critic 0.42 | entropy 0.51 | 6.1 s | gsm8k/acc/mean@1 0.400
+    (offline trainers: loss, val_loss, grad). Parts whose metrics a step lacks are left out."""
+
+    OFFLINE = (("train/loss", "loss"), ("val/loss", "val_loss"), ("train/grad_norm", "grad"))
 
     def __init__(self, styled: bool | None = None) -> None:
-        """`styled`: bold labels and a bold step number (default: when stdout is a terminal)."""
+        """`styled`: bold numbers and a bold step number (default: when stdout is a terminal)."""
         self.styled = sys.stdout.isatty() if styled is None else styled
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        bold = (lambda t: f"\033[1m{t}\033[0m") if self.styled else (lambda t: t)
-        parts = [bold(f"[step {step}]")]
-        for key, label in self.KEYS:
-            if key in metrics:
-                parts.append(f"{label} {bold(f'{metrics[key]:.4g}')}")
+    def line(self, metrics: dict[str, float], step: int) -> str:
+        m = metrics
+
+        def num(value: float, spec: str = ".3g") -> str:
+            text = format(value, spec)
+            return f"\033[1m{text}\033[0m" if self.styled else text
+
+        parts = []
+        if "rollout/responses" in m:
+            part = f"rollout {num(m['rollout/prompts'], '.0f')} prompts -> {num(m['rollout/responses'], '.0f')} responses"
+            if "response_length/mean" in m:
+                part += f" (avg len {num(m['response_length/mean'], '.0f')})"
+            parts.append(part)
+        if "critic/score/mean" in m:
+            part = f"reward mean {num(m['critic/score/mean'])}"
+            if "critic/score/std" in m:
+                part += f" std {num(m['critic/score/std'])}"
+            parts.append(part)
+        kl = next((k for k in ("actor/kl_loss", "critic/kl") if k in m), None)  # KL loss, or KL in the reward
+        if kl:
+            parts.append(f"kl {num(m[kl])}")
+        losses = [
+            (name, m[key])
+            for name, key in (("actor", "actor/pg_loss"), ("critic", "critic/vf_loss"))
+            if key in m
+        ]
+        if losses:
+            parts.append("loss " + " ".join(f"{name} {num(v)}" for name, v in losses))
+        if "actor/entropy" in m:
+            parts.append(f"entropy {num(m['actor/entropy'])}")
+        parts += [f"{label} {num(m[key], '.4g')}" for key, label in self.OFFLINE if key in m]
+        if "timing_s/step" in m:
+            parts.append(f"{num(m['timing_s/step'])} s")
         parts += [
-            f"{k.split('/', 1)[1]} {bold(f'{v:.3f}')}"
-            for k, v in metrics.items()
+            f"{k.split('/', 1)[1]} {num(v, '.3f')}"
+            for k, v in m.items()
             if k.startswith("val-core/") and "/mean@" in k
         ]
-        tqdm.write(" | ".join(parts), file=sys.stdout)  # above a progress bar, when one is drawn
+        head = f"\033[1m[step {step}]\033[0m" if self.styled else f"[step {step}]"
+        return f"{head} {' | '.join(parts)}" if parts else head
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        tqdm.write(self.line(metrics, step), file=sys.stdout)  # above a progress bar, when one is drawn
 
     def close(self) -> None:
         pass

@@ -102,15 +102,29 @@ def test_console_line_is_plain_off_a_terminal_and_bold_on_one(capsys):
     from hybridflow.tracking.sinks import ConsoleSink
 
     metrics = {
-        "critic/score/mean": 0.5,
-        "timing_s/step": 1.25,
+        "rollout/prompts": 8.0,
+        "rollout/responses": 64.0,
+        "response_length/mean": 41.7,
+        "critic/score/mean": 0.41,
+        "critic/score/std": 0.2249,
+        "actor/kl_loss": 0.02131,
+        "actor/pg_loss": 0.18,
+        "critic/vf_loss": 0.42,
+        "timing_s/step": 6.12,
         "val-core/gsm8k/acc/mean@1": 0.4,
         "other": 1.0,
     }
     ConsoleSink().log(metrics, 3)  # pytest's captured stdout is no terminal
     ConsoleSink(styled=True).log(metrics, 3)
-    plain, styled = capsys.readouterr().out.splitlines()
-    assert plain == "[step 3] | score 0.5 | s 1.25 | gsm8k/acc/mean@1 0.400"
+    ConsoleSink().log({"train/loss": 0.25, "val/loss": 0.3, "train/grad_norm": 0.9, "timing_s/step": 0.08}, 5)
+    ConsoleSink().log({"val-core/gsm8k/acc/mean@1": 0.4}, 0)
+    plain, styled, offline, validation = capsys.readouterr().out.splitlines()
+    assert plain == (
+        "[step 3] rollout 8 prompts -> 64 responses (avg len 42) | reward mean 0.41 std 0.225 | kl 0.0213 | "
+        "loss actor 0.18 critic 0.42 | 6.12 s | gsm8k/acc/mean@1 0.400"
+    )
+    assert offline == "[step 5] loss 0.25 | val_loss 0.3 | grad 0.9 | 0.08 s"
+    assert validation == "[step 0] gsm8k/acc/mean@1 0.400"
     assert styled.replace("\033[1m", "").replace("\033[0m", "") == plain and "\033[1m" in styled
 
 

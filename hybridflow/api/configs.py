@@ -1,0 +1,172 @@
+"""Config dataclasses of the Python API: flat keyword fields for the common knobs, the YAML config's
+sections (as nested mappings) for everything else, and one preset per algorithm.
+
+    GRPOConfig(output_dir="runs/x", prompts_per_step=8, learning_rate=1e-6,
+               actor={"clip_ratio_high": 0.28}, overrides=["trainer.save_freq=50"])
+
+Precedence, later wins: defaults <- `recipe` <- the class's preset <- the sections <- the flat fields
+<- `overrides` (dot-list strings, as on the command line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hybridflow.config import Config, load_config
+
+SECTIONS = (
+    "model",
+    "data",
+    "rollout",
+    "actor",
+    "ref",
+    "critic",
+    "reward",
+    "algorithm",
+    "trainer",
+    "resources",
+)
+
+
+@dataclass
+class RLConfig:
+    """What every algorithm shares. A flat field left at None keeps the preset's (or recipe's) value."""
+
+    output_dir: str | None = None
+    """The run directory (trainer.run_dir): metrics, checkpoints, the report."""
+    prompts_per_step: int | None = None
+    samples_per_prompt: int | None = None
+    max_prompt_tokens: int | None = None
+    max_response_tokens: int | None = None
+    learning_rate: float | None = None
+    kl_coef: float | None = None
+    """Weight of the KL to the reference policy; 0 turns it off (each preset says where it applies)."""
+    lora_rank: int | None = None
+    """> 0 trains LoRA adapters of this rank instead of all weights (model.lora_rank)."""
+    max_steps: int | None = None
+    seed: int | None = None
+    recipe: str | None = None
+    """A built-in recipe name or YAML path to start from."""
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)
+    actor: dict[str, Any] = field(default_factory=dict)
+    ref: dict[str, Any] = field(default_factory=dict)
+    critic: dict[str, Any] = field(default_factory=dict)
+    reward: dict[str, Any] = field(default_factory=dict)
+    algorithm: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+    PRESET: ClassVar[dict[str, Any]] = {}
+    KL_IN_REWARD: ClassVar[bool] = False
+    """Where kl_coef goes: a KL penalty in the reward (PPO) or a KL loss on the actor (GRPO family)."""
+
+    def settings(self) -> dict[str, Any]:
+        """The nested settings: the preset, then the sections, then the flat fields."""
+        tree: dict[str, Any] = {}
+        _merge(tree, self.PRESET)
+        _merge(tree, {name: getattr(self, name) for name in SECTIONS if getattr(self, name)})
+        flat = {
+            "trainer.run_dir": self.output_dir,
+            "data.prompts_per_step": self.prompts_per_step,
+            "rollout.samples_per_prompt": self.samples_per_prompt,
+            "data.max_prompt_tokens": self.max_prompt_tokens,
+            "data.max_response_tokens": self.max_response_tokens,
+            "actor.optim.lr": self.learning_rate,
+            "model.lora_rank": self.lora_rank,
+            "trainer.total_training_steps": self.max_steps,
+            "trainer.seed": self.seed,
+        }
+        if self.kl_coef is not None:
+            on = self.kl_coef > 0
+            if self.KL_IN_REWARD:
+                flat |= {"algorithm.use_kl_in_reward": on, "algorithm.kl_ctrl.kl_coef": self.kl_coef}
+            else:
+                flat |= {"actor.use_kl_loss": on, "actor.kl_loss_coef": self.kl_coef}
+        for key, value in flat.items():
+            if value is not None:
+                _merge(tree, _nest(key, value))
+        return tree
+
+    def to_config(self) -> Config:
+        return load_config(self.recipe, self.overrides, settings=self.settings())
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    *parents, leaf = key.split(".")
+    tree: dict[str, Any] = {leaf: value}
+    for p in reversed(parents):
+        tree = {p: tree}
+    return tree
+
+
+def _merge(into: dict[str, Any], tree: dict[str, Any]) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    """GRPO (Shao et al. 2024): group-normalised advantages, no critic; KL off unless kl_coef > 0
+    (as TRL's default)."""
+
+    PRESET: ClassVar[dict[str, Any]] = {"algorithm": {"adv_estimator": "grpo"}}
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """PPO with a critic (GAE), one sample per prompt, a KL penalty in the reward (kl_coef, 0.001)."""
+
+    PRESET: ClassVar[dict[str, Any]] = {
+        "algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"kl_coef": 0.001}},
+        "rollout": {"samples_per_prompt": 1},
+    }
+    KL_IN_REWARD: ClassVar[bool] = True
+
+
+@dataclass
+class DAPOConfig(RLConfig):
+    """DAPO (Yu et al. 2025): clip-higher (0.2/0.28), token-mean loss, dynamic sampling (groups whose
+    samples all score alike are resampled) and overlong reward shaping over the last quarter of
+    max_response_tokens (unless reward.overlong_buffer says otherwise)."""
+
+    PRESET: ClassVar[dict[str, Any]] = {
+        "algorithm": {"adv_estimator": "grpo", "filter_groups": {"enable": True}},
+        "actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},
+        "reward": {"overlong_buffer": {"enable": True}},
+    }
+
+    def to_config(self) -> Config:
+        config = super().to_config()
+        buffer = config.reward.overlong_buffer
+        if buffer.enable and "buffer_tokens" not in self.reward.get("overlong_buffer", {}):
+            buffer.buffer_tokens = max(1, config.data.max_response_tokens // 4)
+        return config
+
+
+@dataclass
+class RLOOConfig(RLConfig):
+    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean of the others in its group."""
+
+    PRESET: ClassVar[dict[str, Any]] = {"algorithm": {"adv_estimator": "rloo"}}
+
+
+@dataclass
+class ReinforcePPConfig(RLConfig):
+    """REINFORCE++ (Hu 2025): returns normalised over the whole batch, a token-level KL penalty in the
+    reward (kl_coef, 0.001)."""
+
+    PRESET: ClassVar[dict[str, Any]] = {
+        "algorithm": {
+            "adv_estimator": "reinforce_plus_plus",
+            "use_kl_in_reward": True,
+            "kl_ctrl": {"kl_coef": 0.001},
+        }
+    }
+    KL_IN_REWARD: ClassVar[bool] = True

@@ -1,0 +1,213 @@
+"""Trainer classes in the style TRL users know, thin presets over `RLTrainer`:
+
+    trainer = GRPOTrainer(actor_model=model, tokenizer=tokenizer, train_dataset=dataset,
+                          reward_fn=lambda prompts, responses, **columns: [...],
+                          args=GRPOConfig(output_dir="runs/x", prompts_per_step=8))
+    trainer.train(max_steps=100)
+    trainer.evaluate()
+    trainer.save("my-model")        # a transformers directory, verified by reloading it
+
+Models, tokenizer and datasets may be paths or live objects; live ones are written under the run's
+`inputs/` folder (the trainer's workers load from disk, in this process or others). Switching
+algorithm is switching the class.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hybridflow.api.configs import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLConfig, RLOOConfig
+from hybridflow.api.inputs import (
+    INPUTS,
+    dataset_rows,
+    is_path,
+    is_verl_reward,
+    trl_reward,
+    write_model,
+    write_rows,
+)
+from hybridflow.config import Config
+from hybridflow.errors import UserError
+
+
+class Trainer:
+    """Base of the algorithm classes; `CONFIG` is the config class `args` defaults to."""
+
+    CONFIG: type[RLConfig] = RLConfig
+
+    def __init__(
+        self,
+        actor_model: Any = "default",
+        *,
+        args: RLConfig | Config | None = None,
+        tokenizer: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        reward_fn: Callable | str | None = None,
+        ref_model: Any = None,
+        critic_model: Any = None,
+        overwrite: bool = False,
+    ) -> None:
+        """`actor_model`: an `AutoModelForCausalLM`, an HF directory, a .gguf file or "default".
+        `train_dataset`/`eval_dataset`: a `datasets.Dataset`, a list of row dicts, or data file
+        path(s); None keeps the config's data files or task. `reward_fn`: TRL-style
+        `fn(prompts, responses, **columns) -> list[float]`, verl's `compute_score(data_source,
+        solution_str, ground_truth, extra_info)` (or its batched form), or a path to a Python file
+        defining `compute_score`; None scores with the built-in scorer of each row's data_source.
+        `ref_model` (KL reference) and `critic_model` (PPO): a model or path; None derives them from
+        the actor. `overwrite` starts over in a run directory holding an earlier run."""
+        args = args if args is not None else self.CONFIG()
+        if isinstance(args, RLConfig) and type(args) is not self.CONFIG:  # the class picks the algorithm
+            args = self.CONFIG(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        self.config = c = args.to_config() if isinstance(args, RLConfig) else copy.deepcopy(args)
+        self.overwrite = overwrite
+        self._rl = None
+        inputs = Path(c.trainer.run_dir) / INPUTS
+        self._writes: list[Callable[[], None]] = []
+
+        if not is_path(actor_model) or tokenizer is not None:
+            tokenizer = _tokenizer_of(actor_model) if tokenizer is None else _load_tokenizer(tokenizer)
+            self._write(lambda m=actor_model, t=tokenizer: write_model(m, t, inputs / "actor"))
+            c.model.path = str(inputs / "actor")
+        else:
+            c.model.path = str(actor_model)
+        if ref_model is not None and not (c.actor.use_kl_loss or c.algorithm.use_kl_in_reward):
+            raise UserError("ref_model is the KL term's reference, and no KL term is on: set kl_coef > 0")
+        if critic_model is not None and c.algorithm.adv_estimator != "gae":
+            raise UserError(f"critic_model is for PPO (GAE); {type(self).__name__} trains no critic")
+        for role, model, section in (("ref", ref_model, c.ref), ("critic", critic_model, c.critic)):
+            if model is not None and not is_path(model):
+                self._write(lambda m=model, r=role: m.save_pretrained(inputs / r, safe_serialization=True))
+                section.model_path = str(inputs / role)
+            elif model is not None:
+                section.model_path = str(model)
+
+        self.reward_function = None
+        trl_style = callable(reward_fn) and not is_verl_reward(reward_fn)
+        if callable(reward_fn):
+            self.reward_function = trl_reward(reward_fn, c.data.prompt_key) if trl_style else reward_fn
+        elif reward_fn is not None:
+            c.reward.custom_function_path = str(reward_fn)
+        for name, dataset, attr in (
+            ("train_dataset", train_dataset, "train_files"),
+            ("eval_dataset", eval_dataset, "val_files"),
+        ):
+            if dataset is None:
+                continue
+            c.data.task = None if attr == "train_files" else c.data.task
+            if is_path(dataset) and not trl_style:
+                setattr(c.data, attr, [str(dataset)])
+                continue
+            rows = dataset_rows(dataset, name)
+            path = inputs / f"{name.split('_')[0]}.jsonl"
+            self._write(lambda r=rows, p=path: write_rows(r, p, keep_row=trl_style))
+            setattr(c.data, attr, [str(path)])
+        if trl_style and train_dataset is None:
+            raise UserError(
+                "a TRL-style reward_fn(prompts, responses, **columns) needs train_dataset (its columns)"
+            )
+
+    def _write(self, write: Callable[[], None]) -> None:
+        self._writes.append(write)
+
+    def _write_inputs(self, run_dir: Path) -> None:
+        for write in self._writes:
+            write()
+
+    def _trainer(self, max_steps: int | None = None):
+        if self._rl is None:
+            from hybridflow.controller.trainer import RLTrainer
+
+            config = self.config
+            if max_steps is not None:  # the LR schedule spans the first train() call's steps
+                config = dataclasses.replace(
+                    config, trainer=dataclasses.replace(config.trainer, total_training_steps=max_steps)
+                )
+            self._rl = RLTrainer(
+                config,
+                overwrite=self.overwrite,
+                reward_function=self.reward_function,
+                write_inputs=self._write_inputs,
+            )
+        return self._rl
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.trainer.run_dir)
+
+    @property
+    def step(self) -> int:
+        return self._rl.step if self._rl is not None else 0
+
+    def train(self, max_steps: int | None = None) -> dict[str, float]:
+        """Train to step `max_steps` (default: the config's total); a later call goes on from there.
+        The last step's metrics."""
+        return self._trainer(max_steps).fit(max_steps, close=False)
+
+    def evaluate(self) -> dict[str, float]:
+        """val-core/... metrics of the current policy on eval_dataset (or the config's val files)."""
+        return self._trainer().evaluate()
+
+    def save(self, directory: str | Path, *, overwrite: bool = False) -> Path:
+        """The current policy as a transformers directory (config, weights, tokenizer, chat template,
+        generation config), reported only after transformers reloads it with the same logits."""
+        from hybridflow.models.checkpoint_export import export_checkpoint
+
+        rl = self._trainer()
+        latest = rl.last_checkpoint
+        if latest is None or latest.name != f"global_step_{rl.step}":
+            latest = rl.save()
+        print(export_checkpoint(latest, directory, overwrite=overwrite), flush=True)
+        return Path(directory)
+
+    def close(self) -> None:
+        """Release the workers and reward processes (also on leaving a `with` block)."""
+        if self._rl is not None:
+            self._rl.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _load_tokenizer(tokenizer: Any):
+    if is_path(tokenizer):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def _tokenizer_of(model: Any):
+    source = getattr(model, "name_or_path", None)
+    if source and Path(source).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    raise UserError("actor_model is a live model: pass its tokenizer too (tokenizer=...)")
+
+
+class GRPOTrainer(Trainer):
+    CONFIG = GRPOConfig
+
+
+class PPOTrainer(Trainer):
+    CONFIG = PPOConfig
+
+
+class DAPOTrainer(Trainer):
+    CONFIG = DAPOConfig
+
+
+class RLOOTrainer(Trainer):
+    CONFIG = RLOOConfig
+
+
+class ReinforcePPTrainer(Trainer):
+    CONFIG = ReinforcePPConfig
