@@ -163,9 +163,10 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from hybridflow.models.checkpoint_export import export_checkpoint
+    from hybridflow.models.checkpoint_export import export_adapter, export_checkpoint
 
-    print(export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite))
+    export = export_adapter if args.adapter_only else export_checkpoint
+    print(export(args.checkpoint, args.out, overwrite=args.overwrite))
 
 
 def cmd_data_make(args: argparse.Namespace) -> None:
@@ -284,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", required=True, help="the directory to write (must be empty or new)")
     export.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--merge-lora", action="store_true", help="a LoRA run: adapters merged into the weights (the default)"
+    )
+    lora.add_argument(
+        "--adapter-only", action="store_true", help="a LoRA run: only its adapters, in PEFT's format"
+    )
     export.set_defaults(func=cmd_export)
 
     config = sub.add_parser("config", help="inspect configuration").add_subparsers(

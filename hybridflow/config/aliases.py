@@ -18,6 +18,8 @@ RENAMES: dict[str, str] = {
     f"{_ARR}.model.use_remove_padding": "model.use_remove_padding",
     f"{_ARR}.model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
     f"{_ARR}.model.trust_remote_code": "model.trust_remote_code",
+    f"{_ARR}.model.lora_rank": "model.lora_rank",
+    f"{_ARR}.model.lora_alpha": "model.lora_alpha",
     f"{_ARR}.rollout.n": "rollout.samples_per_prompt",
     f"{_ARR}.rollout.temperature": "rollout.temperature",
     f"{_ARR}.rollout.top_p": "rollout.top_p",

@@ -33,6 +33,17 @@ class ModelConfig:
     for others) or 'hf' (transformers, padded micro-batches)."""
     dtype: str = "float32"
     """Master weight dtype: float32, bfloat16 or float16. Compute runs in `actor.compute_dtype`."""
+    lora_rank: int = 0
+    """> 0: train LoRA adapters of this rank on the native model instead of all its weights; the
+    reference policy is the base model (adapters off), the rollout gets merged weights."""
+    lora_alpha: float = 16.0
+    """The adapters' update is scaled by lora_alpha / lora_rank."""
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Linear layers of the decoder blocks that get adapters (default: all of them)."""
+    lora_adapter_path: str | None = None
+    """A PEFT LoRA adapter directory to continue training (its rank, alpha and layers are used)."""
     enable_gradient_checkpointing: bool = False
     compile: bool = False
     """torch.compile the native model's layers (the parts around attention): fused norms, RoPE and

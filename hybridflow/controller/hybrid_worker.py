@@ -17,6 +17,7 @@ from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import (
     compile_native_models,
+    lora_policy,
     policy_model,
     rollout_backend,
     value_model,
@@ -24,6 +25,7 @@ from hybridflow.controller.role_models import (
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
+from hybridflow.models.lora import lora_modules, merged_state_dict, merged_updates, save_adapter
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
@@ -70,13 +72,19 @@ class HybridWorker:
                 "rollout.backend=native"
             )
         pad = self.tokenizer.pad_token_id
+        critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
+        model = lora_policy(c, model)
+        self.lora = bool(lora_modules(model))
+        if self.lora and (sharded or c.resources.rollout_workers):
+            raise UserError(
+                "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
+            )
         ref_model = None
         if needs_ref and c.ref.model_path:
             ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
             ref_model = policy_model(c, ref_hf.to(self.device))
-        elif needs_ref:
-            ref_model = copy.deepcopy(model)
-        critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
+        elif needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
+            ref_model = model if self.lora else copy.deepcopy(model)
         # the rollout backend takes its own full copy before the trained models are sharded;
         # disaggregated, the rollout workers hold the engines and this worker none
         colocated = c.resources.rollout_workers == 0
@@ -139,6 +147,7 @@ class HybridWorker:
                 pad_token_id=pad,
                 device=self.device,
                 temperature=c.rollout.temperature or 1.0,
+                adapters_off=ref_model is model,
             )
             if ref_model is not None
             else None
@@ -156,8 +165,12 @@ class HybridWorker:
             else None
         )
         if c.model.compile:  # after the reference copy: compiled layers do not deep-copy
-            compile_native_models([m for m in (model, ref_model, critic_model) if m is not None])
+            compile_native_models(
+                [m for m in dict.fromkeys((model, ref_model, critic_model)) if m is not None]
+            )
         self.rollout = Rollout(backend) if colocated else None
+        if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
+            self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
@@ -220,7 +233,9 @@ class HybridWorker:
         one layer's full weights exist beyond the engine's copy."""
         with self._phase("update_weights"):
             model = self.actor.model
-            if self.rollout is not None and not isinstance(model, FSDPModule):
+            if self.rollout is not None and self.lora:  # only the adapted layers change: their merged weights
+                self.rollout.update_weights(merged_updates(model))
+            elif self.rollout is not None and not isinstance(model, FSDPModule):
                 self.rollout.update_weights(model.named_parameters())  # the cached copy plan
             else:
                 for unit in self._gathered_units():
@@ -305,7 +320,10 @@ class HybridWorker:
     def _export(self, model: torch.nn.Module, directory: Path, *, score: bool) -> None:
         """Rank 0 writes `model` as a transformers directory; ours is first gathered whole from its
         shards, a collective that every rank joins (a transformers model runs in one worker only)."""
-        if isinstance(model, native.NativeModule):
+        if lora_modules(model):  # one worker: the merged policy, and the adapter in PEFT's format beside it
+            save_adapter(model, directory.parent / "policy_adapter", base_model=self.config.model.path)
+            model = native.to_hf_model(merged_state_dict(model), self.hf_config)
+        elif isinstance(model, native.NativeModule):
             state = get_model_state_dict(
                 model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )

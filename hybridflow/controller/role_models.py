@@ -11,6 +11,7 @@ from hybridflow.config.schema import Config
 from hybridflow.controller.setup import sequences_per_step
 from hybridflow.errors import UserError
 from hybridflow.models import native, save_hf
+from hybridflow.models.lora import apply_lora, load_adapter, lora_modules, merged_model, read_adapter_config
 from hybridflow.roles.critic import load_value_model, value_model_from_policy
 from hybridflow.rollout.hf import HFBackend
 
@@ -32,6 +33,26 @@ def policy_model(config: Config, hf_model):
             flush=True,
         )
     return hf_model
+
+
+def lora_policy(config: Config, policy):
+    """The policy with LoRA adapters (model.lora_rank > 0 or model.lora_adapter_path), else as is."""
+    m = config.model
+    if not (m.lora_rank or m.lora_adapter_path):
+        return policy
+    if not isinstance(policy, native.NativeModule):
+        raise UserError(
+            "model.lora_rank: LoRA trains our native model (Llama/Mistral/Qwen2/Qwen3 families, model.impl "
+            "native or auto); this model runs on transformers"
+        )
+    rank, alpha, targets = m.lora_rank, m.lora_alpha, m.lora_target_modules
+    if m.lora_adapter_path:
+        adapter = read_adapter_config(m.lora_adapter_path)
+        rank, alpha, targets = adapter["r"], adapter["lora_alpha"], adapter["target_modules"]
+    apply_lora(policy, rank, alpha, targets)
+    if m.lora_adapter_path:
+        load_adapter(policy, m.lora_adapter_path)
+    return policy
 
 
 def value_model(config: Config, policy, device: torch.device):
@@ -118,4 +139,6 @@ def rollout_backend(
         share_weights=share_weights,
         progress=c.trainer.progress,
     )
+    if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
+        policy = merged_model(policy)
     return Engine(policy, eos_token_ids=eos, config=engine_config, device=device)

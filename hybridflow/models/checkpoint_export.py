@@ -14,10 +14,20 @@ import torch
 from hybridflow.checkpoint import latest_checkpoint
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
+from hybridflow.models import native
 from hybridflow.models.export import save_hf
 from hybridflow.models.loading import load_causal_lm
+from hybridflow.models.lora import (
+    apply_lora,
+    load_adapter,
+    merged_state_dict,
+    read_adapter_config,
+    save_adapter,
+    sequence_logits,
+)
 from hybridflow.parallel.checkpoint import load_model_weights
 
+ADAPTER = "policy_adapter"  # a LoRA run's adapters in PEFT's format, beside the merged policy/
 PROBE = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
 
 
@@ -58,6 +68,9 @@ def load_trained_policy(checkpoint: Path):
             f"checkpoint {checkpoint} lacks policy/config.json or actor_state/: not written by hybridflow?"
         )
     model, tokenizer = load_causal_lm(str(policy), dtype=_saved_dtype(policy))
+    if (checkpoint / ADAPTER / "adapter_config.json").is_file():
+        lora = _trained_lora(model, checkpoint)
+        return native.to_hf_model(merged_state_dict(lora), model.config).eval(), tokenizer
     own = model.state_dict()
     weights = load_model_weights(state_dir, own)
     missing = [n for n in own if n not in weights and not _tied(model, n)]
@@ -65,6 +78,20 @@ def load_trained_policy(checkpoint: Path):
         raise UserError(f"checkpoint {checkpoint}: actor_state has no weights for {', '.join(missing[:3])}")
     model.load_state_dict(weights, strict=False)  # a tied head is the embedding's tensor
     return model.eval(), tokenizer
+
+
+def _trained_lora(hf_model, checkpoint: Path):
+    """Our model with the checkpoint's adapters (LoRA runs): base and adapters from actor_state."""
+    adapter = read_adapter_config(checkpoint / ADAPTER)
+    model = native.from_hf_model(hf_model)
+    apply_lora(model, adapter["r"], adapter["lora_alpha"], adapter["target_modules"])
+    own = model.state_dict()
+    weights = load_model_weights(checkpoint / "actor_state", own)
+    missing = [n for n in own if n not in weights and not _tied(model, n)]
+    if missing:
+        raise UserError(f"checkpoint {checkpoint}: actor_state has no weights for {', '.join(missing[:3])}")
+    model.load_state_dict(weights, strict=False)
+    return model.eval()
 
 
 def _saved_dtype(policy: Path) -> str:
@@ -78,15 +105,49 @@ def _tied(model, name: str) -> bool:
     return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
+def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> ExportReport:
+    """A LoRA run's adapters alone, in PEFT's format; checked by applying them to the base model
+    anew and comparing logits with the merged policy's."""
+    source = resolve_checkpoint(checkpoint)
+    if not (source / ADAPTER / "adapter_config.json").is_file():
+        raise UserError(
+            f"{source} holds no LoRA adapters (the run had model.lora_rank = 0): export without --adapter-only"
+        )
+    hf_model, tokenizer = load_causal_lm(str(source / "policy"), dtype=_saved_dtype(source / "policy"))
+    trained = _trained_lora(hf_model, source)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out} is not empty; pass --overwrite to replace its files")
+    config = read_adapter_config(source / ADAPTER)
+    save_adapter(trained, out, base_model=config.get("base_model_name_or_path"))
+    tokenizer.save_pretrained(out)
+    fresh = native.from_hf_model(hf_model)  # base weights come from actor_state: adapters off = base
+    apply_lora(fresh, config["r"], config["lora_alpha"], config["target_modules"])
+    fresh.load_state_dict({k: v for k, v in trained.state_dict().items() if ".lora_" not in k}, strict=False)
+    load_adapter(fresh, out)
+    probe = _probe(tokenizer)
+    with torch.no_grad():
+        diff = (sequence_logits(fresh, probe[0]) - sequence_logits(trained, probe[0])).abs().max().item()
+    if diff > 1e-5:
+        raise UserError(f"adapter check failed: {out} applied to the base gives logits {diff:.2e} away")
+    count = sum(p.numel() for n, p in trained.named_parameters() if ".lora_" in n)
+    return ExportReport(source, out, count, diff, probe.shape[1])
+
+
+def _probe(tokenizer) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, return_dict=False) if tokenizer.chat_template else tokenizer("17 + 25 =")["input_ids"]  # fmt: skip
+    return torch.tensor([list(ids)])  # [1, T]
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> ExportReport:
+    """The trained policy as a transformers directory (a LoRA run's adapters merged into it)."""
     from transformers import AutoModelForCausalLM
 
     source = resolve_checkpoint(checkpoint)
     model, tokenizer = load_trained_policy(source)
     out = save_hf(model, tokenizer, out, overwrite=overwrite)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=next(model.parameters()).dtype).eval()
-    ids = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, return_dict=False) if tokenizer.chat_template else tokenizer("17 + 25 =")["input_ids"]  # fmt: skip
-    probe = torch.tensor([list(ids)])  # [1, T]
+    probe = _probe(tokenizer)
     with torch.no_grad():
         diff = (reloaded(probe).logits - model(probe).logits).abs().max().item()
     if diff > 1e-5:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from hybridflow.batch import TrainingBatch
+from hybridflow.models.lora import adapters_disabled
 from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
 
 
@@ -20,9 +23,13 @@ class Reference:
         pad_token_id: int,
         device: torch.device | None = None,
         temperature: float = 1.0,
+        adapters_off: bool = False,
     ) -> None:
-        """`temperature`: the rollout's, as for the actor (the KL compares the same distributions)."""
-        self.model = model.eval().requires_grad_(False)
+        """`temperature`: the rollout's, as for the actor (the KL compares the same distributions).
+        `adapters_off`: `model` is the LoRA-trained actor itself, and the reference is its base (the
+        adapters switched off while it scores): no second copy of the weights."""
+        self.adapters_off = adapters_off
+        self.model = model if adapters_off else model.eval().requires_grad_(False)
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
         self.device = device or next(model.parameters()).device
         self.max_tokens = max_tokens_per_microbatch
@@ -37,10 +44,11 @@ class Reference:
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         for rows, padding in in_step_microbatches(lengths, self.max_tokens, None):
             micro = batch.select(rows)
-            lp, _ = policy_logprobs(
-                self.model, micro.prompt_ids, micro.response_ids, device=self.device,
-                compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id, temperature=self.temperature,
-            )  # fmt: skip
+            with adapters_disabled(self.model) if self.adapters_off else nullcontext():
+                lp, _ = policy_logprobs(
+                    self.model, micro.prompt_ids, micro.response_ids, device=self.device,
+                    compute_dtype=self.compute_dtype, pad_token_id=self.pad_token_id, temperature=self.temperature,
+                )  # fmt: skip
             if not padding:
                 out[rows, : lp.shape[1]] = lp.float().cpu()
         return out * batch.response_mask

@@ -118,6 +118,7 @@ def test_config_classes_map_flat_fields_and_sections():
     assert (c.data.max_response_tokens, c.actor.optim.lr, c.trainer.seed) == (50, 3e-6, 7)
     assert c.actor.use_kl_loss and c.actor.kl_loss_coef == 0.02 and not c.algorithm.use_kl_in_reward
     assert (c.trainer.total_training_steps, c.actor.clip_ratio_high, c.trainer.save_freq) == (9, 0.28, 5)
+    assert GRPOConfig(lora_rank=8).to_config().model.lora_rank == 8
     p = PPOConfig(kl_coef=0.0).to_config()
     assert p.algorithm.adv_estimator == "gae" and not p.algorithm.use_kl_in_reward
     with pytest.raises(UserError, match="actor.clip_ratio_hgh"):

@@ -1,0 +1,147 @@
+"""LoRA: adapters start as the identity, switch off to the base (the reference), merge exactly, and
+round-trip through PEFT; an RL run with model.lora_rank trains only the adapters, keeps the rollout
+engine's log-probs equal to the trainer's after every update, and exports merged or adapter-only."""
+
+import pytest
+import torch
+from peft import PeftModel
+from rl_run import config, read_metrics
+from torch.testing import assert_close
+from transformers import AutoModelForCausalLM
+
+from hybridflow.batch import TrainingBatch, pad_ragged
+from hybridflow.cli import main
+from hybridflow.controller.role_models import lora_policy
+from hybridflow.controller.trainer import RLTrainer
+from hybridflow.errors import UserError
+from hybridflow.models import native, tiny_model
+from hybridflow.models.checkpoint_export import export_adapter, export_checkpoint
+from hybridflow.models.lora import (
+    adapters_disabled,
+    apply_lora,
+    load_adapter,
+    lora_modules,
+    merged_model,
+    save_adapter,
+    sequence_logits,
+)
+from hybridflow.roles.reference import Reference
+
+IDS = torch.tensor([[5, 9, 200, 17, 3, 8, 44, 2]])
+
+
+def _logits(model, ids=IDS):
+    """[T, V] from a transformers model or ours."""
+    with torch.no_grad():
+        return (
+            sequence_logits(model, ids[0]) if isinstance(model, native.NativeModule) else model(ids).logits[0]
+        )
+
+
+def _randomise_adapters(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in lora_modules(model).values():
+        m.lora_B.data = torch.randn(m.lora_B.shape, generator=g) * 0.05
+
+
+def test_adapters_start_as_identity_switch_off_merge_and_round_trip_through_peft(tmp_path):
+    hf = tiny_model("qwen2", seed=3)
+    base = native.from_hf_model(hf)
+    start = _logits(base)
+    model = native.from_hf_model(hf)
+    assert apply_lora(model, 4, 8.0, ["q_proj", "v_proj", "down_proj"]) == 3 * hf.config.num_hidden_layers
+    assert_close(_logits(model), start, atol=1e-6, rtol=0)  # B = 0: the base at first
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    _randomise_adapters(model)
+    tuned = _logits(model)
+    assert not torch.allclose(tuned, start, atol=1e-3)
+    with adapters_disabled(model):
+        assert_close(_logits(model), start, atol=1e-6, rtol=0)
+    assert_close(_logits(merged_model(model)), tuned, atol=1e-5, rtol=0)
+
+    save_adapter(model, tmp_path / "adapter")
+    peft = PeftModel.from_pretrained(tiny_model("qwen2", seed=3), tmp_path / "adapter").eval()
+    assert_close(_logits(peft), tuned, atol=1e-5, rtol=0)  # PEFT reads our adapter as we do
+    peft.save_pretrained(tmp_path / "from-peft")
+    again = native.from_hf_model(tiny_model("qwen2", seed=3))
+    apply_lora(again, 4, 8.0, ["q_proj", "v_proj", "down_proj"])
+    load_adapter(again, tmp_path / "from-peft")  # and we read PEFT's
+    assert_close(_logits(again), tuned, atol=1e-5, rtol=0)
+    other = native.from_hf_model(tiny_model("qwen2", seed=3))
+    apply_lora(other, 4, 8.0, ["q_proj"])
+    with pytest.raises(UserError, match="adapts layers this model does not"):
+        load_adapter(other, tmp_path / "adapter")
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_only_adapters_with_engine_parity_and_exports(setup, tmp_path):
+    run = tmp_path / "lora"
+    trainer = RLTrainer(
+        config(setup, run, "model.lora_rank=4", "model.lora_alpha=8", "actor.use_kl_loss=true",
+               "actor.kl_loss_coef=0.1", "actor.sequences_per_update=16", "trainer.total_training_steps=4")
+    )  # fmt: skip
+    trainer.fit()
+    worker = trainer.workers.worker
+    assert worker.ref.model is worker.actor.model  # the reference is the base with adapters off: no copy
+    metrics = [m for m in read_metrics(run) if "actor/pg_loss" in m]
+    assert len(metrics) == 4
+    # the rollout engine (merged weights, refreshed every step) and the trainer agree after updates
+    assert max(m["training/rollout_probs_diff_max"] for m in metrics) < 1e-4
+    assert metrics[-1]["actor/kl_loss"] > 1e-6
+
+    start = native.from_hf_model(AutoModelForCausalLM.from_pretrained(setup / "model"))
+    trained = worker.actor.model
+    batch = TrainingBatch([[5, 9, 17], [44, 2]], [[3, 8, 1], [7]], pad_ragged([[1.0] * 3, [1.0]]))
+    base_ref = Reference(start, max_tokens_per_microbatch=64, compute_dtype="float32", pad_token_id=0)
+    assert_close(
+        worker.ref.log_probs(batch), base_ref.log_probs(batch), atol=1e-6, rtol=0
+    )  # adapters off = base
+    assert not torch.allclose(worker.actor.log_probs(batch)[0], base_ref.log_probs(batch), atol=1e-4)
+    base_now = {n.replace(".base.", "."): p for n, p in trained.state_dict().items() if ".lora_" not in n}
+    assert all(torch.equal(base_now[n], p) for n, p in start.state_dict().items())  # only adapters moved
+    assert any(m.lora_B.abs().max() > 0 for m in lora_modules(trained).values())
+
+    checkpoint = run / "checkpoints" / "global_step_4"
+    assert (checkpoint / "policy_adapter" / "adapter_config.json").is_file()
+    merged = export_checkpoint(run, tmp_path / "merged")  # checks its reload against the checkpoint
+    assert merged.max_logit_diff <= 1e-5
+    assert_close(
+        _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged")),
+        _logits(trained),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert main(["export", str(run), "--out", str(tmp_path / "cli"), "--adapter-only"]) == 0
+    assert (tmp_path / "cli" / "adapter_model.safetensors").is_file()
+    adapter = export_adapter(run, tmp_path / "adapter")
+    assert adapter.parameters == sum(p.numel() for n, p in trained.named_parameters() if ".lora_" in n)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(setup / "model"), tmp_path / "adapter"
+    )
+    assert_close(_logits(peft.eval()), _logits(trained), atol=1e-5, rtol=0)
+
+    # continue training from a PEFT adapter directory: the policy starts where the run ended
+    resumed = config(setup, tmp_path / "again", f"model.lora_adapter_path={tmp_path / 'adapter'}")
+    policy = lora_policy(resumed, native.from_hf_model(AutoModelForCausalLM.from_pretrained(setup / "model")))
+    assert_close(_logits(policy), _logits(trained), atol=1e-5, rtol=0)
+    with pytest.raises(UserError, match="no LoRA adapters"):
+        export_adapter(setup_run_without_lora(setup, tmp_path), tmp_path / "none")
+
+
+def setup_run_without_lora(setup, tmp_path):
+    run = tmp_path / "plain"
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()
+    return run
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.impl=hf", "LoRA trains our native model"),
+        ("actor.offload_params=true", "runs in one worker"),
+    ],
+)
+def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path, override, message):
+    with pytest.raises(UserError, match=message):
+        RLTrainer(config(setup, tmp_path, "model.lora_rank=4", override))
