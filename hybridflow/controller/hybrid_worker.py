@@ -25,7 +25,14 @@ from hybridflow.controller.role_models import (
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
-from hybridflow.models.lora import lora_modules, merged_state_dict, merged_updates, save_adapter
+from hybridflow.models.lora import (
+    has_adapters,
+    is_peft,
+    lora_modules,
+    merged_state_dict,
+    merged_updates,
+    save_adapter,
+)
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
@@ -74,7 +81,7 @@ class HybridWorker:
         pad = self.tokenizer.pad_token_id
         critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
         model = lora_policy(c, model)
-        self.lora = bool(lora_modules(model))
+        self.lora = has_adapters(model)
         if self.lora and (sharded or c.resources.rollout_workers):
             raise UserError(
                 "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
@@ -323,6 +330,9 @@ class HybridWorker:
         if lora_modules(model):  # one worker: the merged policy, and the adapter in PEFT's format beside it
             save_adapter(model, directory.parent / "policy_adapter", base_model=self.config.model.path)
             model = native.to_hf_model(merged_state_dict(model), self.hf_config)
+        elif is_peft(model):  # a transformers model under PEFT: the same two, by PEFT
+            model.save_pretrained(directory.parent / "policy_adapter")
+            model = copy.deepcopy(model).merge_and_unload()
         elif isinstance(model, native.NativeModule):
             state = get_model_state_dict(
                 model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -41,10 +41,7 @@ def lora_policy(config: Config, policy):
     if not (m.lora_rank or m.lora_adapter_path):
         return policy
     if not isinstance(policy, native.NativeModule):
-        raise UserError(
-            "model.lora_rank: LoRA trains our native model (Llama/Mistral/Qwen2/Qwen3 families, model.impl "
-            "native or auto); this model runs on transformers"
-        )
+        return peft_policy(config, policy)
     rank, alpha, targets = m.lora_rank, m.lora_alpha, m.lora_target_modules
     if m.lora_adapter_path:
         adapter = read_adapter_config(m.lora_adapter_path)
@@ -53,6 +50,30 @@ def lora_policy(config: Config, policy):
     if m.lora_adapter_path:
         load_adapter(policy, m.lora_adapter_path)
     return policy
+
+
+def peft_policy(config: Config, hf_model):
+    """LoRA on a transformers model (a family without our native code) through PEFT."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError as e:
+        raise UserError(
+            f"model.lora_rank on a transformers model (no native implementation) uses PEFT: pip install peft ({e})"
+        ) from e
+    m = config.model
+    if config.rollout.backend == "vllm":
+        raise UserError(
+            "model.lora_rank on a transformers model: use rollout.backend=hf (it shares the adapters)"
+        )
+    try:
+        if m.lora_adapter_path:
+            read_adapter_config(m.lora_adapter_path)
+            return PeftModel.from_pretrained(hf_model, m.lora_adapter_path, is_trainable=True)
+        lora = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=list(m.lora_target_modules),
+                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+        return get_peft_model(hf_model, lora)
+    except ValueError as e:  # PEFT names a target module the model lacks
+        raise UserError(f"model.lora_target_modules={list(m.lora_target_modules)}: {e}") from e
 
 
 def value_model(config: Config, policy, device: torch.device):

@@ -5,6 +5,7 @@ after transformers has loaded the written directory and its logits equal the che
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,14 @@ from hybridflow.models.export import save_hf
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.lora import (
     apply_lora,
+    is_peft,
     load_adapter,
     merged_state_dict,
     read_adapter_config,
     save_adapter,
     sequence_logits,
 )
-from hybridflow.parallel.checkpoint import load_model_weights
+from hybridflow.parallel.checkpoint import load_model_weights, saved_weight_names
 
 ADAPTER = "policy_adapter"  # a LoRA run's adapters in PEFT's format, beside the merged policy/
 PROBE = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
@@ -70,6 +72,8 @@ def load_trained_policy(checkpoint: Path):
     model, tokenizer = load_causal_lm(str(policy), dtype=_saved_dtype(policy))
     if (checkpoint / ADAPTER / "adapter_config.json").is_file():
         lora = _trained_lora(model, checkpoint)
+        if is_peft(lora):
+            return copy.deepcopy(lora).merge_and_unload().eval(), tokenizer
         return native.to_hf_model(merged_state_dict(lora), model.config).eval(), tokenizer
     own = model.state_dict()
     weights = load_model_weights(state_dir, own)
@@ -81,10 +85,19 @@ def load_trained_policy(checkpoint: Path):
 
 
 def _trained_lora(hf_model, checkpoint: Path):
-    """Our model with the checkpoint's adapters (LoRA runs): base and adapters from actor_state."""
+    """The trained model of a LoRA run, base and adapters from actor_state: ours, or PEFT's for a
+    family without our native code."""
     adapter = read_adapter_config(checkpoint / ADAPTER)
-    model = native.from_hf_model(hf_model)
-    apply_lora(model, adapter["r"], adapter["lora_alpha"], adapter["target_modules"])
+    trained_by_peft = any(
+        n.startswith("base_model.model.") for n in saved_weight_names(checkpoint / "actor_state")
+    )
+    if not trained_by_peft:
+        model = native.from_hf_model(hf_model)
+        apply_lora(model, adapter["r"], adapter["lora_alpha"], adapter["target_modules"])
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(hf_model, LoraConfig(r=adapter["r"], lora_alpha=adapter["lora_alpha"], target_modules=adapter["target_modules"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))  # fmt: skip
     own = model.state_dict()
     weights = load_model_weights(checkpoint / "actor_state", own)
     missing = [n for n in own if n not in weights and not _tied(model, n)]
@@ -119,15 +132,25 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} is not empty; pass --overwrite to replace its files")
     config = read_adapter_config(source / ADAPTER)
-    save_adapter(trained, out, base_model=config.get("base_model_name_or_path"))
-    tokenizer.save_pretrained(out)
-    fresh = native.from_hf_model(hf_model)  # base weights come from actor_state: adapters off = base
-    apply_lora(fresh, config["r"], config["lora_alpha"], config["target_modules"])
-    fresh.load_state_dict({k: v for k, v in trained.state_dict().items() if ".lora_" not in k}, strict=False)
-    load_adapter(fresh, out)
     probe = _probe(tokenizer)
-    with torch.no_grad():
-        diff = (sequence_logits(fresh, probe[0]) - sequence_logits(trained, probe[0])).abs().max().item()
+    if is_peft(trained):
+        from peft import PeftModel
+
+        trained.save_pretrained(out)
+        fresh = PeftModel.from_pretrained(copy.deepcopy(trained).unload(), out).eval()  # the base + the files
+        with torch.no_grad():
+            diff = (fresh(probe).logits - trained(probe).logits).abs().max().item()
+    else:
+        save_adapter(trained, out, base_model=config.get("base_model_name_or_path"))
+        fresh = native.from_hf_model(hf_model)  # base weights come from actor_state: adapters off = base
+        apply_lora(fresh, config["r"], config["lora_alpha"], config["target_modules"])
+        fresh.load_state_dict(
+            {k: v for k, v in trained.state_dict().items() if ".lora_" not in k}, strict=False
+        )
+        load_adapter(fresh, out)
+        with torch.no_grad():
+            diff = (sequence_logits(fresh, probe[0]) - sequence_logits(trained, probe[0])).abs().max().item()
+    tokenizer.save_pretrained(out)
     if diff > 1e-5:
         raise UserError(f"adapter check failed: {out} applied to the base gives logits {diff:.2e} away")
     count = sum(p.numel() for n, p in trained.named_parameters() if ".lora_" in n)

@@ -58,6 +58,14 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return is_peft(model) or bool(lora_modules(model))
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> int:
     """Freeze `model` and wrap the decoder blocks' linear layers named in `targets` (in place);
     returns how many were wrapped."""
@@ -79,7 +87,11 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | t
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """The base model: every adapter off inside the block (the reference policy)."""
+    """The base model: every adapter off inside the block (the reference policy); ours or PEFT's."""
+    if is_peft(model):
+        with model.disable_adapter():
+            yield model
+        return
     modules = list(lora_modules(model).values())
     for m in modules:
         m.enabled = False

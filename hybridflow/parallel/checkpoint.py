@@ -42,6 +42,12 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+def saved_weight_names(path: str | Path) -> set[str]:
+    """The model weight names a `save_sharded` checkpoint holds."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {name.removeprefix("model.") for name in saved if name.startswith("model.")}
+
+
 def load_model_weights(path: str | Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model weights `save_sharded` wrote to `path` (from any number of ranks), read in this
     process into tensors shaped like `like`'s; names the checkpoint does not hold are left out."""

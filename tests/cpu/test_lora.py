@@ -135,13 +135,31 @@ def setup_run_without_lora(setup, tmp_path):
     return run
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("model.impl=hf", "LoRA trains our native model"),
-        ("actor.offload_params=true", "runs in one worker"),
-    ],
-)
-def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path, override, message):
-    with pytest.raises(UserError, match=message):
-        RLTrainer(config(setup, tmp_path, "model.lora_rank=4", override))
+def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path):
+    with pytest.raises(UserError, match="runs in one worker"):
+        RLTrainer(config(setup, tmp_path, "model.lora_rank=4", "actor.offload_params=true"))
+
+
+@pytest.mark.slow
+def test_lora_on_the_transformers_path_goes_through_peft(setup, tmp_path):
+    run = tmp_path / "peft"
+    trainer = RLTrainer(
+        config(setup, run, "model.impl=hf", "model.lora_rank=4", "model.lora_target_modules=[q_proj,v_proj]",
+               "actor.use_kl_loss=true", "actor.sequences_per_update=16", "trainer.total_training_steps=2")
+    )  # fmt: skip
+    trainer.fit()
+    worker = trainer.workers.worker
+    trained = worker.actor.model.eval()
+    assert worker.ref.model is trained  # the base with PEFT's adapters disabled: no copy
+    metrics = [m for m in read_metrics(run) if "actor/pg_loss" in m]
+    assert max(m["training/rollout_probs_diff_max"] for m in metrics) < 1e-4  # generate runs the same module
+    trainable = [n for n, p in trained.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert export_checkpoint(run, tmp_path / "merged").max_logit_diff <= 1e-5
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert_close(_logits(merged), _logits(trained), atol=1e-5, rtol=0)
+    assert export_adapter(run, tmp_path / "adapter").max_logit_diff <= 1e-5
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(setup / "model"), tmp_path / "adapter"
+    )
+    assert_close(_logits(peft.eval()), _logits(trained), atol=1e-5, rtol=0)  # on the untouched base
