@@ -9,12 +9,17 @@ Layout of RUN_DIR/checkpoints/global_step_N/:
   optim.pt           LR scheduler states (loaded with weights_only=True)
   trainer_state.json step, data position, KL controller, RNG states, counters
   config.yaml        the resolved config
+  manifest.json      every file's size and sha256, checked before a checkpoint is resumed from: a
+                     damaged one is skipped (with a warning naming the file) for the one before it
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -28,6 +33,8 @@ import torch
 from hybridflow.errors import UserError
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -48,8 +55,60 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; a damaged one is skipped with a
+    warning (and kept on disk). None when there is none; an error when every one is damaged."""
     found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    problems = []
+    for _, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        problems.append(f"{path.name}: {problem}")
+        log.warning("checkpoint %s is damaged (%s); skipping it", path, problem)
+    if problems:
+        raise UserError(
+            f"every checkpoint in {checkpoint_root(run_dir)} is damaged ({problems[0]}); move them away to "
+            "start over"
+        )
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """manifest.json: {relative path: {bytes, sha256}} of every file under `directory`."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+    }
+    (directory / MANIFEST).write_text(json.dumps(entries, indent=0), encoding="utf-8")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest, or None (also for a checkpoint
+    written before manifests existed)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -91,8 +150,9 @@ def save_checkpoint(
         write_models(tmp)
         torch.save(optim_state, tmp / "optim.pt")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        # the state file is written last: its presence marks a complete checkpoint
+        # the state file marks a complete checkpoint; the manifest covers every file
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state), encoding="utf-8")
+        write_manifest(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -107,5 +167,11 @@ def save_checkpoint(
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trainer_state, optim_state); tensors only, no pickled code (weights_only=True)."""
     trainer_state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    optim_state = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    try:
+        optim_state = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain data
+        raise UserError(
+            f"{path / 'optim.pt'} holds more than tensors and plain data (pickled code?); refused, not run: "
+            f"{str(e).splitlines()[0]}"
+        ) from e
     return trainer_state, optim_state

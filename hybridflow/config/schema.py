@@ -80,6 +80,10 @@ class DataConfig:
     """Prompts drawn per RL step; each is sampled `rollout.samples_per_prompt` times."""
     overlong_prompts: str = "filter"
     """'filter' drops prompts longer than max_prompt_tokens (and logs the count); 'error' raises."""
+    on_bad_row: str = "error"
+    """A malformed row (missing prompt, wrong type, empty prompt, no ground truth where the reward needs
+    one, a jsonl line that is not UTF-8 JSON): 'error' stops at the first, naming it; 'skip' drops
+    every such row and logs a report (file, row or line, reason) with the count."""
     apply_chat_template: bool = True
     system_prompt: str | None = None
     shuffle: bool = True
@@ -91,6 +95,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_choice("data", "overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        _check_choice("data", "on_bad_row", self.on_bad_row, ("error", "skip"))
         for name in ("max_prompt_tokens", "max_response_tokens", "prompts_per_step"):
             _check_positive("data", name, getattr(self, name))
 

@@ -84,9 +84,16 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
-        self.train_prompts = load_prompts(c.data.train_files, self.tokenizer, c.data, cache_root=cache)
+        # the built-in scorers compare with a ground truth: a row without one is malformed
+        builtin = reward_function is None and c.reward.custom_function_path is None
+        truth = builtin and (c.reward.model_path is None or c.reward.rule_weight != 0)
+        self.train_prompts = load_prompts(
+            c.data.train_files, self.tokenizer, c.data, cache_root=cache, require_ground_truth=truth
+        )
         self.val_prompts = (
-            load_prompts(c.data.val_files, self.tokenizer, c.data, cache_root=cache)[: c.data.max_val_prompts]
+            load_prompts(
+                c.data.val_files, self.tokenizer, c.data, cache_root=cache, require_ground_truth=truth
+            )[: c.data.max_val_prompts]
             if c.data.val_files
             else []
         )

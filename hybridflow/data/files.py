@@ -9,8 +9,9 @@ from typing import Any
 from hybridflow.errors import UserError
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of one dataset file as dicts. Raises UserError naming the file (and line) at fault."""
+def read_rows(path: str | Path, *, bad_lines: list[str] | None = None) -> list[dict[str, Any]]:
+    """All rows of one dataset file as dicts. Raises UserError naming the file (and line) at fault;
+    with `bad_lines`, a jsonl line that is not a UTF-8 JSON object is recorded there and skipped."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"data file not found: {p}")
@@ -20,7 +21,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if suffix == ".parquet":
         return _read_parquet(p)
     if suffix == ".jsonl":
-        return _read_jsonl(p)
+        return _read_jsonl(p, bad_lines)
     if suffix == ".json":
         return _read_json(p)
     raise UserError(
@@ -55,7 +56,7 @@ def _read_parquet(p: Path) -> list[dict]:
         raise UserError(f"cannot read parquet file {p}: {str(e).splitlines()[0]}") from e
 
 
-def _read_jsonl(p: Path) -> list[dict]:
+def _read_jsonl(p: Path, bad_lines: list[str] | None = None) -> list[dict]:
     rows = []
     with p.open("rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -63,11 +64,17 @@ def _read_jsonl(p: Path) -> list[dict]:
                 continue
             try:
                 row = json.loads(raw.decode("utf-8"))
+                problem = (
+                    None if isinstance(row, dict) else f"expected a JSON object, got {type(row).__name__}"
+                )
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UserError(f"{p}:{number}: not valid JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise UserError(f"{p}:{number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+                problem = f"not valid UTF-8 JSON ({e})"
+            if problem is None:
+                rows.append(row)
+            elif bad_lines is None:
+                raise UserError(f"{p}:{number}: {problem}")
+            else:
+                bad_lines.append(f"line {number}: {problem}")
     return rows
 
 

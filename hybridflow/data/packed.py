@@ -17,13 +17,12 @@ import numpy as np
 
 from hybridflow.batch import Prompt
 from hybridflow.config.schema import DataConfig
-from hybridflow.data.files import read_rows
 from hybridflow.errors import UserError
 
 FORMAT = 1  # bump when the layout or the rendering changes
 # the data.* fields a cached prompt depends on
 PROMPT_FIELDS = ("prompt_key", "answer_key", "data_source", "max_prompt_tokens", "overlong_prompts",
-                 "apply_chat_template", "system_prompt")  # fmt: skip
+                 "on_bad_row", "apply_chat_template", "system_prompt")  # fmt: skip
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -47,8 +46,8 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((vocab + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
-def cache_key(path: Path, tokenizer, config: DataConfig) -> str:
-    settings = {f: getattr(config, f) for f in PROMPT_FIELDS}
+def cache_key(path: Path, tokenizer, config: DataConfig, require_ground_truth: bool = False) -> str:
+    settings = {f: getattr(config, f) for f in PROMPT_FIELDS} | {"require_ground_truth": require_ground_truth}
     parts = [FORMAT, _file_fingerprint(path), _tokenizer_fingerprint(tokenizer), settings]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
@@ -67,33 +66,50 @@ class PackedDataset:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         header = json.loads((directory / "header.json").read_text(encoding="utf-8"))
-        self.rows, self.overlong = header["rows"], header["overlong"]
+        self.rows, self.overlong, self.bad = header["rows"], header["overlong"], header.get("bad", [])
         self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")  # [total tokens] int32
         self.offsets = np.load(directory / "offsets.npy")  # [prompts + 1] int64
         with (directory / "prompts.jsonl").open(encoding="utf-8") as f:
             self.meta = [json.loads(line) for line in f]
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer, config: DataConfig, cache_root: Path) -> PackedDataset:
+    def load(
+        cls,
+        path: str | Path,
+        tokenizer,
+        config: DataConfig,
+        cache_root: Path,
+        *,
+        require_ground_truth: bool = False,
+    ) -> PackedDataset:
+        from hybridflow.data.prompts import warn_bad_rows, warn_overlong
+
         path = Path(path).expanduser()
         if not path.exists():
             raise UserError(f"data file not found: {path}")
-        directory = cache_root / "prompts" / f"{path.name}-{cache_key(path, tokenizer, config)}"
-        if not (directory / "header.json").is_file():  # written last: a folder without it is not used
-            cls._build(path, tokenizer, config, directory)  # rows_to_prompts logs what it filtered
-            return cls(directory)
-        from hybridflow.data.prompts import warn_overlong
-
+        key = cache_key(path, tokenizer, config, require_ground_truth)
+        directory = cache_root / "prompts" / f"{path.name}-{key}"
+        built = not (directory / "header.json").is_file()  # written last: a folder without it is not used
+        if built:
+            cls._build(
+                path, tokenizer, config, directory, require_ground_truth
+            )  # rows_to_prompts logs overlong ones
         packed = cls(directory)
-        warn_overlong(path, packed.overlong, packed.rows, config.max_prompt_tokens)
+        if not built:
+            warn_overlong(path, packed.overlong, packed.rows, config.max_prompt_tokens)
+        warn_bad_rows(path, packed.bad, packed.rows + sum(b.startswith("line ") for b in packed.bad))
         return packed
 
     @staticmethod
-    def _build(path: Path, tokenizer, config: DataConfig, directory: Path) -> None:
-        from hybridflow.data.prompts import rows_to_prompts
+    def _build(
+        path: Path, tokenizer, config: DataConfig, directory: Path, require_ground_truth: bool
+    ) -> None:
+        from hybridflow.data.prompts import read_file_rows, rows_to_prompts
 
-        rows = read_rows(path)
-        prompts = rows_to_prompts(rows, tokenizer, config, source=str(path))
+        rows, bad = read_file_rows(path, config)
+        prompts = rows_to_prompts(
+            rows, tokenizer, config, source=str(path), require_ground_truth=require_ground_truth, bad_rows=bad
+        )
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         lengths = [len(p.token_ids) for p in prompts]
@@ -106,7 +122,8 @@ class PackedDataset:
                 meta = {"index": p.index, "data_source": p.data_source, "ground_truth": p.ground_truth,
                         "extra_info": p.extra_info, "text": p.text, "messages": p.messages}  # fmt: skip
                 f.write(json.dumps(meta, ensure_ascii=False, default=_plain) + "\n")
-        header = {"rows": len(rows), "overlong": len(rows) - len(prompts)}  # only overlong rows are dropped
+        dropped = len(rows) - len(prompts) - sum(b.startswith("row ") for b in bad)
+        header = {"rows": len(rows), "overlong": dropped, "bad": bad}
         (tmp / "header.json").write_text(json.dumps(header), encoding="utf-8")
         if (directory / "header.json").is_file():  # another process built it meanwhile: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)

@@ -37,6 +37,26 @@ def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str
     )
 
 
+def _checked_content(row: dict, config: DataConfig, where: str, require_ground_truth: bool):
+    """The row's prompt, checked; a UserError naming the row and the reason otherwise."""
+    if config.prompt_key not in row:
+        keys = ", ".join(sorted(row)) or "none"
+        raise UserError(f"{where} has no '{config.prompt_key}' key (keys: {keys}); set data.prompt_key")
+    content = check_prompt(row[config.prompt_key], where, config.prompt_key)
+    if require_ground_truth and _ground_truth(row, config.answer_key) is None:
+        raise UserError(
+            f"{where}: no ground truth (reward_model.ground_truth, or the column data.answer_key names); the "
+            "built-in scorers need one"
+        )
+    return content
+
+
+def warn_bad_rows(source, bad: list[str], rows: int) -> None:
+    if bad:
+        shown = "; ".join(bad[:20]) + (f"; ... and {len(bad) - 20} more" if len(bad) > 20 else "")
+        log.warning("%s: skipped %d bad rows of %d (data.on_bad_row=skip): %s", source, len(bad), rows, shown)
+
+
 def _ground_truth(row: dict, answer_key: str | None) -> Any:
     reward_model = row.get("reward_model")
     if isinstance(reward_model, dict) and "ground_truth" in reward_model:
@@ -63,16 +83,28 @@ def render_prompt(
 
 
 def rows_to_prompts(
-    rows: Sequence[dict], tokenizer, config: DataConfig, *, source: str = "dataset", index_offset: int = 0
+    rows: Sequence[dict],
+    tokenizer,
+    config: DataConfig,
+    *,
+    source: str = "dataset",
+    index_offset: int = 0,
+    require_ground_truth: bool = False,
+    bad_rows: list[str] | None = None,
 ) -> list[Prompt]:
-    """Validate, render and tokenize rows; overlong prompts are filtered (logged) or rejected."""
-    prompts, overlong = [], 0
+    """Validate, render and tokenize rows; overlong prompts are filtered (logged) or rejected. A
+    malformed row stops with its number and reason, or with data.on_bad_row=skip is recorded in
+    `bad_rows` (and logged) and dropped. `require_ground_truth`: a row without one is malformed."""
+    prompts, overlong, bad = [], 0, [] if bad_rows is None else bad_rows
     for i, row in enumerate(rows):
         where = f"{source}: row {i}"
-        if config.prompt_key not in row:
-            keys = ", ".join(sorted(row)) or "none"
-            raise UserError(f"{where} has no '{config.prompt_key}' key (keys: {keys}); set data.prompt_key")
-        content = check_prompt(row[config.prompt_key], where, config.prompt_key)
+        try:
+            content = _checked_content(row, config, where, require_ground_truth)
+        except UserError as e:
+            if config.on_bad_row == "error":
+                raise
+            bad.append(f"row {i}: {str(e).removeprefix(where).lstrip(': ')}")  # the reason alone
+            continue
         text = render_prompt(
             content, tokenizer, chat=config.apply_chat_template, system_prompt=config.system_prompt
         )
@@ -97,8 +129,13 @@ def rows_to_prompts(
             )
         )
     warn_overlong(source, overlong, len(rows), config.max_prompt_tokens)
+    if bad_rows is None:
+        warn_bad_rows(source, bad, len(rows))
     if not prompts:
-        raise UserError(f"{source}: no prompts left ({len(rows)} rows, {overlong} over max_prompt_tokens)")
+        skipped = f", {len(bad)} bad" if bad else ""
+        raise UserError(
+            f"{source}: no prompts left ({len(rows)} rows, {overlong} over max_prompt_tokens{skipped})"
+        )
     return prompts
 
 
@@ -109,10 +146,16 @@ def warn_overlong(source, overlong: int, rows: int, max_prompt_tokens: int) -> N
 
 
 def load_prompts(
-    files: Sequence[str], tokenizer, config: DataConfig, *, cache_root: Path | None = None
+    files: Sequence[str],
+    tokenizer,
+    config: DataConfig,
+    *,
+    cache_root: Path | None = None,
+    require_ground_truth: bool = False,
 ) -> list[Prompt]:
     """Prompts from several files, in file order; Prompt.index counts rows across all files. With
-    `cache_root`, each file is tokenized once and read from CACHE/prompts after (data/packed.py)."""
+    `cache_root`, each file is tokenized once and read from CACHE/prompts after (data/packed.py).
+    Malformed rows stop the load or, with data.on_bad_row=skip, are reported and dropped."""
     if not files:
         raise UserError("no data files given (set data.train_files)")
     prompts: list[Prompt] = []
@@ -121,11 +164,21 @@ def load_prompts(
         if cache_root is not None:
             from hybridflow.data.packed import PackedDataset
 
-            packed = PackedDataset.load(f, tokenizer, config, cache_root)
+            packed = PackedDataset.load(
+                f, tokenizer, config, cache_root, require_ground_truth=require_ground_truth
+            )
             prompts += packed.prompts(index_offset=offset)
             offset += packed.rows
             continue
-        rows = read_rows(f)
-        prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset)
+        rows, bad = read_file_rows(f, config)
+        prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset,
+                                   require_ground_truth=require_ground_truth, bad_rows=bad)  # fmt: skip
+        warn_bad_rows(f, bad, len(rows) + sum(b.startswith("line ") for b in bad))
         offset += len(rows)
     return prompts
+
+
+def read_file_rows(path, config: DataConfig) -> tuple[list[dict], list[str]]:
+    """A file's rows, and (with data.on_bad_row=skip) the lines that could not be read as rows."""
+    bad: list[str] = []
+    return read_rows(path, bad_lines=bad if config.on_bad_row == "skip" else None), bad

@@ -95,7 +95,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(UserError, match="cannot read parquet file .*broken.parquet"):
         read_rows(tmp_path / "broken.parquet")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
-    with pytest.raises(UserError, match=r"bad.jsonl:2: not valid JSON"):
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not valid UTF-8 JSON"):
         read_rows(tmp_path / "bad.jsonl")
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(UserError, match="unknown format '.csv'"):

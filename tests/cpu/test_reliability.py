@@ -1,0 +1,107 @@
+"""Checkpoints that cannot surprise: a manifest of sizes and sha256 is checked before resuming (a
+damaged checkpoint is skipped for the one before it, never silently used), and a planted pickle in
+a checkpoint is refused without running it. Malformed data rows are reported and skipped, or stop
+the run at the first."""
+
+import json
+import logging
+import os
+import pickle
+
+import pytest
+
+from hybridflow.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
+from hybridflow.config import DataConfig
+from hybridflow.data import load_prompts
+from hybridflow.errors import UserError
+from hybridflow.models import byte_tokenizer
+
+
+def _save(run_dir, step):
+    def write_models(directory):
+        (directory / "actor_state").mkdir()
+        (directory / "actor_state" / "weights.bin").write_bytes(bytes(range(256)) * 64)
+
+    return save_checkpoint(run_dir, step, write_models=write_models, optim_state={"lr": 1.0},
+                           trainer_state={"step": step}, config_yaml="a: 1\n", keep_last=3)  # fmt: skip
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before_it(tmp_path, caplog):
+    first, second = _save(tmp_path, 1), _save(tmp_path, 2)
+    assert latest_checkpoint(tmp_path) == second
+    weights = second / "actor_state" / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 1  # one flipped bit, same size
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == first
+    assert (
+        "global_step_2" in caplog.text and "actor_state/weights.bin does not match its sha256" in caplog.text
+    )
+    assert weights.exists()  # kept for the user to look at
+    (first / "optim.pt").write_bytes(b"short")
+    with pytest.raises(UserError, match="every checkpoint .* is damaged .*weights.bin"):
+        latest_checkpoint(tmp_path)
+
+
+def test_a_missing_or_truncated_file_is_named(tmp_path, caplog):
+    _save(tmp_path, 1)
+    second = _save(tmp_path, 2)
+    os.remove(second / "config.yaml")
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path).name == "global_step_1"
+    assert "config.yaml is missing" in caplog.text
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_planted_pickle_is_refused_not_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    checkpoint = _save(tmp_path, 1)
+    (checkpoint / "optim.pt").write_bytes(pickle.dumps({"lr": _Payload()}))
+    with pytest.raises(UserError, match="optim.pt holds more than tensors"):
+        load_checkpoint_state(checkpoint)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def _bad_file(tmp_path):
+    good = {"prompt": "ok", "reward_model": {"ground_truth": "1"}}
+    lines = [
+        json.dumps(good).encode(),
+        json.dumps({"question": "x"}).encode(),  # row 1: no prompt column
+        json.dumps({"prompt": 7, "reward_model": {"ground_truth": "1"}}).encode(),  # row 2: wrong type
+        json.dumps({"prompt": "  ", "reward_model": {"ground_truth": "1"}}).encode(),  # row 3: empty
+        b'{"prompt": "caf\xe9"}',  # line 5: not UTF-8
+        json.dumps({"prompt": "no answer"}).encode(),  # row 4: no ground truth
+        json.dumps(
+            {"prompt": "x" * 500, "reward_model": {"ground_truth": "1"}}
+        ).encode(),  # overlong: filtered
+        json.dumps(good).encode(),
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_bad_rows_are_reported_and_skipped_or_stop_at_the_first(tmp_path, caplog, cached):
+    path = _bad_file(tmp_path)
+    tok = byte_tokenizer()
+    cache = tmp_path / "cache" if cached else None
+    with pytest.raises(UserError, match=r"bad.jsonl:5: not valid UTF-8 JSON"):
+        load_prompts([str(path)], tok, DataConfig(max_prompt_tokens=100), cache_root=cache)
+    skip = DataConfig(max_prompt_tokens=100, on_bad_row="skip", apply_chat_template=False)
+    for _ in range(2 if cached else 1):  # the second load reads the cache and reports again
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            prompts = load_prompts([str(path)], tok, skip, cache_root=cache, require_ground_truth=True)
+        assert [p.text for p in prompts] == ["ok", "ok"]
+        report = caplog.text
+        assert "skipped 5 bad rows of 8" in report
+        for reason in ("line 5: not valid UTF-8 JSON", "row 1: has no 'prompt' key", "row 2: 'prompt' must be",
+                       "row 3: 'prompt' is an empty string", "row 4: no ground truth"):  # fmt: skip
+            assert reason in report, (reason, report)
+        assert "filtered 1 of 7 prompts longer than data.max_prompt_tokens=100" in report
