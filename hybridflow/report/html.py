@@ -41,15 +41,34 @@ def _summary(run: Run) -> str:
     return f'<p class="summary"><b>{html.escape(run.name)}</b>: {spans}</p>'
 
 
+def shown(text: str) -> str:
+    """Model-written text made safe to show: cut to TEXT_CHARS, control and bidi characters and lone
+    surrogates written as visible escapes (a response cannot restyle the page or reorder its text)."""
+    cut = text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + f" … ({len(text):,} characters)"
+    visible = "".join(f"\\u{ord(ch):04x}" if _hidden(ch) else ch for ch in cut)
+    return html.escape(visible)
+
+
+def _hidden(ch: str) -> bool:
+    code = ord(ch)
+    return (
+        (code < 32 and ch not in "\n\t")
+        or 0x7F <= code < 0xA0
+        or 0x202A <= code <= 0x202E
+        or 0x2066 <= code <= 0x2069
+        or 0xD800 <= code <= 0xDFFF
+        or code in (0x200E, 0x200F, 0xFEFF)
+    )
+
+
 def _samples(run: Run) -> str:
     rows = run.samples[-SAMPLE_ROWS:]
     if not rows:
         return "<p>no samples logged (trainer.log_samples_freq=0?)</p>"
-    cut = lambda text: html.escape(text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + " …")  # noqa: E731
     body = "".join(
         f"<tr><td>{r['step']}</td><td>{html.escape(str(r['data_source']))}</td><td>{r['score']:.3g}</td>"
         f"<td>{r['advantage']:.3g}</td><td>{r['response_length']}</td><td>{r['finish_reason']}</td>"
-        f'<td class="text">{cut(r["prompt"])}</td><td class="text">{cut(r["response"])}</td></tr>'
+        f'<td class="text">{shown(r["prompt"])}</td><td class="text">{shown(r["response"])}</td></tr>'
         for r in rows
     )
     head = "".join(

@@ -105,3 +105,45 @@ def test_bad_rows_are_reported_and_skipped_or_stop_at_the_first(tmp_path, caplog
                        "row 3: 'prompt' is an empty string", "row 4: no ground truth"):  # fmt: skip
             assert reason in report, (reason, report)
         assert "filtered 1 of 7 prompts longer than data.max_prompt_tokens=100" in report
+
+
+HOSTILE = [
+    "x" * 1_000_000 + " #### 2",  # a megabyte of text
+    "\u202e#### 2\u202c\u200b\ufeff",  # bidi override, zero-width space, BOM
+    "\x00\x07\x1b[31m#### 2\x1b[0m",  # NUL, bell, terminal escapes
+    "🤖" * 1000 + "\\boxed{2}",
+    "\ud800 lone surrogate #### 2",
+    "e\u0301" * 5000,  # combining accents
+]
+
+
+@pytest.mark.slow
+def test_hostile_responses_do_not_break_scoring_logging_or_the_report(tmp_path):
+    import time
+
+    from hybridflow.config.schema import RewardConfig
+    from hybridflow.report import write_report
+    from hybridflow.rewards.executor import RewardExecutor
+    from hybridflow.rewards.loading import builtin_function
+    from hybridflow.tracking.samples import append_samples
+
+    executor = RewardExecutor(builtin_function, num_workers=1, timeout_s=5.0,
+                              options={"guards": True, "max_response_chars": RewardConfig().max_response_chars})  # fmt: skip
+    items = [(source, text, "2", {}) for source in ("openai/gsm8k", "math", "arithmetic") for text in HOSTILE]
+    start = time.perf_counter()
+    outcomes = executor.score(items)
+    executor.close()
+    assert len(outcomes) == len(items) and time.perf_counter() - start < 60
+    assert all(o.score in (0.0, 1.0) for o in outcomes)
+    assert outcomes[0].score == 0.0  # a megabyte-long answer earns nothing under the guards
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/score/mean": 0.5}) + "\n")
+    rows = [{"step": 1, "data_source": "math", "prompt": "p\u202e", "response": text, "score": 0.0, "advantage": 0.0,
+             "response_length": len(text), "finish_reason": "length"} for text in HOSTILE]  # fmt: skip
+    append_samples(run / "samples.jsonl", rows)
+    lines = (run / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["response"] for line in lines] == HOSTILE
+    page = write_report([run]).read_text(encoding="utf-8")
+    assert "lone surrogate" in page and "\x1b" not in page and "\u202e#### 2" not in page
