@@ -18,6 +18,7 @@ from hybridflow.checkpoint import (
     set_rng_state,
 )
 from hybridflow.config import Config, to_yaml
+from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.role_models import policy_model
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
@@ -100,10 +101,15 @@ class OfflineTrainer:
             self._log(self.validate(), 0)
         progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
         try:
-            while self.step < self.total_steps:
-                self.step += 1
-                metrics = self._step()
-                progress.update()
+            with (
+                GracefulStop() as stop
+            ):  # SIGTERM / Ctrl-C: finish the step, save, return (a second: at once)
+                while self.step < self.total_steps and not stop.requested:
+                    self.step += 1
+                    metrics = self._step()
+                    progress.update()
+                if stop.requested:
+                    self._stop_with_checkpoint(stop.requested)
         finally:
             progress.close()
             if "jsonl" in c.trainer.logger:
@@ -113,6 +119,14 @@ class OfflineTrainer:
         for sink in self.sinks:
             sink.close()
         return metrics
+
+    def _stop_with_checkpoint(self, signal_name: str) -> None:
+        saved = self.step == self.total_steps or (
+            self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0
+        )
+        path = latest_checkpoint(self.run_dir) if saved else self.save()
+        print(f"stopped by {signal_name} after step {self.step}; checkpoint {path}. To go on, run the same "
+              "command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
 
     def _step(self) -> dict[str, float]:
         c, last = self.config, self.step == self.total_steps

@@ -147,3 +147,30 @@ def test_hostile_responses_do_not_break_scoring_logging_or_the_report(tmp_path):
     assert [json.loads(line)["response"] for line in lines] == HOSTILE
     page = write_report([run]).read_text(encoding="utf-8")
     assert "lone surrogate" in page and "\x1b" not in page and "\u202e#### 2" not in page
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+@pytest.mark.slow
+def test_a_long_run_keeps_memory_and_open_files_flat(setup, tmp_path):
+    """300 steps of a tiny run: host memory and open files after step 300 stay where they were at
+    step 50 (within allocator noise), so a days-long run does not creep."""
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    trainer = RLTrainer(config(setup, tmp_path, "trainer.total_training_steps=300", "data.prompts_per_step=2",
+                               "rollout.samples_per_prompt=2", "data.max_response_tokens=4",
+                               "trainer.log_samples_freq=25", "trainer.progress=false"))  # fmt: skip
+    trainer.fit(50, close=False)
+    rss, fds = _rss_mb(), len(os.listdir("/proc/self/fd"))
+    trainer.fit(300, close=False)
+    grown, fds_after = _rss_mb() - rss, len(os.listdir("/proc/self/fd"))
+    trainer.close()
+    assert trainer.step == 300
+    assert grown < 40, f"RSS grew {grown:.1f} MB over 250 steps"
+    assert fds_after <= fds + 2, (fds, fds_after)

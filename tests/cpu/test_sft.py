@@ -106,3 +106,29 @@ def test_loss_falls_resume_is_exact_and_rl_starts_from_the_export(sft_setup, tmp
     )
     exported = {k: v for k, v in rl.workers.worker.actor.model.state_dict().items()}
     assert all(torch.equal(exported[k], wa[k]) for k in wa)
+
+
+def test_sigterm_finishes_the_step_saves_and_returns(sft_setup, tmp_path, capsys):
+    """The offline trainers stop as the RL trainer does: the step in flight ends, a checkpoint is
+    written, and the run goes on from it when started again."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    trainer = SFTTrainer(_sft_config(sft_setup, run, "trainer.total_training_steps=6"))
+    step = trainer.train_step
+
+    def step_then_signal(batch):  # pre-emption arrives during step 2
+        out = step(batch)
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.train_step = step_then_signal
+    trainer.fit()
+    assert "stopped by SIGTERM after step 2" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    assert (run / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    SFTTrainer(_sft_config(sft_setup, run, "trainer.total_training_steps=6")).fit()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
