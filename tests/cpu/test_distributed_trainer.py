@@ -39,6 +39,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def single(setup, tmp_path_factory):
+    """Two steps in one process: what every distributed layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    return run_dir, _train(setup, run_dir, 2)
+
+
 def _train(setup, run_dir, steps, *extra):
     RLTrainer(config(setup, run_dir, *ROLES, f"trainer.total_training_steps={steps}", *extra)).fit()
     return {m["step"]: m for m in read_metrics(run_dir)}
@@ -61,20 +68,20 @@ def _assert_same_weights(a, b):
 
 
 @pytest.mark.slow
-def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_path):
-    single = _train(setup, tmp_path / "single", 2)
+def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_path, single):
+    single_dir, single = single
     # two ranks take step 1; one worker resumes from their checkpoint and takes step 2
     two_then_one = _train(setup, tmp_path / "a", 1, *TWO)
     _assert_same_step(single[1], two_then_one[1])
     assert (tmp_path / "a/checkpoints/global_step_1/actor_state/.metadata").is_file()
     two_then_one |= _train(setup, tmp_path / "a", 2)
     _assert_same_step(single[2], two_then_one[2])
-    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "a", 2))
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "a", 2))
     # one worker takes step 1; two ranks resume from its checkpoint and take step 2
     _train(setup, tmp_path / "b", 1)
     one_then_two = _train(setup, tmp_path / "b", 2, *TWO)
     _assert_same_step(single[2], one_then_two[2])
-    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "b", 2))
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "b", 2))
     # the sharded critic is exported whole too
     critic = json.loads((tmp_path / "b/checkpoints/global_step_2/critic/config.json").read_text())
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
@@ -85,16 +92,16 @@ def test_two_workers_train_as_one_and_checkpoints_move_between_them(setup, tmp_p
     ulysses = _train(setup, tmp_path / "sp", 2, *TWO, "actor.sequence_parallel_size=2")
     for step in (1, 2):
         _assert_same_step(single[step], ulysses[step])
-    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "sp", 2))
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "sp", 2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainers", [1, 2])
-def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, trainers):
+def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, trainers, single):
     """Disaggregated: one worker trains (in process) or two (Ray, FSDP2), one Ray worker generates
     and receives the actor's weights by broadcast after each update — the same steps and weights
     as one colocated process."""
-    single = _train(setup, tmp_path / "single", 2)
+    single_dir, single = single
     workers = ["resources.device=cpu", f"resources.num_workers={trainers + 1}", "resources.rollout_workers=1"]
     if trainers == 1:  # stopped after step 1 and resumed: the loaded weights are broadcast too
         apart = _train(setup, tmp_path / "apart", 1, *workers)
@@ -103,4 +110,4 @@ def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, traine
         apart = _train(setup, tmp_path / "apart", 2, *workers)
     for step in (1, 2):
         _assert_same_step(single[step], apart[step])
-    _assert_same_weights(_policy(tmp_path / "single", 2), _policy(tmp_path / "apart", 2))
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "apart", 2))

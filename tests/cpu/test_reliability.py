@@ -174,3 +174,27 @@ def test_a_long_run_keeps_memory_and_open_files_flat(setup, tmp_path):
     assert trainer.step == 300
     assert grown < 40, f"RSS grew {grown:.1f} MB over 250 steps"
     assert fds_after <= fds + 2, (fds, fds_after)
+
+
+def test_planted_pickles_in_sharded_state_are_refused_not_run(tmp_path, monkeypatch):
+    """DCP unpickles its .metadata and loads non-tensor items with weights_only=False: a payload in
+    either is refused before it could run, and an honest checkpoint still round-trips."""
+    import torch
+
+    from hybridflow.parallel.checkpoint import load_model_weights, load_sharded, save_sharded
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save_sharded(model, optimizer, tmp_path / "state")
+    fresh = torch.nn.Linear(3, 2)
+    load_sharded(fresh, torch.optim.AdamW(fresh.parameters()), tmp_path / "state")
+    assert torch.equal(fresh.weight, model.weight)
+    (tmp_path / "state" / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(UserError, match=r"\.metadata: refused, not loaded"):
+        load_model_weights(tmp_path / "state", dict(model.state_dict()))
+    with pytest.raises(UserError, match=r"\.metadata: refused"):
+        load_sharded(fresh, torch.optim.AdamW(fresh.parameters()), tmp_path / "state")
+    assert not (tmp_path / "PWNED").exists()
