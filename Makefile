@@ -20,7 +20,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed chromium
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
-	$(PY) -m pytest tests/cpu
+	$(PY) -m pytest tests/cpu -m "not trials"
+	$(PY) -m pytest tests/cpu -m trials
 	$(MAKE) test-vllm
 
 # Debian's headless Chromium renders the run report in its test

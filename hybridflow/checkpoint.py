@@ -73,6 +73,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def latest_checkpoint_name(run_dir: Path) -> str | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1].name if found else None
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -136,8 +141,15 @@ def save_checkpoint(
     """Write global_step_{step} atomically; `write_models(directory)` writes the models (and their
     sharded states) into the checkpoint's directory. Older checkpoints beyond `keep_last` are deleted (only ones this run's layout names)."""
     root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create {root} for checkpoints: {e.strerror or e}; check trainer.run_dir"
+        ) from e
     target = root / f"global_step_{step}"
+    for stale in root.glob(".tmp-global_step_*"):  # what a killed save left (this run's own name pattern)
+        shutil.rmtree(stale, ignore_errors=True)
     free = shutil.disk_usage(root).free
     if free < needed_bytes:  # a disk that fills up half-way leaves an obscure writer error
         raise UserError(
@@ -156,6 +168,14 @@ def save_checkpoint(
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
+    except OSError as e:  # disk full, quota, read-only or unwritable folder, ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = latest_checkpoint_name(run_dir)
+        raise UserError(
+            f"checkpoint global_step_{step} could not be written in {root}: {e.strerror or e} "
+            f"({e.filename or 'while writing'}); nothing of it was kept"
+            + (f", and {earlier} is intact" if earlier else "")
+        ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -155,7 +155,7 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-@pytest.mark.slow
+@pytest.mark.trials
 def test_a_long_run_keeps_memory_and_open_files_flat(setup, tmp_path):
     """300 steps of a tiny run: host memory and open files after step 300 stay where they were at
     step 50 (within allocator noise), so a days-long run does not creep."""
@@ -198,3 +198,116 @@ def test_planted_pickles_in_sharded_state_are_refused_not_run(tmp_path, monkeypa
     with pytest.raises(UserError, match=r"\.metadata: refused"):
         load_sharded(fresh, torch.optim.AdamW(fresh.parameters()), tmp_path / "state")
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_save_that_fails_half_way_says_why_and_keeps_the_previous_checkpoint(tmp_path):
+    import errno
+
+    first = _save(tmp_path, 1)
+
+    def disk_fills(directory):
+        (directory / "actor_state").mkdir()
+        (directory / "actor_state" / "part").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "actor_state" / "part"))
+
+    with pytest.raises(
+        UserError,
+        match=r"global_step_2 could not be written .*No space left on device.*global_step_1 is intact",
+    ):
+        save_checkpoint(tmp_path, 2, write_models=disk_fills, optim_state={}, trainer_state={"step": 2},
+                        config_yaml="", keep_last=1)  # fmt: skip
+    assert latest_checkpoint(tmp_path) == first  # complete, verified, and the only one
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["global_step_1"]
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("a user's file")
+    with pytest.raises(UserError, match="cannot create .*file-not-dir/checkpoints"):
+        _save(blocked, 1)
+    assert blocked.read_text() == "a user's file"
+
+
+def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
+    notes = tmp_path / "checkpoints" / "my-notes"
+    notes.mkdir(parents=True)
+    (notes / "keep.txt").write_text("mine")
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step)  # keep_last=3
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["global_step_3", "global_step_4", "global_step_5", "my-notes"]
+    assert (notes / "keep.txt").read_text() == "mine"
+
+
+KILLED_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from rl_run import config
+from hybridflow.controller.trainer import RLTrainer
+
+if __name__ == "__main__":
+    RLTrainer(config(Path({setup!r}), Path({run!r}), "trainer.total_training_steps=5", "trainer.save_freq=1")).fit()
+"""
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean")
+
+
+def _start_run(setup, run, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_SCRIPT.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+
+
+def _wait(condition, process, timeout=240):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the moment to kill never came"
+        time.sleep(0.001)
+
+
+@pytest.mark.trials
+def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_path):
+    """SIGKILL (no handler can run) while a checkpoint is half-written, then again at a random moment
+    of a later step; each time the same command resumes from the latest complete checkpoint, and the
+    run ends with the uninterrupted run's metrics and weights (CPU, fixed seed)."""
+    import random
+    import signal
+    import time
+
+    import torch
+    from rl_run import config, read_metrics
+    from safetensors.torch import load_file
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    straight = tmp_path / "straight"
+    RLTrainer(config(setup, straight, "trainer.total_training_steps=5", "trainer.save_freq=1")).fit()
+    run = tmp_path / "killed"
+    metrics = run / "metrics.jsonl"
+    process = _start_run(setup, run, tmp_path)  # killed while its second checkpoint is being written
+    _wait(lambda: any((run / "checkpoints").glob(".tmp-global_step_2-*")), process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert latest_checkpoint(run).name == "global_step_1"  # the half-written one is never picked up
+    process = _start_run(setup, run, tmp_path)  # resumed, then killed somewhere in step 4
+    _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3, process)
+    time.sleep(random.Random(0).uniform(0.0, 0.3))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    out, err = _start_run(setup, run, tmp_path).communicate(timeout=240)
+    assert "Traceback" not in err, err
+    rows = read_metrics(run)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
+    expected = read_metrics(straight)[-1]
+    for key in COMPARED:
+        assert rows[-1][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+    final = "checkpoints/global_step_5/policy/model.safetensors"
+    a, b = load_file(straight / final), load_file(run / final)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # what the killed save left is gone
