@@ -49,7 +49,8 @@ def show(m: dict) -> None:
         for k, v in m.items()
         if k.startswith("perf/max_memory_allocated_gb/")
     }
-    print(json.dumps({"step": m["step"], "timing_s": phases, "peak_gib": memory}), flush=True)
+    parity = {k.rsplit("/", 1)[-1]: v for k, v in m.items() if k.startswith("training/rollout_probs_diff_m")}
+    print(json.dumps({"step": m["step"], "timing_s": phases, "peak_gib": memory, **parity}), flush=True)
 
 
 def main() -> None:
