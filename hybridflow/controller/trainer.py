@@ -35,6 +35,7 @@ from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
+from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import check_config, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
@@ -164,6 +165,14 @@ class RLTrainer:
                     self.progress.update()
                 if stop.requested:
                     self._stop_with_checkpoint(stop.requested)
+        except WorkerError as e:  # a worker died or raised: say where the run can go on from
+            latest = latest_checkpoint(self.run_dir)
+            where = (
+                f"the latest complete checkpoint is {latest}; the same command resumes from it"
+                if latest is not None
+                else "no checkpoint was written yet: the same command starts over"
+            )
+            raise WorkerError(f"{e}\n{where}") from e
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
             self._write_report()

@@ -111,3 +111,34 @@ def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, traine
     for step in (1, 2):
         _assert_same_step(single[step], apart[step])
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "apart", 2))
+
+
+@pytest.mark.trials
+def test_a_worker_killed_mid_step_stops_the_run_naming_its_checkpoint_and_it_resumes(setup, tmp_path, single):
+    """One of two Ray workers is killed during step 2: the run stops with the rank and the checkpoint
+    to go on from; the same command resumes there and ends as the uninterrupted run."""
+    import threading
+    import time
+
+    from hybridflow.controller.ray_worker_group import WorkerError
+
+    _, single = single
+    run = tmp_path / "killed"
+    trainer = RLTrainer(
+        config(setup, run, *ROLES, "trainer.total_training_steps=2", "trainer.save_freq=1", *TWO)
+    )
+    metrics = run / "metrics.jsonl"
+
+    def kill_during_step_2():
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.01)
+        ray.kill(trainer.workers.workers[1])
+
+    threading.Thread(target=kill_during_step_2, daemon=True).start()
+    with pytest.raises(
+        WorkerError, match=r"worker rank 1 died(.|\n)*global_step_1; the same command resumes"
+    ):
+        trainer.fit()
+    resumed = _train(setup, run, 2, *TWO)
+    assert sorted(resumed) == [1, 2]
+    _assert_same_step(single[2], resumed[2])
