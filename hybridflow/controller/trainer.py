@@ -46,6 +46,7 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
+from hybridflow.rewards.scorers import SCORERS
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
@@ -85,16 +86,17 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
-        # the built-in scorers compare with a ground truth: a row without one is malformed
+        # the built-in scorers compare with a ground truth: a row of theirs without one is malformed
         builtin = reward_function is None and c.reward.custom_function_path is None
-        truth = builtin and (c.reward.model_path is None or c.reward.rule_weight != 0)
+        rules = builtin and (c.reward.model_path is None or c.reward.rule_weight != 0)
+        truth = frozenset(SCORERS) if rules else frozenset()
         self.train_prompts = load_prompts(
-            c.data.train_files, self.tokenizer, c.data, cache_root=cache, require_ground_truth=truth
+            c.data.train_files, self.tokenizer, c.data, cache_root=cache, truth_sources=truth
         )
         self.val_prompts = (
-            load_prompts(
-                c.data.val_files, self.tokenizer, c.data, cache_root=cache, require_ground_truth=truth
-            )[: c.data.max_val_prompts]
+            load_prompts(c.data.val_files, self.tokenizer, c.data, cache_root=cache, truth_sources=truth)[
+                : c.data.max_val_prompts
+            ]
             if c.data.val_files
             else []
         )

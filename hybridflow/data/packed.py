@@ -46,8 +46,8 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((vocab + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
-def cache_key(path: Path, tokenizer, config: DataConfig, require_ground_truth: bool = False) -> str:
-    settings = {f: getattr(config, f) for f in PROMPT_FIELDS} | {"require_ground_truth": require_ground_truth}
+def cache_key(path: Path, tokenizer, config: DataConfig, truth_sources: frozenset[str] = frozenset()) -> str:
+    settings = {f: getattr(config, f) for f in PROMPT_FIELDS} | {"truth_sources": sorted(truth_sources)}
     parts = [FORMAT, _file_fingerprint(path), _tokenizer_fingerprint(tokenizer), settings]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
@@ -80,19 +80,19 @@ class PackedDataset:
         config: DataConfig,
         cache_root: Path,
         *,
-        require_ground_truth: bool = False,
+        truth_sources: frozenset[str] = frozenset(),
     ) -> PackedDataset:
         from hybridflow.data.prompts import warn_bad_rows, warn_overlong
 
         path = Path(path).expanduser()
         if not path.exists():
             raise UserError(f"data file not found: {path}")
-        key = cache_key(path, tokenizer, config, require_ground_truth)
+        key = cache_key(path, tokenizer, config, truth_sources)
         directory = cache_root / "prompts" / f"{path.name}-{key}"
         built = not (directory / "header.json").is_file()  # written last: a folder without it is not used
         if built:
             cls._build(
-                path, tokenizer, config, directory, require_ground_truth
+                path, tokenizer, config, directory, truth_sources
             )  # rows_to_prompts logs overlong ones
         packed = cls(directory)
         if not built:
@@ -102,13 +102,13 @@ class PackedDataset:
 
     @staticmethod
     def _build(
-        path: Path, tokenizer, config: DataConfig, directory: Path, require_ground_truth: bool
+        path: Path, tokenizer, config: DataConfig, directory: Path, truth_sources: frozenset[str]
     ) -> None:
         from hybridflow.data.prompts import read_file_rows, rows_to_prompts
 
         rows, bad = read_file_rows(path, config)
         prompts = rows_to_prompts(
-            rows, tokenizer, config, source=str(path), require_ground_truth=require_ground_truth, bad_rows=bad
+            rows, tokenizer, config, source=str(path), truth_sources=truth_sources, bad_rows=bad
         )
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))

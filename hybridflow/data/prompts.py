@@ -37,13 +37,14 @@ def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str
     )
 
 
-def _checked_content(row: dict, config: DataConfig, where: str, require_ground_truth: bool):
+def _checked_content(row: dict, config: DataConfig, where: str, truth_sources: frozenset[str]):
     """The row's prompt, checked; a UserError naming the row and the reason otherwise."""
     if config.prompt_key not in row:
         keys = ", ".join(sorted(row)) or "none"
         raise UserError(f"{where} has no '{config.prompt_key}' key (keys: {keys}); set data.prompt_key")
     content = check_prompt(row[config.prompt_key], where, config.prompt_key)
-    if require_ground_truth and _ground_truth(row, config.answer_key) is None:
+    source = str(row.get("data_source") or config.data_source or "unknown")
+    if source in truth_sources and _ground_truth(row, config.answer_key) is None:
         raise UserError(
             f"{where}: no ground truth (reward_model.ground_truth, or the column data.answer_key names); the "
             "built-in scorers need one"
@@ -89,17 +90,18 @@ def rows_to_prompts(
     *,
     source: str = "dataset",
     index_offset: int = 0,
-    require_ground_truth: bool = False,
+    truth_sources: frozenset[str] = frozenset(),
     bad_rows: list[str] | None = None,
 ) -> list[Prompt]:
     """Validate, render and tokenize rows; overlong prompts are filtered (logged) or rejected. A
     malformed row stops with its number and reason, or with data.on_bad_row=skip is recorded in
-    `bad_rows` (and logged) and dropped. `require_ground_truth`: a row without one is malformed."""
+    `bad_rows` (and logged) and dropped. A row of a data source in `truth_sources` (those the
+    built-in scorers grade) without a ground truth is malformed."""
     prompts, overlong, bad = [], 0, [] if bad_rows is None else bad_rows
     for i, row in enumerate(rows):
         where = f"{source}: row {i}"
         try:
-            content = _checked_content(row, config, where, require_ground_truth)
+            content = _checked_content(row, config, where, truth_sources)
         except UserError as e:
             if config.on_bad_row == "error":
                 raise
@@ -151,7 +153,7 @@ def load_prompts(
     config: DataConfig,
     *,
     cache_root: Path | None = None,
-    require_ground_truth: bool = False,
+    truth_sources: frozenset[str] = frozenset(),
 ) -> list[Prompt]:
     """Prompts from several files, in file order; Prompt.index counts rows across all files. With
     `cache_root`, each file is tokenized once and read from CACHE/prompts after (data/packed.py).
@@ -164,15 +166,13 @@ def load_prompts(
         if cache_root is not None:
             from hybridflow.data.packed import PackedDataset
 
-            packed = PackedDataset.load(
-                f, tokenizer, config, cache_root, require_ground_truth=require_ground_truth
-            )
+            packed = PackedDataset.load(f, tokenizer, config, cache_root, truth_sources=truth_sources)
             prompts += packed.prompts(index_offset=offset)
             offset += packed.rows
             continue
         rows, bad = read_file_rows(f, config)
         prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset,
-                                   require_ground_truth=require_ground_truth, bad_rows=bad)  # fmt: skip
+                                   truth_sources=truth_sources, bad_rows=bad)  # fmt: skip
         warn_bad_rows(f, bad, len(rows) + sum(b.startswith("line ") for b in bad))
         offset += len(rows)
     return prompts

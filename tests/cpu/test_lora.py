@@ -74,20 +74,27 @@ def test_adapters_start_as_identity_switch_off_merge_and_round_trip_through_peft
         load_adapter(other, tmp_path / "adapter")
 
 
-@pytest.mark.slow
-def test_a_lora_run_trains_only_adapters_with_engine_parity_and_exports(setup, tmp_path):
-    run = tmp_path / "lora"
-    trainer = RLTrainer(
-        config(setup, run, "model.lora_rank=4", "model.lora_alpha=8", "actor.use_kl_loss=true",
-               "actor.kl_loss_coef=0.1", "actor.sequences_per_update=16", "trainer.total_training_steps=4")
-    )  # fmt: skip
+def _lora_run(setup, run, steps, *overrides):
+    """A LoRA run with a KL loss (so a reference) and two updates a step (so the trainer recomputes
+    the rollout's log-probs): its worker and step metrics, after checking what every LoRA run keeps."""
+    trainer = RLTrainer(config(setup, run, "actor.use_kl_loss=true", "actor.sequences_per_update=16",
+                               f"trainer.total_training_steps={steps}", *overrides))  # fmt: skip
     trainer.fit()
     worker = trainer.workers.worker
     assert worker.ref.model is worker.actor.model  # the reference is the base with adapters off: no copy
     metrics = [m for m in read_metrics(run) if "actor/pg_loss" in m]
-    assert len(metrics) == 4
-    # the rollout engine (merged weights, refreshed every step) and the trainer agree after updates
+    assert len(metrics) == steps
+    # the rollout (merged weights refreshed each step, or the same module) agrees with the trainer
     assert max(m["training/rollout_probs_diff_max"] for m in metrics) < 1e-4
+    return worker, metrics
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_only_adapters_with_engine_parity_and_exports(setup, tmp_path):
+    run = tmp_path / "lora"
+    worker, metrics = _lora_run(
+        setup, run, 4, "model.lora_rank=4", "model.lora_alpha=8", "actor.kl_loss_coef=0.1"
+    )
     assert metrics[-1]["actor/kl_loss"] > 1e-6
 
     start = native.from_hf_model(AutoModelForCausalLM.from_pretrained(setup / "model"))
@@ -143,16 +150,10 @@ def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path):
 @pytest.mark.slow
 def test_lora_on_the_transformers_path_goes_through_peft(setup, tmp_path):
     run = tmp_path / "peft"
-    trainer = RLTrainer(
-        config(setup, run, "model.impl=hf", "model.lora_rank=4", "model.lora_target_modules=[q_proj,v_proj]",
-               "actor.use_kl_loss=true", "actor.sequences_per_update=16", "trainer.total_training_steps=2")
-    )  # fmt: skip
-    trainer.fit()
-    worker = trainer.workers.worker
-    trained = worker.actor.model.eval()
-    assert worker.ref.model is trained  # the base with PEFT's adapters disabled: no copy
-    metrics = [m for m in read_metrics(run) if "actor/pg_loss" in m]
-    assert max(m["training/rollout_probs_diff_max"] for m in metrics) < 1e-4  # generate runs the same module
+    worker, _ = _lora_run(
+        setup, run, 2, "model.impl=hf", "model.lora_rank=4", "model.lora_target_modules=[q_proj,v_proj]"
+    )
+    trained = worker.actor.model.eval()  # PEFT's: generate runs this same module
     trainable = [n for n, p in trained.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     assert export_checkpoint(run, tmp_path / "merged").max_logit_diff <= 1e-5

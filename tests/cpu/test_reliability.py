@@ -93,11 +93,13 @@ def test_bad_rows_are_reported_and_skipped_or_stop_at_the_first(tmp_path, caplog
     cache = tmp_path / "cache" if cached else None
     with pytest.raises(UserError, match=r"bad.jsonl:5: not valid UTF-8 JSON"):
         load_prompts([str(path)], tok, DataConfig(max_prompt_tokens=100), cache_root=cache)
-    skip = DataConfig(max_prompt_tokens=100, on_bad_row="skip", apply_chat_template=False)
+    skip = DataConfig(max_prompt_tokens=100, on_bad_row="skip", apply_chat_template=False, data_source="math")
     for _ in range(2 if cached else 1):  # the second load reads the cache and reports again
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            prompts = load_prompts([str(path)], tok, skip, cache_root=cache, require_ground_truth=True)
+            prompts = load_prompts(
+                [str(path)], tok, skip, cache_root=cache, truth_sources=frozenset({"math"})
+            )
         assert [p.text for p in prompts] == ["ok", "ok"]
         report = caplog.text
         assert "skipped 5 bad rows of 8" in report

@@ -125,10 +125,11 @@ def test_sigterm_finishes_the_step_saves_and_returns(sft_setup, tmp_path, capsys
         return out
 
     trainer.train_step = step_then_signal
+    before = signal.getsignal(signal.SIGTERM)
     trainer.fit()
     assert "stopped by SIGTERM after step 2" in capsys.readouterr().out
     assert [m["step"] for m in read_metrics(run)] == [1, 2]
     assert (run / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
     SFTTrainer(_sft_config(sft_setup, run, "trainer.total_training_steps=6")).fit()
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
