@@ -19,8 +19,9 @@ class GracefulStop:
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():  # handlers live in the main thread
-            self._previous = {s: signal.getsignal(s) for s in SIGNALS}
-            for s in SIGNALS:
+            # a signal the process ignores (a background job's SIGINT, nohup) stays ignored
+            self._previous = {s: h for s in SIGNALS if (h := signal.getsignal(s)) is not signal.SIG_IGN}
+            for s in self._previous:
                 signal.signal(s, self._handle)
         return self
 

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 SCRIPT = """
+import signal
 import sys
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal gives it (a background job ignores it)
 sys.path.insert(0, {tests!r})
 from rl_run import config
 from hybridflow.controller.trainer import RLTrainer
@@ -75,3 +77,17 @@ def test_a_second_ctrl_c_stops_at_once(setup, tmp_path):
     assert "stopped by SIGINT" not in out
     for checkpoint in (run / "checkpoints").glob("global_step_*"):
         assert (checkpoint / "trainer_state.json").is_file()  # complete, or not there at all
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """nohup or a background job ignores SIGINT: a run started there must not start answering it."""
+    from hybridflow.controller.graceful_stop import GracefulStop
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with GracefulStop():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # still caught, to stop cleanly
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -275,9 +275,9 @@ def _wait(condition, process, timeout=240):
 
 @pytest.mark.trials
 def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_path):
-    """SIGKILL (no handler can run) while a checkpoint is half-written, then again at a random moment
-    of a later step; each time the same command resumes from the latest complete checkpoint, and the
-    run ends with the uninterrupted run's metrics and weights (CPU, fixed seed)."""
+    """SIGKILL (no handler can run) while a checkpoint is half-written, then twice more at random
+    moments of later steps; each time the same command resumes from the latest complete checkpoint,
+    and the run ends with the uninterrupted run's metrics and weights (CPU, fixed seed)."""
     import random
     import signal
     import time
@@ -297,11 +297,13 @@ def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_p
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert latest_checkpoint(run).name == "global_step_1"  # the half-written one is never picked up
-    process = _start_run(setup, run, tmp_path)  # resumed, then killed somewhere in step 4
-    _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3, process)
-    time.sleep(random.Random(0).uniform(0.0, 0.3))
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    rng = random.Random(0)
+    for done in (2, 3):  # resumed, then killed at a random moment after step `done` was logged
+        process = _start_run(setup, run, tmp_path)
+        _wait(lambda n=done: metrics.is_file() and metrics.read_text().count("\n") >= n, process)
+        time.sleep(rng.uniform(0.0, 0.3))  # in generation, update or a save
+        process.send_signal(signal.SIGKILL)
+        process.wait()
     out, err = _start_run(setup, run, tmp_path).communicate(timeout=240)
     assert "Traceback" not in err, err
     rows = read_metrics(run)
