@@ -5,7 +5,6 @@ folder; a TRL-style reward function becomes verl's batched signature."""
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ def is_verl_reward(fn: Callable) -> bool:
 def trl_reward(fn: Callable, prompt_key: str) -> Callable:
     """`fn(prompts, responses, **columns) -> list[float]` as verl's batched signature: the prompts
     (strings or chat messages, as in the dataset) and every other column of each row come from
-    extra_info["row"], which `write_rows` stores."""
+    extra_info["row"], which `with_rows_kept` adds."""
 
     def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
         rows = [info[ROW_KEY] for info in extra_infos]
@@ -39,14 +38,6 @@ def trl_reward(fn: Callable, prompt_key: str) -> Callable:
         return fn([row[prompt_key] for row in rows], list(solution_strs), **columns)
 
     return compute_score
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "tolist"):  # numpy arrays and scalars from parquet or datasets
-        return value.tolist()
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
 def dataset_rows(dataset: Any, name: str) -> list[dict]:
@@ -72,16 +63,14 @@ def dataset_rows(dataset: Any, name: str) -> list[dict]:
     return rows
 
 
-def write_rows(rows: list[dict], path: Path, *, keep_row: bool) -> None:
-    """Rows as jsonl; with `keep_row`, each row also carries itself in extra_info["row"] (for a
-    TRL-style reward function, which takes every column)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            if keep_row:
-                extra = row.get("extra_info")
-                row = {**row, "extra_info": {**(extra if isinstance(extra, dict) else {}), ROW_KEY: row}}
-            f.write(json.dumps(row, default=_jsonable, ensure_ascii=False) + "\n")
+def with_rows_kept(rows: list[dict]) -> list[dict]:
+    """Each row carrying itself in extra_info["row"], for a TRL-style reward function (which takes
+    every column)."""
+    out = []
+    for row in rows:
+        extra = row.get("extra_info")
+        out.append({**row, "extra_info": {**(extra if isinstance(extra, dict) else {}), ROW_KEY: row}})
+    return out
 
 
 def write_model(model: Any, tokenizer: Any, directory: Path) -> None:

@@ -27,10 +27,11 @@ from hybridflow.api.inputs import (
     is_path,
     is_verl_reward,
     trl_reward,
+    with_rows_kept,
     write_model,
-    write_rows,
 )
 from hybridflow.config import Config
+from hybridflow.data.files import write_rows
 from hybridflow.errors import UserError
 
 
@@ -103,8 +104,9 @@ class Trainer:
                 setattr(c.data, attr, [str(dataset)])
                 continue
             rows = dataset_rows(dataset, name)
+            rows = with_rows_kept(rows) if trl_style else rows
             path = inputs / f"{name.split('_')[0]}.jsonl"
-            self._write(lambda r=rows, p=path: write_rows(r, p, keep_row=trl_style))
+            self._write(lambda r=rows, p=path: write_rows(r, p))
             setattr(c.data, attr, [str(path)])
         if trl_style and train_dataset is None:
             raise UserError(

@@ -11,7 +11,14 @@ from hybridflow.config.schema import Config
 from hybridflow.controller.setup import sequences_per_step
 from hybridflow.errors import UserError
 from hybridflow.models import native, save_hf
-from hybridflow.models.lora import apply_lora, load_adapter, lora_modules, merged_model, read_adapter_config
+from hybridflow.models.lora import (
+    apply_lora,
+    load_adapter,
+    lora_modules,
+    merged_model,
+    peft_lora_config,
+    read_adapter_config,
+)
 from hybridflow.roles.critic import load_value_model, value_model_from_policy
 from hybridflow.rollout.hf import HFBackend
 
@@ -55,7 +62,7 @@ def lora_policy(config: Config, policy):
 def peft_policy(config: Config, hf_model):
     """LoRA on a transformers model (a family without our native code) through PEFT."""
     try:
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel, get_peft_model
     except ImportError as e:
         raise UserError(
             f"model.lora_rank on a transformers model (no native implementation) uses PEFT: pip install peft ({e})"
@@ -69,9 +76,7 @@ def peft_policy(config: Config, hf_model):
         if m.lora_adapter_path:
             read_adapter_config(m.lora_adapter_path)
             return PeftModel.from_pretrained(hf_model, m.lora_adapter_path, is_trainable=True)
-        lora = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=list(m.lora_target_modules),
-                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")  # fmt: skip
-        return get_peft_model(hf_model, lora)
+        return get_peft_model(hf_model, peft_lora_config(m.lora_rank, m.lora_alpha, m.lora_target_modules))
     except ValueError as e:  # PEFT names a target module the model lacks
         raise UserError(f"model.lora_target_modules={list(m.lora_target_modules)}: {e}") from e
 

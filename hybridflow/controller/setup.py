@@ -72,3 +72,13 @@ def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoc
         f"({num_prompts} training prompts, {steps_per_epoch} steps per epoch) | "
         f"estimator {c.algorithm.adv_estimator}, policy loss {c.actor.policy_loss}, agg {c.actor.loss_agg_mode}"
     )
+
+
+def graded_sources(config: Config, reward_function=None) -> frozenset[str]:
+    """The data sources whose rows the built-in scorers grade against a ground truth (none when a
+    custom function, or a reward model alone, scores)."""
+    from hybridflow.rewards.scorers import SCORERS
+
+    builtin = reward_function is None and config.reward.custom_function_path is None
+    rules = builtin and (config.reward.model_path is None or config.reward.rule_weight != 0)
+    return frozenset(SCORERS) if rules else frozenset()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,22 +21,15 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
-from hybridflow.controller.dispatch import (
-    merge_rows,
-    minibatch_shards,
-    prompt_shards,
-    shard_rows,
-    share,
-    to_sequence_parallel_ranks,
-)
 from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
+from hybridflow.controller.role_calls import RoleCalls
 from hybridflow.controller.run_dir import prepare_run_dir
-from hybridflow.controller.setup import check_config, step_plan, updates_per_step
+from hybridflow.controller.setup import check_config, graded_sources, step_plan, updates_per_step
 from hybridflow.controller.validation import validate
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
@@ -46,7 +38,6 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
-from hybridflow.rewards.scorers import SCORERS
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
@@ -86,10 +77,7 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
-        # the built-in scorers compare with a ground truth: a row of theirs without one is malformed
-        builtin = reward_function is None and c.reward.custom_function_path is None
-        rules = builtin and (c.reward.model_path is None or c.reward.rule_weight != 0)
-        truth = frozenset(SCORERS) if rules else frozenset()
+        truth = graded_sources(c, reward_function)  # a row of theirs without a ground truth is malformed
         self.train_prompts = load_prompts(
             c.data.train_files, self.tokenizer, c.data, cache_root=cache, truth_sources=truth
         )
@@ -125,6 +113,7 @@ class RLTrainer:
         self.model_shape = model_shape(c) if self.peak_flops else None
         self.placement = Placement(c, self.device, total_updates=self.total_steps * updates_per_step(c))
         self.workers = self.placement.train  # the workers that hold actor, reference and critic
+        self.roles = RoleCalls(c, self.placement)
         kl = c.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(kl.kl_coef)
@@ -168,10 +157,9 @@ class RLTrainer:
                 if stop.requested:
                     self._stop_with_checkpoint(stop.requested)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
-            latest = latest_checkpoint(self.run_dir)
             where = (
-                f"the latest complete checkpoint is {latest}; the same command resumes from it"
-                if latest is not None
+                f"the latest complete checkpoint is {self.last_checkpoint}; the same command resumes from it"
+                if self.last_checkpoint is not None
                 else "no checkpoint was written yet: the same command starts over"
             )
             raise WorkerError(f"{e}\n{where}") from e
@@ -253,7 +241,7 @@ class RLTrainer:
             )
             if not on_policy or c.algorithm.use_kl_in_reward:
                 with timer("old_log_prob"):
-                    batch.old_logprobs = self._per_row("log_probs", batch)
+                    batch.old_logprobs = self.roles.per_row("log_probs", batch)
                 metrics |= probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
                 if c.algorithm.rollout_is_cap is not None:
                     batch.importance_weights = truncated_importance_weights(
@@ -261,11 +249,11 @@ class RLTrainer:
                     )
             if self.needs_ref:
                 with timer("ref"):
-                    batch.ref_logprobs = self._per_row("ref_log_probs", batch)
+                    batch.ref_logprobs = self.roles.per_row("ref_log_probs", batch)
             values = None
             if self.has_critic:
                 with timer("values"):
-                    values = batch.old_values = self._per_row("values", batch)
+                    values = batch.old_values = self.roles.per_row("values", batch)
             with timer("adv"):
                 token_rewards = token_level_rewards(scored.scores, mask)
                 if c.algorithm.use_kl_in_reward:
@@ -291,14 +279,14 @@ class RLTrainer:
                 )
             if self.has_critic:
                 with timer("update_critic"):
-                    metrics |= self._update("update_critic", batch, epochs=c.actor.ppo_epochs)
+                    metrics |= self.roles.update("update_critic", batch, epochs=c.actor.ppo_epochs)
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
-                    metrics |= self._update("update_actor", batch)
+                    metrics |= self.roles.update("update_actor", batch)
                 self._check_finite(metrics)
             with timer("update_weights"):
                 self.placement.sync_weights()
-        metrics |= self._memory_metrics()
+        metrics |= self.roles.memory_metrics()
         metrics |= data_metrics(
             rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
         )
@@ -332,43 +320,6 @@ class RLTrainer:
             if hasattr(sink, "log_samples"):
                 sink.log_samples(rows, self.step)
 
-    # ---- the roles over the workers: data-parallel split and gather ------------------------------
-    def _rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
-        """Each worker samples a contiguous run of the prompts; rollouts come back in prompt order."""
-        generators = self.placement.generators
-        shards = prompt_shards(prompts, generators.world_size)
-        per_rank = [
-            (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
-            for part, offset in shards
-        ]
-        return Rollouts.concat(generators.call_each("generate", per_rank))
-
-    def _per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
-        """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
-        sp = self.config.actor.sequence_parallel_size
-        parts = shard_rows(batch, self.workers.world_size // sp)
-        per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)
-        return merge_rows(self.workers.call_each(method, per_rank)[::sp], parts)
-
-    def _update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
-        """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
-        sp = self.config.actor.sequence_parallel_size
-        shards = minibatch_shards(
-            batch, self.config.actor.sequences_per_update, self.workers.world_size // sp
-        )
-        per_rank = to_sequence_parallel_ranks([(s,) for s in shards], sp)
-        return self.workers.call_each(method, per_rank, **kwargs)[0]
-
-    def _memory_metrics(self) -> dict[str, float]:
-        """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""
-        merged: dict[str, float] = {}
-        for per_rank in self.placement.memory_metrics():
-            for k, v in per_rank.items():
-                merged[k] = max(merged.get(k, 0.0), v)
-        if merged:
-            merged["perf/max_memory_allocated_gb"] = max(merged.values())
-        return merged
-
     # ---- pieces of a step ------------------------------------------------------------------------
     def _sampling(self, round_: int, **overrides) -> SamplingParams:
         r = self.config.rollout
@@ -393,7 +344,7 @@ class RLTrainer:
         while True:
             rounds += 1
             prompts = self.sampler.next()
-            rollouts = self._rollouts(prompts, self._sampling(rounds), first_group=groups)
+            rollouts = self.roles.rollouts(prompts, self._sampling(rounds), first_group=groups)
             result: RewardResult = self.reward.score(rollouts)
             metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
             reward_time = result.metrics["timing_s/reward"] + (reward_time if rounds > 1 else 0.0)
@@ -427,7 +378,7 @@ class RLTrainer:
         """ReMax: the reward of one greedy response per prompt, broadcast to its samples."""
         firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
         prompts = [rollouts.prompts[i] for i in firsts.values()]
-        greedy = self._rollouts(prompts, self._sampling(0, n=1, temperature=0.0))
+        greedy = self.roles.rollouts(prompts, self._sampling(0, n=1, temperature=0.0))
         scores = self.reward.score(greedy).scores
         by_group = dict(zip(firsts, scores.tolist()))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
@@ -435,7 +386,7 @@ class RLTrainer:
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
         params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
-        metrics, _ = validate(self._rollouts, self.reward, self.val_prompts, params)
+        metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
         self.placement.sleep_rollout()
         return metrics
 

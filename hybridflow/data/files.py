@@ -29,6 +29,16 @@ def read_rows(path: str | Path, *, bad_lines: list[str] | None = None) -> list[d
     )
 
 
+def json_default(value: Any) -> Any:
+    """JSON for what rows hold besides JSON types: numpy arrays and scalars (parquet, `datasets`),
+    dates."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
 def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Write rows as parquet or jsonl (by suffix)."""
     p = Path(path)
@@ -41,7 +51,7 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     elif p.suffix == ".jsonl":
         with p.open("w", encoding="utf-8") as f:
             for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(json.dumps(row, ensure_ascii=False, default=json_default) + "\n")
     else:
         raise UserError(f"cannot write {p}: use a .parquet or .jsonl path")
     return p

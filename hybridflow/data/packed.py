@@ -11,12 +11,12 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from hybridflow.batch import Prompt
 from hybridflow.config.schema import DataConfig
+from hybridflow.data.files import json_default
 from hybridflow.errors import UserError
 
 FORMAT = 1  # bump when the layout or the rendering changes
@@ -52,13 +52,6 @@ def cache_key(path: Path, tokenizer, config: DataConfig, truth_sources: frozense
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
-def _plain(value: Any) -> Any:
-    """JSON for what rows hold besides JSON types (numpy arrays and scalars from parquet/datasets)."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"cannot cache a value of type {type(value).__name__}")
-
-
 class PackedDataset:
     """The prompts of one data file. `PackedDataset.load(file, tokenizer, data_config, cache_root)`
     reads them from the cache, tokenizing (and caching) on the first use."""
@@ -66,7 +59,8 @@ class PackedDataset:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         header = json.loads((directory / "header.json").read_text(encoding="utf-8"))
-        self.rows, self.overlong, self.bad = header["rows"], header["overlong"], header.get("bad", [])
+        self.rows, self.overlong = header["rows"], header["overlong"]
+        self.bad, self.unreadable = header.get("bad", []), header.get("unreadable_lines", 0)
         self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")  # [total tokens] int32
         self.offsets = np.load(directory / "offsets.npy")  # [prompts + 1] int64
         with (directory / "prompts.jsonl").open(encoding="utf-8") as f:
@@ -97,7 +91,7 @@ class PackedDataset:
         packed = cls(directory)
         if not built:
             warn_overlong(path, packed.overlong, packed.rows, config.max_prompt_tokens)
-        warn_bad_rows(path, packed.bad, packed.rows + sum(b.startswith("line ") for b in packed.bad))
+        warn_bad_rows(path, packed.bad, packed.rows + packed.unreadable)
         return packed
 
     @staticmethod
@@ -107,6 +101,7 @@ class PackedDataset:
         from hybridflow.data.prompts import read_file_rows, rows_to_prompts
 
         rows, bad = read_file_rows(path, config)
+        unreadable = len(bad)  # lines that never became rows; rows_to_prompts adds the malformed rows
         prompts = rows_to_prompts(
             rows, tokenizer, config, source=str(path), truth_sources=truth_sources, bad_rows=bad
         )
@@ -121,9 +116,9 @@ class PackedDataset:
             for p in prompts:
                 meta = {"index": p.index, "data_source": p.data_source, "ground_truth": p.ground_truth,
                         "extra_info": p.extra_info, "text": p.text, "messages": p.messages}  # fmt: skip
-                f.write(json.dumps(meta, ensure_ascii=False, default=_plain) + "\n")
-        dropped = len(rows) - len(prompts) - sum(b.startswith("row ") for b in bad)
-        header = {"rows": len(rows), "overlong": dropped, "bad": bad}
+                f.write(json.dumps(meta, ensure_ascii=False, default=json_default) + "\n")
+        overlong = len(rows) - len(prompts) - (len(bad) - unreadable)
+        header = {"rows": len(rows), "overlong": overlong, "bad": bad, "unreadable_lines": unreadable}
         (tmp / "header.json").write_text(json.dumps(header), encoding="utf-8")
         if (directory / "header.json").is_file():  # another process built it meanwhile: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)

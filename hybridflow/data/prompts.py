@@ -171,9 +171,10 @@ def load_prompts(
             offset += packed.rows
             continue
         rows, bad = read_file_rows(f, config)
+        unreadable = len(bad)  # lines that never became rows
         prompts += rows_to_prompts(rows, tokenizer, config, source=str(f), index_offset=offset,
                                    truth_sources=truth_sources, bad_rows=bad)  # fmt: skip
-        warn_bad_rows(f, bad, len(rows) + sum(b.startswith("line ") for b in bad))
+        warn_bad_rows(f, bad, len(rows) + unreadable)
         offset += len(rows)
     return prompts
 

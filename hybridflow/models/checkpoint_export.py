@@ -23,6 +23,7 @@ from hybridflow.models.lora import (
     is_peft,
     load_adapter,
     merged_state_dict,
+    peft_lora_config,
     read_adapter_config,
     save_adapter,
     sequence_logits,
@@ -75,13 +76,18 @@ def load_trained_policy(checkpoint: Path):
         if is_peft(lora):
             return copy.deepcopy(lora).merge_and_unload().eval(), tokenizer
         return native.to_hf_model(merged_state_dict(lora), model.config).eval(), tokenizer
+    return _load_actor_state(model, checkpoint), tokenizer
+
+
+def _load_actor_state(model, checkpoint: Path):
+    """`model` with every weight read from the checkpoint's sharded actor state."""
     own = model.state_dict()
-    weights = load_model_weights(state_dir, own)
+    weights = load_model_weights(checkpoint / "actor_state", own)
     missing = [n for n in own if n not in weights and not _tied(model, n)]
     if missing:
         raise UserError(f"checkpoint {checkpoint}: actor_state has no weights for {', '.join(missing[:3])}")
     model.load_state_dict(weights, strict=False)  # a tied head is the embedding's tensor
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def _trained_lora(hf_model, checkpoint: Path):
@@ -95,16 +101,12 @@ def _trained_lora(hf_model, checkpoint: Path):
         model = native.from_hf_model(hf_model)
         apply_lora(model, adapter["r"], adapter["lora_alpha"], adapter["target_modules"])
     else:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        model = get_peft_model(hf_model, LoraConfig(r=adapter["r"], lora_alpha=adapter["lora_alpha"], target_modules=adapter["target_modules"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))  # fmt: skip
-    own = model.state_dict()
-    weights = load_model_weights(checkpoint / "actor_state", own)
-    missing = [n for n in own if n not in weights and not _tied(model, n)]
-    if missing:
-        raise UserError(f"checkpoint {checkpoint}: actor_state has no weights for {', '.join(missing[:3])}")
-    model.load_state_dict(weights, strict=False)
-    return model.eval()
+        model = get_peft_model(
+            hf_model, peft_lora_config(adapter["r"], adapter["lora_alpha"], adapter["target_modules"])
+        )
+    return _load_actor_state(model, checkpoint)
 
 
 def _saved_dtype(policy: Path) -> str:
@@ -115,7 +117,7 @@ def _saved_dtype(policy: Path) -> str:
 
 
 def _tied(model, name: str) -> bool:
-    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
+    return name.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> ExportReport:

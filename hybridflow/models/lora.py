@@ -140,6 +140,14 @@ def sequence_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, positions, torch.tensor([0, ids.shape[0]], dtype=torch.int32, device=ids.device))
 
 
+def peft_lora_config(rank: int, alpha: float, targets):
+    """PEFT's LoraConfig for the same adapters as ours: no dropout, no bias, a causal LM."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
+                      task_type="CAUSAL_LM")  # fmt: skip
+
+
 # ---- PEFT's adapter format -------------------------------------------------------------------------
 def save_adapter(model: nn.Module, directory: Path, *, base_model: str | None = None) -> None:
     """adapter_model.safetensors (PEFT's key names) and adapter_config.json."""

@@ -121,12 +121,10 @@ class OfflineTrainer:
         return metrics
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:
-        saved = self.step == self.total_steps or (
-            self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0
-        )
-        path = latest_checkpoint(self.run_dir) if saved else self.save()
-        print(f"stopped by {signal_name} after step {self.step}; checkpoint {path}. To go on, run the same "
-              "command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.step}":
+            self.save()
+        print(f"stopped by {signal_name} after step {self.step}; checkpoint {self.last_checkpoint}. To go on, "
+              "run the same command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
 
     def _step(self) -> dict[str, float]:
         c, last = self.config, self.step == self.total_steps
@@ -174,7 +172,7 @@ class OfflineTrainer:
             )
             save_hf(export, self.tokenizer, directory / "policy")
 
-        return save_checkpoint(
+        self.last_checkpoint = save_checkpoint(
             self.run_dir,
             self.step,
             write_models=write_models,
@@ -183,9 +181,11 @@ class OfflineTrainer:
             config_yaml=to_yaml(self.config),
             keep_last=self.config.trainer.keep_last_checkpoints,
         )
+        return self.last_checkpoint
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
+        self.last_checkpoint = path
         if path is None:
             truncate_jsonl(self.run_dir / "metrics.jsonl", 0)
             return

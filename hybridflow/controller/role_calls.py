@@ -1,0 +1,65 @@
+"""The roles over the worker groups, as one step calls them: generation split into contiguous runs
+of prompts, per-row results (log-probs, values) on balanced shares and gathered back in the batch's
+order, updates on every worker's share of each mini-batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hybridflow.batch import Rollouts, TrainingBatch
+from hybridflow.config.schema import Config
+from hybridflow.controller.dispatch import (
+    merge_rows,
+    minibatch_shards,
+    prompt_shards,
+    shard_rows,
+    share,
+    to_sequence_parallel_ranks,
+)
+from hybridflow.controller.placement import Placement
+from hybridflow.rollout.sampling import SamplingParams
+
+
+class RoleCalls:
+    def __init__(self, config: Config, placement: Placement) -> None:
+        self.config = config
+        self.placement = placement
+        self.workers = placement.train  # the workers that hold actor, reference and critic
+
+    def rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
+        """Each generator samples a contiguous run of the prompts; rollouts come back in prompt order."""
+        generators = self.placement.generators
+        shards = prompt_shards(prompts, generators.world_size)
+        per_rank = [
+            (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
+            for part, offset in shards
+        ]
+        return Rollouts.concat(generators.call_each("generate", per_rank))
+
+    def per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
+        """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
+        sp = self.config.actor.sequence_parallel_size
+        parts = shard_rows(batch, self.workers.world_size // sp)
+        per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)
+        return merge_rows(self.workers.call_each(method, per_rank)[::sp], parts)
+
+    def update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
+        """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
+        sp = self.config.actor.sequence_parallel_size
+        shards = minibatch_shards(
+            batch, self.config.actor.sequences_per_update, self.workers.world_size // sp
+        )
+        per_rank = to_sequence_parallel_ranks([(s,) for s in shards], sp)
+        return self.workers.call_each(method, per_rank, **kwargs)[0]
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""
+        merged: dict[str, float] = {}
+        for per_rank in self.placement.memory_metrics():
+            for k, v in per_rank.items():
+                merged[k] = max(merged.get(k, 0.0), v)
+        if merged:
+            merged["perf/max_memory_allocated_gb"] = max(merged.values())
+        return merged
