@@ -6,7 +6,8 @@ pairs of the SFT model's own right and wrong answers — all through hybridflow'
     ... --stages grpo,dpo --grpo actor.optim.lr=3e-6                # again from OUT's SFT run
 
 1. a Qwen2-shaped model with random weights and the 259-token byte tokenizer;
-2. `SFTTrainer` on the built-in arithmetic task's worked solutions (recipe arithmetic_sft);
+2. `SFTTrainer` on the built-in arithmetic task's worked solutions, 60% of which stop a step early
+   (recipe arithmetic_sft);
 3. `RLTrainer` (GRPO) from the SFT checkpoint's policy export, validating greedily on the held-out
    problems every trainer.test_freq steps (step 0 = the SFT model);
 4. `DPOTrainer` from the same SFT policy on pairs (correct vs wrong) sampled from it on the training
@@ -15,9 +16,9 @@ The three policies (SFT, GRPO, DPO) are scored the same way: greedy answers on t
 by the native engine. OUT/summary.json holds accuracies, curves and wall times; OUT/report.html the
 runs' curves.
 
-Status (2026-11-30, docs/benchmarks.md "SFT then GRPO from scratch"): SFT works (0 -> 21-80% greedy
-depending on its length), but neither GRPO nor DPO has yet improved on the SFT model by more than a
-point or two; the h200 settings below are the best found so far (GRPO +0.8 points), not the target.
+Result (one H200, 2026-11-30, docs/benchmarks.md "SFT then GRPO from scratch"): SFT 2.0% -> GRPO 75.0%
+(150 steps) and DPO 67.6% held-out greedy accuracy; SFT 165 s, GRPO 231 s, DPO 123 s. The SFT data come
+from a flawed teacher (TASK below): on clean worked solutions GRPO and DPO add a point at most.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from hybridflow.offline.sft import SFTTrainer
 from hybridflow.rewards.scorers import arithmetic as score_arithmetic
 from hybridflow.rollout.sampling import SamplingParams
 
-# three operands of up to two digits, + and -: two written steps per problem ("47 + 83 = 130" ...)
-TASK = {"min_operands": 3, "max_operands": 3, "max_digits": 2, "operators": "+-",
+# three operands of up to two digits, + and -, solved in two written steps ("47 + 83 = 130",
+# "130 - 20 = 110", "#### 110") -- by a flawed teacher: 60% of its worked solutions stop after the first
+# step and answer with its value. The SFT model learns to stop early too; only the reward says it is wrong.
+TASK = {"min_operands": 3, "max_operands": 3, "max_digits": 2, "operators": "+-", "stop_early_fraction": 0.6,
         "train_size": 20000, "test_size": 500, "seed": 0}  # fmt: skip
 
 SCALES = {
@@ -53,16 +56,16 @@ SCALES = {
     "h200": dict(
         model=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=4),
-        sft=["sft.batch_size=64", "trainer.total_training_steps=2000", "actor.optim.lr=1e-3",
+        sft=["sft.batch_size=64", "trainer.total_training_steps=2500", "actor.optim.lr=1e-3",
              "actor.optim.warmup_steps=30", "trainer.test_freq=500"],
-        # 4,096 samples a step, drawn at temperature 0.6 (the trainer's policy is softmax(logits / 0.6))
-        grpo=["data.prompts_per_step=512", "rollout.samples_per_prompt=8", "rollout.temperature=0.6",
+        # 2,048 samples a step at temperature 1
+        grpo=["data.prompts_per_step=256", "rollout.samples_per_prompt=8", "rollout.temperature=1.0",
               "rollout.max_batch_sequences=2048", "rollout.kv_cache_tokens=600000",
               "actor.max_tokens_per_microbatch=65536", "actor.optim.lr=2e-5", "actor.optim.warmup_steps=20",
-              "trainer.total_training_steps=60", "trainer.test_freq=10"],
-        dpo=["preference.batch_size=64", "actor.optim.lr=5e-6", "preference.beta=0.1", "preference.rpo_alpha=1.0",
+              "trainer.total_training_steps=150", "trainer.test_freq=10"],
+        dpo=["preference.batch_size=64", "actor.optim.lr=1e-5", "preference.beta=0.1", "preference.rpo_alpha=1.0",
              "trainer.total_epochs=2"],
-        pair_prompts=2000,
+        pair_prompts=8000,
     ),
     # the pipeline end to end on a CPU in about a minute (learns little)
     "smoke": dict(
@@ -122,10 +125,23 @@ def sample(policy: Path, prompts, params: SamplingParams, device: torch.device) 
     return texts
 
 
-def greedy_accuracy(policy: Path, prompts, device: torch.device) -> float:
+def all_steps_written(response: str) -> bool:
+    """Both steps written ('47 + 83 = 130', '130 - 20 = 110'), not stopped after the first."""
+    return sum("=" in line for line in response.split("####")[0].splitlines()) > 1
+
+
+def greedy_accuracy(policy: Path, prompts, device: torch.device, styles: dict) -> float:
+    """Held-out accuracy of greedy answers; `styles` gets how often they write all steps or stop early,
+    and the accuracy of each."""
     params = SamplingParams(n=1, temperature=0.0, max_tokens=64)
-    texts = sample(policy, prompts, params, device)
-    return sum(score_arithmetic(t[0], p.ground_truth)["score"] for p, t in zip(prompts, texts)) / len(prompts)
+    texts = [t[0] for t in sample(policy, prompts, params, device)]
+    right = [score_arithmetic(t, p.ground_truth)["score"] for p, t in zip(prompts, texts)]
+    finished = [all_steps_written(t) for t in texts]
+    for name, chosen in (("all_steps", finished), ("stopped_early", [not f for f in finished])):
+        count = sum(chosen)
+        styles[f"{name}_fraction"] = count / len(texts)
+        styles[f"{name}_accuracy"] = sum(r for r, c in zip(right, chosen) if c) / count if count else None
+    return sum(right) / len(prompts)
 
 
 def preference_pairs(policy: Path, prompts, device: torch.device, path: Path) -> dict[str, float]:
@@ -175,6 +191,7 @@ def main() -> None:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary |= {"scale": args.scale, "task": TASK, "settings": scale}
     accuracy, times = summary.setdefault("greedy_accuracy", {}), summary.setdefault("wall_s", {})
+    styles = summary.setdefault("greedy_styles", {})
     grpo_config = load_config(None, common(out, out / "model-init", "grpo", grpo_overrides(scale)))
     use_task_files(grpo_config)
     device = resolve_device(grpo_config.resources.device)
@@ -188,7 +205,7 @@ def main() -> None:
             load_config("arithmetic_sft", common(out, init, "sft", scale["sft"])), overwrite=True
         ).fit()
         times["sft"] = time.perf_counter() - t
-        accuracy["sft"] = greedy_accuracy(policy_of(out / "sft"), test, device)
+        accuracy["sft"] = greedy_accuracy(policy_of(out / "sft"), test, device, styles.setdefault("sft", {}))
     sft_policy = policy_of(out / "sft")
 
     if "grpo" in stages:
@@ -197,7 +214,7 @@ def main() -> None:
             load_config(None, common(out, sft_policy, "grpo", grpo_overrides(scale))), overwrite=True
         ).fit()
         times["grpo"] = time.perf_counter() - t
-        accuracy["grpo"] = greedy_accuracy(policy_of(out / "grpo"), test, device)
+        accuracy["grpo"] = greedy_accuracy(policy_of(out / "grpo"), test, device, styles.setdefault("grpo", {}))
         summary["grpo_val_curve"] = val_curve(out / "grpo")
 
     if "dpo" in stages:
@@ -209,7 +226,7 @@ def main() -> None:
             dpo_config = load_config(None, common(out, sft_policy, "dpo", [
                 f"data.train_files=[{pairs}]", "data.val_files=[]", *scale["dpo"]]))  # fmt: skip
             DPOTrainer(dpo_config, overwrite=True).fit()
-            accuracy["dpo"] = greedy_accuracy(policy_of(out / "dpo"), test, device)
+            accuracy["dpo"] = greedy_accuracy(policy_of(out / "dpo"), test, device, styles.setdefault("dpo", {}))
         else:
             print("DPO skipped: the SFT model's samples are all right or all wrong, so there are no pairs")
         times["dpo"] = time.perf_counter() - t

@@ -7,7 +7,7 @@ from hybridflow.config import DataConfig
 from hybridflow.data import load_prompts, read_rows, rows_to_prompts, write_rows
 from hybridflow.data.preprocess import preprocess
 from hybridflow.data.tasks import make_task
-from hybridflow.data.tasks.arithmetic import solve_steps
+from hybridflow.data.tasks.arithmetic import solve_steps, written_solution
 from hybridflow.errors import UserError
 from hybridflow.models import byte_tokenizer
 
@@ -126,6 +126,27 @@ def test_arithmetic_task_is_seeded_disjoint_and_correct(tmp_path):
 def test_arithmetic_steps_respect_precedence():
     assert solve_steps([2, 3, 4], ["+", "*"]) == (14, ["3 * 4 = 12", "2 + 12 = 14"])
     assert solve_steps([9, 4, 2], ["-", "-"]) == (3, ["9 - 4 = 5", "5 - 2 = 3"])
+
+
+def test_flawed_teacher_stops_early_on_the_same_problems(tmp_path):
+    assert written_solution(["9 - 4 = 5", "5 - 2 = 3"], stop_early=False) == "9 - 4 = 5\n5 - 2 = 3\n#### 3"
+    assert written_solution(["9 - 4 = 5", "5 - 2 = 3"], stop_early=True) == "9 - 4 = 5\n#### 5"
+    options = dict(train_size=400, test_size=50, seed=0, min_operands=2, max_operands=3)
+    clean = read_rows(make_task("arithmetic", tmp_path / "clean", **options)["train"])
+    flawed = read_rows(make_task("arithmetic", tmp_path / "flawed", stop_early_fraction=0.6, **options)["train"])
+    stopped = 0
+    for a, b in zip(clean, flawed, strict=True):
+        # the problems and their ground truths are the clean task's; only some solutions change
+        assert (a["prompt"], a["reward_model"]) == (b["prompt"], b["reward_model"])
+        steps = a["extra_info"]["solution"].split("\n")[:-1]
+        if b["extra_info"]["solution"] != a["extra_info"]["solution"]:
+            assert len(steps) == 2  # one-step problems have nothing to stop early from
+            assert b["extra_info"]["solution"] == f"{steps[0]}\n#### {steps[0].split(' = ')[1]}"
+            stopped += 1
+    two_step = sum(len(r["extra_info"]["solution"].split("\n")) == 3 for r in clean)
+    assert 0.5 < stopped / two_step < 0.7
+    with pytest.raises(UserError, match=r"stop_early_fraction must be in \[0, 1\], got 1.5"):
+        make_task("arithmetic", tmp_path / "bad", stop_early_fraction=1.5)
 
 
 def test_countdown_instances_are_solvable(tmp_path):

@@ -19,6 +19,10 @@ class ArithmeticSpec:
     max_digits: int = 2
     operators: str = "+-"
     instruction: str = INSTRUCTION
+    stop_early_fraction: float = 0.0
+    """Fraction of worked solutions that stop after the first step and answer with its value, as a
+    flawed teacher would: SFT data that is often wrong in one systematic way, which only a reward can
+    correct (the problems and their ground truths are unchanged)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_operands <= self.max_operands:
@@ -27,6 +31,8 @@ class ArithmeticSpec:
             raise ValueError(f"operators must be a non-empty subset of {''.join(_APPLY)}")
         if self.max_digits < 1:
             raise ValueError("max_digits must be >= 1")
+        if not 0.0 <= self.stop_early_fraction <= 1.0:
+            raise ValueError(f"stop_early_fraction must be in [0, 1], got {self.stop_early_fraction}")
 
 
 def solve_steps(numbers: list[int], ops: list[str]) -> tuple[int, list[str]]:
@@ -43,20 +49,27 @@ def solve_steps(numbers: list[int], ops: list[str]) -> tuple[int, list[str]]:
     return nums[0], steps
 
 
-def make_problem(rng: random.Random, spec: ArithmeticSpec) -> tuple[str, int, str]:
-    """(expression, value, worked solution ending in '#### value')."""
+def make_problem(rng: random.Random, spec: ArithmeticSpec) -> tuple[str, int, list[str]]:
+    """(expression, value, the worked solution's steps)."""
     count = rng.randint(spec.min_operands, spec.max_operands)
     numbers = [rng.randint(0, 10**spec.max_digits - 1) for _ in range(count)]
     ops = [rng.choice(spec.operators) for _ in range(count - 1)]
     expression = " ".join(x for pair in zip(map(str, numbers), ops + [""]) for x in pair).strip()
     value, steps = solve_steps(numbers, ops)
-    return expression, value, "\n".join(steps) + f"\n#### {value}"
+    return expression, value, steps
+
+
+def written_solution(steps: list[str], stop_early: bool) -> str:
+    """'47 + 83 = 130\n130 - 20 = 110\n#### 110'; stopping early, '47 + 83 = 130\n#### 130'."""
+    shown = steps[:1] if stop_early else steps
+    return "\n".join(shown) + f"\n#### {shown[-1].rsplit(' = ', 1)[1]}"
 
 
 def make_rows(
     count: int, *, seed: int, split: str, spec: ArithmeticSpec, exclude: set[str] = frozenset()
 ) -> list[dict]:
     rng = random.Random(f"arithmetic-{seed}-{split}")
+    flaw_rng = random.Random(f"arithmetic-flaw-{seed}-{split}")  # its own stream: problems stay the same
     rows, seen, attempts = [], set(exclude), 0
     while len(rows) < count:
         attempts += 1
@@ -64,10 +77,13 @@ def make_rows(
             raise ValueError(
                 f"could not find {count} distinct {split} problems with these options; ask for fewer"
             )
-        expression, value, solution = make_problem(rng, spec)
+        expression, value, steps = make_problem(rng, spec)
         if expression in seen:
             continue
         seen.add(expression)
+        stop_early = (
+            len(steps) > 1 and spec.stop_early_fraction > 0 and flaw_rng.random() < spec.stop_early_fraction
+        )
         rows.append(
             {
                 "data_source": "arithmetic",
@@ -78,7 +94,7 @@ def make_rows(
                     "split": split,
                     "index": len(rows),
                     "expression": expression,
-                    "solution": solution,
+                    "solution": written_solution(steps, stop_early),
                 },
             }
         )
