@@ -214,7 +214,9 @@ def main() -> None:
             load_config(None, common(out, sft_policy, "grpo", grpo_overrides(scale))), overwrite=True
         ).fit()
         times["grpo"] = time.perf_counter() - t
-        accuracy["grpo"] = greedy_accuracy(policy_of(out / "grpo"), test, device, styles.setdefault("grpo", {}))
+        accuracy["grpo"] = greedy_accuracy(
+            policy_of(out / "grpo"), test, device, styles.setdefault("grpo", {})
+        )
         summary["grpo_val_curve"] = val_curve(out / "grpo")
 
     if "dpo" in stages:
@@ -226,7 +228,9 @@ def main() -> None:
             dpo_config = load_config(None, common(out, sft_policy, "dpo", [
                 f"data.train_files=[{pairs}]", "data.val_files=[]", *scale["dpo"]]))  # fmt: skip
             DPOTrainer(dpo_config, overwrite=True).fit()
-            accuracy["dpo"] = greedy_accuracy(policy_of(out / "dpo"), test, device, styles.setdefault("dpo", {}))
+            accuracy["dpo"] = greedy_accuracy(
+                policy_of(out / "dpo"), test, device, styles.setdefault("dpo", {})
+            )
         else:
             print("DPO skipped: the SFT model's samples are all right or all wrong, so there are no pairs")
         times["dpo"] = time.perf_counter() - t

@@ -133,7 +133,9 @@ def test_flawed_teacher_stops_early_on_the_same_problems(tmp_path):
     assert written_solution(["9 - 4 = 5", "5 - 2 = 3"], stop_early=True) == "9 - 4 = 5\n#### 5"
     options = dict(train_size=400, test_size=50, seed=0, min_operands=2, max_operands=3)
     clean = read_rows(make_task("arithmetic", tmp_path / "clean", **options)["train"])
-    flawed = read_rows(make_task("arithmetic", tmp_path / "flawed", stop_early_fraction=0.6, **options)["train"])
+    flawed = read_rows(
+        make_task("arithmetic", tmp_path / "flawed", stop_early_fraction=0.6, **options)["train"]
+    )
     stopped = 0
     for a, b in zip(clean, flawed, strict=True):
         # the problems and their ground truths are the clean task's; only some solutions change
