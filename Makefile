@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-vllm lint format clean-venv chromium
+.PHONY: demo test test-vllm trl-venv lint format clean-venv chromium
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -42,6 +42,15 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest tests/vllm -o addopts="" -q
+
+# TRL, the baseline of bench/vs_trl, in its own environment (it pins its own transformers range)
+TRL_VENV ?= .venv-trl
+trl-venv: $(TRL_VENV)/.installed
+$(TRL_VENV)/.installed:
+	python3 -m venv $(TRL_VENV)
+	command -v nvidia-smi >/dev/null 2>&1 || $(TRL_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(TRL_VENV)/bin/python -m pip install -q --disable-pip-version-check "trl>=1.16,<2" "transformers>=5,<6" gguf
+	touch $@
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix hybridflow tests bench

@@ -1,0 +1,118 @@
+"""TRL's side: GRPOTrainer on the spec, in TRL's own environment; OUT/steps.jsonl.
+
+One generation of prompts_per_step x samples_per_prompt completions and one optimizer step per step
+(gradient accumulation over micro-batches of sequences_per_microbatch), KL off (beta 0, TRL's
+default), loss_type "dapo" (the step's token mean, our token-mean), rewards scaled per group (our
+GRPO), clip 0.2, constant learning rate, the same AdamW settings. Generation by transformers'
+`generate` (vLLM, TRL's faster path, is not available on the benchmark machines)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))  # hybridflow's scorers
+from spec import Spec, peak_memory_gib, score, write_step  # noqa: E402
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """Records the time spent generating (and scoring) each step's completions."""
+
+    generation_s = 0.0
+
+    def _generate_and_score_completions(self, inputs):
+        start = time.perf_counter()
+        result = super()._generate_and_score_completions(inputs)
+        self.generation_s += time.perf_counter() - start
+        return result
+
+
+class StepRecorder(TrainerCallback):
+    def __init__(self, spec: Spec, out: Path) -> None:
+        self.spec, self.out, self.tokens_seen, self.started = spec, out, 0, 0.0
+        self.trainer: TimedGRPOTrainer | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started, self.trainer.generation_s = time.perf_counter(), 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.wall = time.perf_counter() - self.started
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:
+            return
+        tokens = logs["num_tokens"] - self.tokens_seen
+        self.tokens_seen = logs["num_tokens"]
+        responses = self.spec.prompts_per_step * self.spec.samples_per_prompt
+        gen = self.trainer.generation_s
+        write_step(self.out, {
+            "step": state.global_step, "wall_s": self.wall, "gen_s": gen, "update_s": self.wall - gen,
+            "tokens": tokens, "response_tokens": logs["completions/mean_length"] * responses,
+            "reward_mean": logs["reward"], "peak_memory_gib": peak_memory_gib(self.spec.device),
+        })  # fmt: skip
+
+
+def main() -> None:
+    spec = Spec.load(sys.argv[1])
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    sequences = spec.prompts_per_step * spec.samples_per_prompt
+    micro = min(spec.sequences_per_microbatch, sequences)
+    if sequences % micro:
+        raise SystemExit(
+            f"prompts x samples ({sequences}) must be a multiple of sequences_per_microbatch ({micro})"
+        )
+    args = GRPOConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=sequences // micro,  # = steps_per_generation: one generation per step
+        num_generations=spec.samples_per_prompt,
+        max_completion_length=spec.max_response_tokens,
+        temperature=spec.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=spec.weight_decay,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=spec.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec.seed,
+        bf16=spec.device == "cuda",  # fp32 master weights, bf16 autocast: as hybridflow on a GPU
+        use_cpu=spec.device == "cpu",
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+
+    def reward(prompts, completions, reward_model, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [
+            score(spec.reward, t, r.get("ground_truth") if r else None) for t, r in zip(texts, reward_model)
+        ]
+
+    dataset = load_dataset("json", data_files=spec.data_file, split="train")
+    recorder = StepRecorder(spec, out)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[recorder])  # fmt: skip
+    recorder.trainer = trainer
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
