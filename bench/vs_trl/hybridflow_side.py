@@ -30,6 +30,9 @@ def main() -> None:
         f"rollout.temperature={spec.temperature}",
         "algorithm.adv_estimator=grpo",
         "actor.loss_agg_mode=token-mean",  # TRL's loss_type="dapo": tokens of the whole step
+        # TRL's micro-batches: a number of sequences, whatever their tokens
+        f"actor.sequences_per_microbatch={spec.sequences_per_microbatch}",
+        f"actor.max_tokens_per_microbatch={spec.sequences_per_microbatch * (spec.max_prompt_tokens + spec.max_response_tokens)}",
         f"actor.optim.lr={spec.lr}",
         f"actor.optim.weight_decay={spec.weight_decay}",
         "actor.optim.lr_scheduler=constant",

@@ -121,6 +121,9 @@ def main() -> None:
     p.add_argument("--response", type=int, default=16, help="max response tokens")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--micro", type=int, default=64, help="TRL's sequences per micro-batch")
+    p.add_argument(
+        "--trl-gradient-checkpointing", action="store_true", help="TRL's default (off here, as ours)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--sides", default="hybridflow,trl")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
@@ -133,7 +136,8 @@ def main() -> None:
                 data_file=prompts_file(args.out, args.reward, args.prompts * args.steps), steps=args.steps,
                 prompts_per_step=args.prompts, samples_per_prompt=args.samples, max_prompt_tokens=512,
                 max_response_tokens=args.response, lr=args.lr, reward=args.reward, device=device,
-                sequences_per_microbatch=args.micro)  # fmt: skip
+                sequences_per_microbatch=args.micro,
+                trl_gradient_checkpointing=args.trl_gradient_checkpointing)  # fmt: skip
     summary = {"settings": {**base, "model": args.model}, "sides": {}}
     for side in args.sides.split(","):
         python = sys.executable if side == "hybridflow" else args.trl_python

@@ -27,6 +27,7 @@ class Spec:
     reward: str = "arithmetic"  # or "letter_a": the share of 'a' in the response (random-weight models)
     device: str = "cpu"
     sequences_per_microbatch: int = 64  # TRL's per-device batch (gradient accumulation up to one step)
+    trl_gradient_checkpointing: bool = False  # TRL's default is on; hybridflow's side runs without
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -3,7 +3,8 @@
 One generation of prompts_per_step x samples_per_prompt completions and one optimizer step per step
 (gradient accumulation over micro-batches of sequences_per_microbatch), KL off (beta 0, TRL's
 default), loss_type "dapo" (the step's token mean, our token-mean), rewards scaled per group (our
-GRPO), clip 0.2, constant learning rate, the same AdamW settings. Generation by transformers'
+GRPO), clip 0.2, constant learning rate, the same AdamW settings, no gradient checkpointing unless
+asked (TRL's default has it on; hybridflow's side has it off). Generation by transformers'
 `generate` (vLLM, TRL's faster path, is not available on the benchmark machines)."""
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> None:
         warmup_steps=0,
         weight_decay=spec.weight_decay,
         max_grad_norm=1.0,
+        gradient_checkpointing=spec.trl_gradient_checkpointing,
         beta=0.0,
         epsilon=0.2,
         loss_type="dapo",
