@@ -42,7 +42,7 @@ from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows
-from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
+from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
 
 log = logging.getLogger(__name__)
 MAX_BAD_STEPS = 3
@@ -202,7 +202,7 @@ class RLTrainer:
         try:
             if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
                 start = time.perf_counter()
-                self.save()
+                self.save(metrics)
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
         finally:  # a failed save still records the step it followed
             self._log(metrics, step=self.step)
@@ -426,9 +426,10 @@ class RLTrainer:
             sink.log(metrics, step)
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, metrics: dict[str, float] | None = None) -> Path:
         """The workers write the sharded model and optimizer states and the transformers exports;
-        the controller adds the LR schedulers, its own state and the config."""
+        the controller adds the LR schedulers, its own state, the config and the step's `metrics` (for
+        a kill between this save and their logging)."""
         schedulers: dict = {}
 
         def write_models(directory: Path) -> None:
@@ -440,6 +441,7 @@ class RLTrainer:
             "kl_ctl": self.kl_ctl.state_dict(),
             "rng": rng_state(),
             "bad_steps": self.bad_steps,
+            "metrics_row": jsonl_row(metrics, self.step) if metrics is not None else None,
         }
         self.last_checkpoint = save_checkpoint(
             self.run_dir,
@@ -474,4 +476,6 @@ class RLTrainer:
         self.last_checkpoint = path
         for name in ("metrics.jsonl", "samples.jsonl"):
             truncate_jsonl(self.run_dir / name, self.step)
+        if "jsonl" in self.config.trainer.logger:
+            restore_last_row(self.run_dir / "metrics.jsonl", self.step, state.get("metrics_row"))
         print(f"resumed from {path} (step {self.step})", flush=True)

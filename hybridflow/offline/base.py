@@ -29,7 +29,7 @@ from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.roles.actor import build_optimizer, optimizer_step
 from hybridflow.roles.forward import policy_logprobs
 from hybridflow.tracking.progress import bar
-from hybridflow.tracking.sinks import make_sinks, truncate_jsonl
+from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
 
 
 class OfflineTrainer:
@@ -140,7 +140,7 @@ class OfflineTrainer:
                 metrics |= self.validate()
         if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
             start = time.perf_counter()
-            self.save()
+            self.save(metrics)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
         self._log(metrics, self.step)
         return metrics
@@ -163,7 +163,10 @@ class OfflineTrainer:
         for sink in self.sinks:
             sink.log(metrics, step)
 
-    def save(self) -> Path:
+    def save(self, metrics: dict[str, float] | None = None) -> Path:
+        """Sharded state, the transformers export, and the step's `metrics` (for a kill between this
+        save and their logging)."""
+
         def write_models(directory: Path) -> None:
             save_sharded(self.model, self.optimizer, directory / "actor_state")
             model = self.model
@@ -177,7 +180,12 @@ class OfflineTrainer:
             self.step,
             write_models=write_models,
             optim_state={"actor_scheduler": self.scheduler.state_dict()},
-            trainer_state={"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state()},
+            trainer_state={
+                "step": self.step,
+                "sampler": self.sampler.state_dict(),
+                "rng": rng_state(),
+                "metrics_row": jsonl_row(metrics, self.step) if metrics is not None else None,
+            },
             config_yaml=to_yaml(self.config),
             keep_last=self.config.trainer.keep_last_checkpoints,
         )
@@ -196,4 +204,6 @@ class OfflineTrainer:
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+        if "jsonl" in self.config.trainer.logger:
+            restore_last_row(self.run_dir / "metrics.jsonl", self.step, state.get("metrics_row"))
         print(f"resumed from {path} (step {self.step})", flush=True)

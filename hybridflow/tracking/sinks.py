@@ -92,8 +92,7 @@ class JsonlSink:
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.write(json.dumps(jsonl_row(metrics, step)) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -120,6 +119,23 @@ def make_sinks(names: list[str], run_dir: Path, config) -> list[Sink]:
             t = config.trainer
             sinks.append(WandbSink(run_dir, to_dict(config), project=t.project_name, name=t.experiment_name))
     return sinks
+
+
+def jsonl_row(metrics: dict[str, float], step: int) -> dict:
+    """{"step": step, metric: value, ...}, a non-finite value as null (strict JSON)."""
+    return {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
+
+
+def restore_last_row(path: Path, step: int, row: dict | None) -> None:
+    """After resuming from checkpoint `step`: a run killed after that checkpoint was written but
+    before the step's metrics reached `path` gets the row the checkpoint kept, so no step is missing."""
+    if row is None:
+        return
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    if lines and json.loads(lines[-1]).get("step") == step:
+        return
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

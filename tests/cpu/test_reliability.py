@@ -273,6 +273,23 @@ def _wait(condition, process, timeout=240):
         time.sleep(0.001)
 
 
+def test_a_kill_between_a_save_and_its_metrics_leaves_no_step_missing(setup, tmp_path):
+    """Found by the SIGKILL trial: a run killed after checkpoint N was written but before step N's
+    metrics were logged resumed at N + 1 with no row for N. The checkpoint now keeps the row."""
+    from rl_run import config, read_metrics
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    settings = ("trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.progress=false")
+    RLTrainer(config(setup, tmp_path, *settings)).fit(max_steps=2)
+    rows = read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))  # killed there
+    RLTrainer(config(setup, tmp_path, *settings)).fit()
+    after = read_metrics(tmp_path)
+    assert [r["step"] for r in after] == [1, 2, 3]
+    assert after[1] == {k: v for k, v in rows[1].items() if k != "timing_s/save_checkpoint"}
+
+
 @pytest.mark.trials
 def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_path):
     """SIGKILL (no handler can run) while a checkpoint is half-written, then twice more at random

@@ -87,6 +87,9 @@ def test_loss_falls_resume_is_exact_and_rl_starts_from_the_export(sft_setup, tmp
     straight = SFTTrainer(_sft_config(sft_setup, tmp_path / "a", "trainer.total_training_steps=6"))
     straight.fit()
     SFTTrainer(_sft_config(sft_setup, tmp_path / "b", "trainer.total_training_steps=3")).fit()
+    # killed after checkpoint 3 was written, before step 3's metrics were: the checkpoint keeps them
+    logged = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(line + "\n" for line in logged[:-1]))
     resumed = SFTTrainer(_sft_config(sft_setup, tmp_path / "b", "trainer.total_training_steps=6"))
     assert resumed.step == 3
     resumed.fit()
