@@ -45,6 +45,7 @@ def main() -> None:
         "trainer.logger=[console]",
         "trainer.progress=false",
         f"trainer.run_dir={out / 'run'}",
+        *spec.hybridflow_overrides,
     ]
     if spec.reward == "letter_a":
         (out / "reward.py").write_text(LETTER_A)

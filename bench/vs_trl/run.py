@@ -124,6 +124,13 @@ def main() -> None:
     p.add_argument(
         "--trl-gradient-checkpointing", action="store_true", help="TRL's default (off here, as ours)"
     )
+    p.add_argument(
+        "--hybridflow",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="settings of hybridflow's side beyond the matched ones (e.g. model.compile=true)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--sides", default="hybridflow,trl")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
@@ -137,7 +144,8 @@ def main() -> None:
                 prompts_per_step=args.prompts, samples_per_prompt=args.samples, max_prompt_tokens=512,
                 max_response_tokens=args.response, lr=args.lr, reward=args.reward, device=device,
                 sequences_per_microbatch=args.micro,
-                trl_gradient_checkpointing=args.trl_gradient_checkpointing)  # fmt: skip
+                trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+                hybridflow_overrides=args.hybridflow)  # fmt: skip
     summary = {"settings": {**base, "model": args.model}, "sides": {}}
     for side in args.sides.split(","):
         python = sys.executable if side == "hybridflow" else args.trl_python

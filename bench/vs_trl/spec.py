@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import resource
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -28,6 +28,7 @@ class Spec:
     device: str = "cpu"
     sequences_per_microbatch: int = 64  # TRL's per-device batch (gradient accumulation up to one step)
     trl_gradient_checkpointing: bool = False  # TRL's default is on; hybridflow's side runs without
+    hybridflow_overrides: list[str] = field(default_factory=list)  # e.g. model.compile=true
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
