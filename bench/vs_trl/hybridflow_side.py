@@ -6,12 +6,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec import Spec, peak_memory_gib, write_step  # noqa: E402
+from spec import Spec, peak_memory_gib, score, write_step  # noqa: E402
 
 from hybridflow.config import load_config  # noqa: E402
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
-
-LETTER_A = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return solution_str.count('a') / max(len(solution_str), 1)\n"
 
 
 def main() -> None:
@@ -47,10 +45,11 @@ def main() -> None:
         f"trainer.run_dir={out / 'run'}",
         *spec.hybridflow_overrides,
     ]
-    if spec.reward == "letter_a":
-        (out / "reward.py").write_text(LETTER_A)
-        overrides.append(f"reward.custom_function_path={out / 'reward.py'}")
-    trainer = RLTrainer(load_config(None, overrides), overwrite=True)
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):  # the TRL side's scorer too
+        return score(spec.reward, solution_str, ground_truth)
+
+    trainer = RLTrainer(load_config(None, overrides), overwrite=True, reward_function=reward)
     trainer.run_dir.mkdir(parents=True, exist_ok=True)  # fit() would; the steps are driven here
     for step in range(1, trainer.total_steps + 1):
         trainer.step = step
