@@ -62,6 +62,32 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def logprob_parity(model: NativeCausalLM, tokens: int = 4096) -> dict:
+    """Chunked log-probs (compiled on CUDA) vs log_softmax over the full float32 logits of the same
+    bf16 matmul: largest differences of log-probs, entropies and the gradient wrt the hidden states."""
+    from hybridflow.models.native import chunked_token_logprobs
+
+    g = torch.Generator(device=model.lm_head.weight.device).manual_seed(0)
+    weight = model.lm_head.weight.detach().to(torch.bfloat16)  # [V, H]
+    hidden = torch.randn(tokens, weight.shape[1], device=weight.device, generator=g).bfloat16()
+    targets = torch.randint(0, weight.shape[0], (tokens,), device=weight.device, generator=g)
+    upstream = torch.randn(tokens, device=weight.device, generator=g)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    logits = (h1 @ weight.T).float()  # [N, V]
+    log_probs = torch.log_softmax(logits, -1)
+    naive = log_probs.gather(-1, targets[:, None])[:, 0]
+    naive_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    (naive * upstream).sum().backward()
+    logp, entropy = chunked_token_logprobs(h2, weight, targets)
+    (logp * upstream).sum().backward()
+    return {
+        "logp_max_abs_diff": (logp - naive).abs().max().item(),
+        "entropy_max_abs_diff": (entropy - naive_entropy).abs().max().item(),
+        "grad_hidden_max_abs_diff": (h2.grad.float() - h1.grad.float()).abs().max().item(),
+        "grad_hidden_max_abs": h1.grad.float().abs().max().item(),
+    }
+
+
 def profile_update(actor: Actor, batch: TrainingBatch, rows: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,6 +117,7 @@ def main() -> None:
     model = random_model(args.shape, args.device)
     batch = random_batch(args.sequences, args.prompt, args.response, model.config.vocab_size, args.group)
     tokens = args.sequences * (args.prompt + args.response)
+    print(json.dumps({"chunked_logprobs_vs_naive": logprob_parity(model)}), flush=True)
     compiled = False
     for variant in sorted(args.variants, key=lambda v: v.endswith(":compile")):
         budget, _, flag = variant.partition(":")

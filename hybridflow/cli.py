@@ -29,7 +29,7 @@ def _prompts_from_file(path: str) -> list:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from hybridflow.data.prompts import check_prompt, render_prompt
-    from hybridflow.models import load_causal_lm
+    from hybridflow.models import load_causal_lm, stop_token_ids
     from hybridflow.rollout import HFBackend, SamplingParams
 
     if args.out and Path(args.out).exists():
@@ -48,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model.to(device)
     texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
     prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(model, tok)
     if args.backend == "vllm":
         from hybridflow.models.default import default_model_dir
         from hybridflow.rollout.vllm import VLLMBackend

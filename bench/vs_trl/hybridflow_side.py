@@ -26,10 +26,12 @@ def main() -> None:
         f"data.max_response_tokens={spec.max_response_tokens}",
         f"rollout.samples_per_prompt={spec.samples_per_prompt}",
         f"rollout.temperature={spec.temperature}",
+        # TRL generates the step's sequences in one `generate` call: ours decode them together too
+        f"rollout.max_batch_sequences={spec.prompts_per_step * spec.samples_per_prompt}",
         "algorithm.adv_estimator=grpo",
         "actor.loss_agg_mode=token-mean",  # TRL's loss_type="dapo": tokens of the whole step
-        # TRL's micro-batches: a number of sequences, whatever their tokens
-        f"actor.sequences_per_microbatch={spec.sequences_per_microbatch}",
+        # the tokens TRL's micro-batch of padded sequences holds at full length: the same worst-case
+        # memory, filled with packed sequences instead of padding
         f"actor.max_tokens_per_microbatch={spec.sequences_per_microbatch * (spec.max_prompt_tokens + spec.max_response_tokens)}",
         f"actor.optim.lr={spec.lr}",
         f"actor.optim.weight_decay={spec.weight_decay}",

@@ -25,17 +25,21 @@ from spec import Spec  # noqa: E402
 ROOT = Path(__file__).parents[2]
 
 
-def model_dir(out: Path, name: str) -> str:
+def model_dir(out: Path, name: str, stop_tokens: int = 0) -> str:
     """The default model's transformers directory, a random Qwen2.5-shaped one (bench/rollout.py's
-    shapes, the byte tokenizer), or a path."""
+    shapes, the byte tokenizer), or a path. `stop_tokens`: a random model's generation_config names
+    that many random ids as EOS besides the tokenizer's, which both sides stop at (transformers'
+    generate and TRL read generation_config.eos_token_id, as hybridflow does)."""
     if name == "default":
         from hybridflow.models.default import default_model_dir
 
         return str(default_model_dir())
     if name not in ("0.5b", "1.5b"):
         return name
-    path = out / f"model-{name}"
+    path = out / f"model-{name}" if not stop_tokens else out / f"model-{name}-stops{stop_tokens}"
     if not (path / "config.json").is_file():
+        import random
+
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -45,12 +49,17 @@ def model_dir(out: Path, name: str) -> str:
         from hybridflow.models import byte_tokenizer, save_hf
 
         torch.manual_seed(0)
-        save_hf(AutoModelForCausalLM.from_config(hf_config(name)), byte_tokenizer(), path, overwrite=True)
+        model, tokenizer = AutoModelForCausalLM.from_config(hf_config(name)), byte_tokenizer()
+        if stop_tokens:
+            ids = random.Random(0).sample(range(len(tokenizer), model.config.vocab_size), stop_tokens)
+            model.generation_config.eos_token_id = [tokenizer.eos_token_id, *sorted(ids)]
+        save_hf(model, tokenizer, path, overwrite=True)
     return str(path)
 
 
-def prompts_file(out: Path, reward: str, count: int) -> str:
-    """The built-in arithmetic task's training rows, or random-letter prompts for the letter_a reward."""
+def prompts_file(out: Path, reward: str, count: int, task: str = "demo") -> str:
+    """The built-in arithmetic task's training rows (the demo recipe's, or bench/sft_then_grpo.py's
+    whose SFT model learns from scratch), or random-letter prompts for the letter_a reward."""
     import random
 
     path = out / f"prompts-{reward}.jsonl"
@@ -58,9 +67,14 @@ def prompts_file(out: Path, reward: str, count: int) -> str:
         from hybridflow.data import read_rows
         from hybridflow.data.tasks import make_task
 
-        # the demo recipe's task: single-digit + and -, where SmolLM2-135M gets about half right
-        files = make_task("arithmetic", out / "task", train_size=190, test_size=10, seed=0, max_digits=1,
-                          operators="+-", instruction="Answer with just the number.")  # fmt: skip
+        if task == "sft_then_grpo":
+            sys.path.insert(0, str(ROOT / "bench"))
+            from sft_then_grpo import TASK
+
+            files = make_task("arithmetic", out / "task", **TASK)
+        else:  # the demo recipe's: single-digit + and -, where SmolLM2-135M gets about half right
+            files = make_task("arithmetic", out / "task", train_size=190, test_size=10, seed=0, max_digits=1,
+                              operators="+-", instruction="Answer with just the number.")  # fmt: skip
         rows = read_rows(files["train"])
     else:
         rng = random.Random(0)
@@ -119,8 +133,21 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--response", type=int, default=16, help="max response tokens")
+    p.add_argument("--max-prompt", type=int, default=512, help="max prompt tokens")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--micro", type=int, default=64, help="TRL's sequences per micro-batch")
+    p.add_argument(
+        "--stop-tokens",
+        type=int,
+        default=0,
+        help="a random model stops at this many random ids too (each ~1/vocab a step: varied lengths)",
+    )
+    p.add_argument(
+        "--task",
+        default="demo",
+        choices=["demo", "sft_then_grpo"],
+        help="the arithmetic task: the demo recipe's, or bench/sft_then_grpo.py's (for its SFT model)",
+    )
     p.add_argument(
         "--trl-gradient-checkpointing", action="store_true", help="TRL's default (off here, as ours)"
     )
@@ -139,14 +166,15 @@ def main() -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
-    base = dict(model_dir=model_dir(args.out, args.model),
-                data_file=prompts_file(args.out, args.reward, args.prompts * args.steps), steps=args.steps,
-                prompts_per_step=args.prompts, samples_per_prompt=args.samples, max_prompt_tokens=512,
+    base = dict(model_dir=model_dir(args.out, args.model, args.stop_tokens),
+                data_file=prompts_file(args.out, args.reward, args.prompts * args.steps, args.task),
+                steps=args.steps,
+                prompts_per_step=args.prompts, samples_per_prompt=args.samples, max_prompt_tokens=args.max_prompt,
                 max_response_tokens=args.response, lr=args.lr, reward=args.reward, device=device,
                 sequences_per_microbatch=args.micro,
                 trl_gradient_checkpointing=args.trl_gradient_checkpointing,
                 hybridflow_overrides=args.hybridflow)  # fmt: skip
-    summary = {"settings": {**base, "model": args.model}, "sides": {}}
+    summary = {"settings": {**base, "model": args.model, "stop_tokens": args.stop_tokens}, "sides": {}}
     for side in args.sides.split(","):
         python = sys.executable if side == "hybridflow" else args.trl_python
         total = run_side(side, Spec(out=str(args.out / side), **base), python)

@@ -10,7 +10,7 @@ import torch
 from hybridflow.config.schema import Config
 from hybridflow.controller.setup import sequences_per_step
 from hybridflow.errors import UserError
-from hybridflow.models import native, save_hf
+from hybridflow.models import native, save_hf, stop_token_ids
 from hybridflow.models.lora import (
     apply_lora,
     load_adapter,
@@ -120,7 +120,7 @@ def rollout_backend(
     backend = r.backend
     if backend == "auto":
         backend = "native" if isinstance(policy, native.NativeCausalLM) else "hf"
-    eos = [tokenizer.eos_token_id]
+    eos = stop_token_ids(hf_model, tokenizer)
     context = c.data.max_prompt_tokens + c.data.max_response_tokens
     if backend == "vllm":
         from hybridflow.rollout.vllm import VLLMBackend

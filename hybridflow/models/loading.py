@@ -56,6 +56,16 @@ def load_causal_lm(
     return model.eval(), tokenizer
 
 
+def stop_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Where generation stops, as transformers' `generate` stops: the tokenizer's EOS and every id of
+    the model's generation_config.eos_token_id (an int or a list: Qwen2.5-Instruct's names both
+    <|im_end|> and <|endoftext|>)."""
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None) if config is not None else None
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys(t for t in [tokenizer.eos_token_id, *extra] if t is not None))
+
+
 def load_tokenizer(
     path: str, *, cache_dir: str | None = None, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:

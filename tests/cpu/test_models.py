@@ -39,6 +39,31 @@ def test_export_reloads_in_transformers_with_identical_logits(family, tmp_path):
     assert ours_tok.pad_token is not None
 
 
+def test_generation_stops_at_every_eos_of_the_generation_config(tmp_path):
+    """A model whose generation_config names several EOS ids (Qwen2.5-Instruct: <|im_end|> and
+    <|endoftext|>) stops at any of them in our engine, as in transformers' generate."""
+    from hybridflow.engine import Engine, EngineConfig
+    from hybridflow.models import stop_token_ids
+    from hybridflow.rollout.hf import HFBackend
+    from hybridflow.rollout.sampling import SamplingParams
+
+    hf, tok = tiny_model("qwen2", seed=4), byte_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    reference = HFBackend(hf, pad_token_id=0, eos_token_ids=[tok.eos_token_id])
+    tokens = reference.generate([[5, 9, 200]], greedy)[0].token_ids
+    assert len(tokens) == 12  # the tokenizer's EOS alone: no stop
+    hf.generation_config.eos_token_id = [tok.eos_token_id, tokens[0]]
+    save_hf(hf, tok, tmp_path / "m")
+    for impl in ("native", "hf"):
+        model, tok = load_causal_lm(str(tmp_path / "m"), impl=impl)
+        assert stop_token_ids(model, tok) == [tok.eos_token_id, tokens[0]]
+    native, tok = load_causal_lm(str(tmp_path / "m"), impl="native")
+    config = EngineConfig(page_size=4, max_context_tokens=64)
+    engine = Engine(native, eos_token_ids=stop_token_ids(native, tok), config=config)
+    out = engine.generate([[5, 9, 200]], greedy)[0]
+    assert out.token_ids == tokens[:1] and out.finish_reason == "stop"
+
+
 def test_export_refuses_non_empty_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="not empty"):

@@ -49,6 +49,7 @@ def from_hf_model(hf_model) -> NativeCausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
     model.load_state_dict(state, strict=True)
+    model.generation_config = getattr(hf_model, "generation_config", None)  # where generation stops
     return model.eval()
 
 

@@ -4,7 +4,38 @@ that recomputes each chunk's logits in backward instead of storing them)."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, scale: float):
+    """One chunk's raw logits [c, V] (the matmul's dtype) and targets [c] -> log p(target) [c] and
+    entropy [c], float32, of softmax(logits * scale)."""
+    logits = logits.float() * scale
+    lse = torch.logsumexp(logits, -1)  # [c]
+    logp = logits.gather(-1, targets[:, None])[:, 0] - lse
+    entropy = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
+    return logp, entropy
+
+
+def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, scale: float):
+    """d loss / d raw logits [c, V] in the logits' dtype: (onehot(target) - softmax) * grad * scale."""
+    scaled = logits.float() * scale
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (vocab[None, :] == targets[:, None]).float()  # [c, V]
+    return ((onehot - torch.softmax(scaled, -1)) * (grad_logp[:, None] * scale)).to(logits.dtype)
+
+
+@cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def _kernel(fn, device: torch.device):
+    """On CUDA the chunk's elementwise work fused by torch.compile (one or two reads of the [c, V]
+    logits instead of a dozen float32 passes); elsewhere eager."""
+    return _compiled(fn) if device.type == "cuda" else fn
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -16,12 +47,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         w = weight.to(hidden.dtype)  # matmuls run in the activations' dtype (bf16 under autocast)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        stats = _kernel(_chunk_forward, hidden.device)
         for s in range(0, n, chunk):
-            logits = (hidden[s : s + chunk] @ w.T).float() * scale  # [c, V]
-            lse = torch.logsumexp(logits, -1)
-            logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None])[:, 0] - lse
-            probs = torch.softmax(logits, -1)
-            entropy[s : s + chunk] = lse - (probs * logits).sum(-1)
+            logits = hidden[s : s + chunk] @ w.T  # [c, V]
+            logp[s : s + chunk], entropy[s : s + chunk] = stats(logits, targets[s : s + chunk], scale)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk, ctx.scale = chunk, scale
         ctx.mark_non_differentiable(entropy)
@@ -37,19 +66,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.needs_input_grad[1]
             else None
         )
+        grad_of_logits = _kernel(_chunk_grad, hidden.device)
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
-            logits = (h @ w.T).float() * ctx.scale  # [c, V]
             # d logp_t / d logits = onehot(target) - softmax; the raw logits' gradient is that times scale
-            d_logits = -torch.softmax(logits, -1) * grad_logp[s : s + ctx.chunk, None]
-            d_logits.scatter_add_(
-                -1, targets[s : s + ctx.chunk, None], grad_logp[s : s + ctx.chunk, None].float()
+            d_logits = grad_of_logits(
+                h @ w.T, targets[s : s + ctx.chunk], grad_logp[s : s + ctx.chunk], ctx.scale
             )
-            d_logits *= ctx.scale
             if grad_hidden is not None:
-                grad_hidden[s : s + ctx.chunk] = d_logits.to(w.dtype) @ w
+                grad_hidden[s : s + ctx.chunk] = d_logits @ w
             if grad_weight is not None:
-                grad_weight += (d_logits.to(w.dtype).T @ h).float()
+                grad_weight += (d_logits.T @ h).float()
         return (
             grad_hidden,
             (grad_weight.to(weight.dtype) if grad_weight is not None else None),
