@@ -25,6 +25,7 @@ RENAMES: dict[str, str] = {
     f"{_ARR}.rollout.top_p": "rollout.top_p",
     f"{_ARR}.rollout.top_k": "rollout.top_k",
     f"{_ARR}.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    f"{_ARR}.rollout.free_cache_engine": "rollout.free_cache_engine",
     f"{_ARR}.rollout.name": "rollout.backend",
     f"{_ARR}.rollout.val_kwargs.n": "rollout.val_samples_per_prompt",
     f"{_ARR}.rollout.val_kwargs.temperature": "rollout.val_temperature",

@@ -120,6 +120,11 @@ class RolloutConfig:
     on CPU, room for one step's sequences at full length."""
     cuda_graphs: bool = True
     """Native engine: replay decode steps as CUDA graphs."""
+    free_cache_engine: bool = True
+    """Colocated on a GPU: free the rollout's KV pool (and the engine's CUDA graphs) while the other
+    roles run, and allocate (and capture) them again for the next generation. false keeps them: no
+    re-allocation or graph capture each step, for a pool that fits beside training (a lower
+    gpu_memory_utilization or kv_cache_tokens; `hybridflow plan` counts it in every phase)."""
     val_samples_per_prompt: int = 1
     val_temperature: float = 0.0
     """0 means greedy."""

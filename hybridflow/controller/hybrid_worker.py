@@ -204,8 +204,9 @@ class HybridWorker:
             return self.rollout.generate(prompts, params, first_group=first_group)
 
     def sleep_rollout(self) -> None:
-        """On a GPU, the engine's KV cache is freed while the other roles run."""
-        if self.device.type == "cuda" and self.rollout is not None:
+        """On a GPU, the engine's KV cache is freed while the other roles run (unless
+        rollout.free_cache_engine=false keeps it)."""
+        if self.device.type == "cuda" and self.rollout is not None and self.config.rollout.free_cache_engine:
             self.rollout.sleep()
 
     def log_probs(self, batch: TrainingBatch) -> torch.Tensor:

@@ -104,3 +104,15 @@ def test_offload_and_disaggregation_move_memory_off_the_training_gpu():
     kv = 0.5 * (H200 - CUDA_CONTEXT - engine)
     assert apart.phases["gen"] == pytest.approx(CUDA_CONTEXT + engine + kv)
     assert apart.phases["update_actor"] == pytest.approx(plain.phases["update_actor"] - engine)
+
+
+def test_a_kept_kv_pool_is_counted_in_every_phase():
+    shape = _shape(**QWEN_05B)
+    freed = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=1)
+    kept = estimate(
+        load_config(None, [*BENCH, "rollout.free_cache_engine=false"]), shape, gpu_bytes=H200, workers=1
+    )
+    pool = freed.kv_tokens * shape.kv_bytes_per_token()
+    assert kept.kv_tokens == freed.kv_tokens and kept.phases["gen"] == freed.phases["gen"]
+    for phase in ("ref/old_log_prob", "update_actor", "update_weights"):
+        assert kept.phases[phase] == pytest.approx(freed.phases[phase] + pool, abs=shape.kv_bytes_per_token())
