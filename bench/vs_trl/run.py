@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -116,8 +117,10 @@ def summarize(out: Path) -> dict:
         k: sum(s[k] for s in later) / len(later)
         for k in ("wall_s", "gen_s", "update_s", "tokens", "response_tokens")
     }
+    median = {k: statistics.median(s[k] for s in later) for k in ("wall_s", "gen_s", "update_s")}
     return {
         **{f"{k}_mean": v for k, v in mean.items()},
+        **{f"{k}_median": v for k, v in median.items()},  # robust to one-off costs (a recompile)
         "tokens_per_s": sum(s["tokens"] for s in later) / sum(s["wall_s"] for s in later),
         "peak_memory_gib": max(s["peak_memory_gib"] for s in steps),
         "reward_curve": [round(s["reward_mean"], 4) for s in steps],
@@ -185,6 +188,9 @@ def main() -> None:
         summary["step_speedup"] = sides["trl"]["wall_s_mean"] / sides["hybridflow"]["wall_s_mean"]
         summary["generation_speedup"] = sides["trl"]["gen_s_mean"] / sides["hybridflow"]["gen_s_mean"]
         summary["update_speedup"] = sides["trl"]["update_s_mean"] / sides["hybridflow"]["update_s_mean"]
+        summary["step_speedup_of_medians"] = (
+            sides["trl"]["wall_s_median"] / sides["hybridflow"]["wall_s_median"]
+        )
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "sides"}, indent=1))
 
