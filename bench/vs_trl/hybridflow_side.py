@@ -60,7 +60,9 @@ def main() -> None:
         write_step(out, {
             "step": step, "wall_s": m["timing_s/step"], "gen_s": gen, "update_s": m["timing_s/step"] - gen,
             "tokens": m["perf/total_num_tokens"], "response_tokens": m["response_length/mean"] * m["rollout/responses"],
-            "reward_mean": m["critic/score/mean"], "peak_memory_gib": peak_memory_gib(spec.device),
+            "reward_mean": m["critic/score/mean"],
+            # the trainer resets the peak per phase: its own per-step maximum over the phases
+            "peak_memory_gib": m.get("perf/max_memory_allocated_gb", peak_memory_gib(spec.device)),
             "phases_s": {k[len("timing_s/"):]: v for k, v in m.items() if k.startswith("timing_s/")},
         })  # fmt: skip
     trainer.placement.shutdown()
