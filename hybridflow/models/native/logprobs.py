@@ -34,8 +34,12 @@ def _compiled(fn):
 
 def _kernel(fn, device: torch.device):
     """On CUDA the chunk's elementwise work fused by torch.compile (one or two reads of the [c, V]
-    logits instead of a dozen float32 passes); elsewhere eager."""
-    return _compiled(fn) if device.type == "cuda" else fn
+    logits instead of a dozen float32 passes); elsewhere eager. A one-row chunk runs eager: dynamic
+    shapes specialise sizes 0 and 1, and such a chunk would cost a recompile (seconds) for no work."""
+    if device.type != "cuda":
+        return fn
+    compiled = _compiled(fn)
+    return lambda logits, *rest: (compiled if logits.shape[0] > 1 else fn)(logits, *rest)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
