@@ -71,12 +71,16 @@ def packed_causal_attention(
         if groups > 1:  # older torch: expand the KV heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0))
-    out = torch.empty_like(q)
-    for start, end in zip(layout.bounds[:-1], layout.bounds[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
+    # One split per input and one cat of the outputs: slicing per sequence (or writing slices of one
+    # output) makes backward build a full-size gradient per sequence, quadratic in the sequences.
+    bounds = layout.bounds
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    outs = []
+    for qs, ks, vs in zip(*(torch.split(t, lengths) for t in (q, k, v))):
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # [1, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
-    return out
+        outs.append(o[0].transpose(0, 1))  # [L, Hq, D]
+    return torch.cat(outs)
 
 
 class Attention(nn.Module):
