@@ -63,8 +63,9 @@ def response_logprobs(
     temporary."""
     width = max(len(r) for r in response_ids)
     logps, entropies = [], []
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        row = logits[i, len(p) - 1 : len(p) - 1 + len(r)].float() / temperature  # [R, V]
+    # unbind once: indexing logits[i] per row would make backward build a full [b, L, V] gradient per row
+    for row_logits, p, r in zip(logits.unbind(0), prompt_ids, response_ids):
+        row = row_logits[len(p) - 1 : len(p) - 1 + len(r)].float() / temperature  # [R, V]
         targets = torch.tensor(r, dtype=torch.long, device=logits.device)[:, None]  # [R, 1]
         logps.append(F.pad(torch.log_softmax(row, -1).gather(-1, targets)[:, 0], (0, width - len(r))))
         if with_entropy:
