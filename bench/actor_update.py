@@ -1,6 +1,6 @@
 """The actor's GRPO update alone, on the workload of bench/vs_trl (512 sequences of 200 prompt + 256
 response tokens by default): seconds per update under several micro-batch budgets, eager and with
-compiled layers, and optionally the top CUDA kernels and the host's share of one update.
+compiled layers, and optionally the top CUDA kernels of one update (and their total time).
 
     PYTHONPATH=. python bench/actor_update.py --shape 0.5b --variants 8192 29184 29184:compile --profile
 
@@ -17,24 +17,11 @@ import time
 
 import torch
 
-from bench.train_throughput import config_for
+from bench.rollout import random_model
 from hybridflow.batch import TrainingBatch, pad_ragged
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models.native import NativeCausalLM
-from hybridflow.models.native.config import from_hf
 from hybridflow.roles.actor import Actor
-
-
-def random_model(shape: str, device: str) -> NativeCausalLM:
-    config = from_hf(config_for(shape))
-    with torch.device(device):
-        model = NativeCausalLM(config)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.02)
-    return model
 
 
 def random_batch(sequences: int, prompt: int, response: int, vocab: int, group: int) -> TrainingBatch:
@@ -112,12 +99,13 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="top kernels of each variant's update")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    p.add_argument("--parity-tokens", type=int, default=4096, help="tokens of the log-prob parity check")
     args = p.parse_args()
     torch.manual_seed(0)
-    model = random_model(args.shape, args.device)
+    model = random_model(args.shape, args.device, torch.float32)  # fp32 master weights
     batch = random_batch(args.sequences, args.prompt, args.response, model.config.vocab_size, args.group)
     tokens = args.sequences * (args.prompt + args.response)
-    print(json.dumps({"chunked_logprobs_vs_naive": logprob_parity(model)}), flush=True)
+    print(json.dumps({"chunked_logprobs_vs_naive": logprob_parity(model, args.parity_tokens)}), flush=True)
     compiled = False
     for variant in sorted(args.variants, key=lambda v: v.endswith(":compile")):
         budget, _, flag = variant.partition(":")
