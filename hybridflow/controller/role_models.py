@@ -161,6 +161,8 @@ def rollout_backend(
         kv_cache_tokens=kv_tokens,
         gpu_memory_utilization=r.gpu_memory_utilization,
         cuda_graphs=r.cuda_graphs,
+        decode_steps=r.decode_steps,
+        compile_layers=c.model.compile,
         compute_dtype=compute,
         share_weights=share_weights,
         progress=c.trainer.progress,

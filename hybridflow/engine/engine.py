@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridflow.engine.kv_cache import KVCache
@@ -34,6 +35,12 @@ class EngineConfig:
     or room for every sequence at full context on CPU."""
     gpu_memory_utilization: float = 0.5
     cuda_graphs: bool = True
+    decode_steps: int = 8
+    """Decode steps the device runs between two looks of the host: the host plans and records once per
+    run while the GPU works on (a sequence that stops in a run computes to its end, at most this many
+    steps more; 1: a host round trip per token)."""
+    compile_layers: bool = False
+    """torch.compile the parts of each layer around attention (fused norms, RoPE, SwiGLU)."""
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
@@ -93,6 +100,7 @@ class Engine:
             max_batch=c.max_batch_sequences,
             max_context=c.max_context_tokens,
             cuda_graphs=c.cuda_graphs,
+            compile_layers=c.compile_layers,
         )
         self.asleep = False
         self.stats: dict[str, float] = {}
@@ -166,21 +174,9 @@ class Engine:
         while scheduler.has_work:
             jobs = scheduler.schedule_prefill()
             if jobs:
-                logits = self.runner.prefill(jobs)  # [J, V]
-                batch = [s for job in jobs for s in job.seqs]
-                rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
-                logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
-                for s in batch:
-                    s.cached = len(s.tokens)
+                finished.update(self._prefill(jobs, params, stops, scheduler))
             else:
-                batch = scheduler.schedule_decode()
-                if not batch:
-                    raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-                table = scheduler.table[[s.row for s in batch]]  # [B, max_pages]
-                logits = self.runner.decode(batch, table)  # [B, V]
-                for s in batch:
-                    s.cached += 1
-            finished.update(self._append(batch, logits, params, stops, scheduler))
+                finished.update(self._decode(scheduler, params, stops))
             steps += 1
         finished.close()
         assert self.cache.pool.num_free == self.cache.pool.num_pages, "pages leaked"
@@ -199,35 +195,66 @@ class Engine:
             for s in seqs
         ]
 
-    def _append(self, batch, logits, params, stops, scheduler: Scheduler) -> int:
-        """Sample one token per sequence, decide stops on the device, bring both back in one copy,
-        record the tokens and retire finished sequences (returns how many)."""
-        dev = logits.device
-        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(dev, non_blocking=True)
-        generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
-        lengths = torch.tensor([len(s.tokens) for s in batch], dtype=torch.int64)
-        steps = generated.to(dev, non_blocking=True)
-        tokens, logp, unscaled = sample(logits, params, seeds, steps)
-        stopped = (
-            torch.isin(tokens, stops.to(dev)) if stops.numel() else torch.zeros_like(tokens, dtype=torch.bool)
-        )
-        host = torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()]).cpu()
-        if not torch.isfinite(host[1:3]).all():
+    def _prefill(self, jobs: list[PrefillJob], params, stops, scheduler: Scheduler) -> int:
+        """Prefill the jobs' prompts and sample every sequence's next token (returns those finished)."""
+        logits = self.runner.prefill(jobs)  # [J, V]
+        batch = [s for job in jobs for s in job.seqs]
+        rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
+        logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
+        for s in batch:
+            s.cached = len(s.tokens)
+        sampled = _Sampled(batch, params, stops, steps=1, device=logits.device)
+        sampled.draw(logits, 0)
+        return self._record(batch, sampled.fetch(), [1] * len(batch), params, scheduler)
+
+    def _decode(self, scheduler: Scheduler, params, stops) -> int:
+        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
+        (returns the sequences finished)."""
+        c, ps = self.config, self.cache.page_size
+
+        def wanted(s: Sequence) -> int:  # never past max_tokens or the context
+            return min(
+                c.decode_steps, params.max_tokens - s.num_generated, c.max_context_tokens - len(s.tokens)
+            )
+
+        batch = scheduler.schedule_decode(wanted)
+        if not batch:
+            raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
+        limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
+        sampled = _Sampled(batch, params, stops, steps=max(limits), device=self.device)
+        self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled.draw)
+        return self._record(batch, sampled.fetch(), limits, params, scheduler)
+
+    def _record(self, batch, run: np.ndarray, limits: list[int], params, scheduler: Scheduler) -> int:
+        """Append each sequence's tokens of the run (run [steps, 4, B]: token, log-prob, unscaled
+        log-prob, stop flag) up to its limit, its stop or its length; retire the finished sequences
+        and return how many."""
+        steps = run.shape[0]
+        limit = np.array(limits)[:, None]  # [B, 1]
+        k = np.arange(steps)[None, :]  # [1, steps]
+        before = np.array([[s.num_generated, len(s.tokens)] for s in batch])  # [B, 2]
+        length = (before[:, :1] + k + 1 >= params.max_tokens) | (
+            before[:, 1:] + k + 1 >= self.config.max_context_tokens
+        )  # [B, steps]: the token of step k reaches a limit
+        stop = run[:, 3].T > 0  # [B, steps]
+        ends = (stop | length) & (k < limit)
+        ended = ends.any(1)  # [B]
+        taken = np.where(ended, ends.argmax(1) + 1, limits)  # [B] tokens kept
+        kept = (k < taken[:, None]).T  # [steps, B]
+        if not (np.isfinite(run[:, 1]) & np.isfinite(run[:, 2]))[kept].all():
             raise NonFiniteLogits("the model produced NaN or inf logits during generation")
-        length = (generated + 1 >= params.max_tokens) | (lengths + 1 >= self.config.max_context_tokens)
-        token_list, lp_list, ulp_list = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
-        done = 0
-        for s, token, lp, ulp, stop, full in zip(
-            batch, token_list, lp_list, ulp_list, host[3].bool().tolist(), length.tolist()
-        ):
-            s.tokens.append(token)
-            s.logprobs.append(lp)
-            s.unscaled_logprobs.append(ulp)
-            if stop or full:
-                s.finish_reason = "stop" if stop else "length"
+        tokens, logp, unscaled = run[:, 0].T.astype(np.int64), run[:, 1].T, run[:, 2].T  # [B, steps]
+        for i, s in enumerate(batch):
+            n = taken[i]
+            s.tokens += tokens[i, :n].tolist()
+            s.logprobs += logp[i, :n].tolist()
+            s.unscaled_logprobs += unscaled[i, :n].tolist()
+            if ended[i]:
+                s.finish_reason = "stop" if stop[i, n - 1] else "length"
                 scheduler.finish(s)
-                done += 1
-        return done
+            else:
+                s.cached = len(s.tokens) - 1  # every token but the last is cached
+        return int(ended.sum())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
@@ -245,3 +272,27 @@ class Engine:
     def wake(self) -> None:
         self.cache.allocate()
         self.asleep = False
+
+
+class _Sampled:
+    """Tokens drawn on the device during a run of steps, kept there until the run ends: one copy to
+    the host per run instead of one per token."""
+
+    def __init__(self, batch: list[Sequence], params: SamplingParams, stops: torch.Tensor, *, steps, device):
+        self.params = params
+        self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
+        generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
+        self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
+        self.stops = stops.to(device)
+        self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
+
+    def draw(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """logits [B, V] of step k -> the sampled tokens [B] (recorded with their log-probs)."""
+        tokens, logp, unscaled = sample(logits, self.params, self.seeds, self.generated + k)
+        stopped = torch.isin(tokens, self.stops) if self.stops.numel() else torch.zeros_like(tokens)
+        self.out[k] = torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()])
+        return tokens
+
+    def fetch(self) -> list:
+        """[steps, 4, B] on the host (the run's one sync)."""
+        return self.out.cpu().numpy()

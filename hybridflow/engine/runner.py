@@ -24,6 +24,11 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(small + list(range(128, max_batch, 64)) + [max_batch]))
 
 
+def _compiled(fn):
+    """Dynamic in the token count: one compiled graph serves every prefill and decode batch size."""
+    return torch.compile(fn, dynamic=True)
+
+
 class Runner:
     def __init__(
         self,
@@ -34,6 +39,7 @@ class Runner:
         max_batch: int,
         max_context: int,
         cuda_graphs: bool,
+        compile_layers: bool = False,
     ) -> None:
         self.model, self.cache, self.page_size = model, cache, cache.page_size
         self.device = cache.device
@@ -44,10 +50,19 @@ class Runner:
         positions = torch.arange(self.max_pages * self.page_size, device=self.device)
         self.cos, self.sin = rope_cos_sin(model.config, positions, embed_dtype)  # [T, D], as the trainer
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.buckets = graph_buckets(max_batch)
+        # compiled layers specialise a batch of one (a recompile, seconds): it runs padded to two
+        self.buckets = [b for b in graph_buckets(max_batch) if b > 1 or not compile_layers or b == max_batch]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
         self._graph_pool = None
+        # The parts of each layer around attention, compiled: eager they are ~30 small kernels a layer
+        # (norms, RoPE, SwiGLU, casts), most of a decode step's GPU time at any batch
+        self.layer_parts = [
+            (_compiled(layer.before_attention), _compiled(layer.after_attention))
+            if compile_layers
+            else (layer.before_attention, layer.after_attention)
+            for layer in model.model.layers
+        ]
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -59,9 +74,9 @@ class Runner:
         backbone = self.model.model
         x = backbone.embed_tokens(input_ids)  # [N, H]
         cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
-        for i, layer in enumerate(backbone.layers):
-            q, k, v = layer.before_attention(x, cos, sin)
-            x = layer.after_attention(x, attend(i, q, k, v))
+        for i, (before_attention, after_attention) in enumerate(self.layer_parts):
+            q, k, v = before_attention(x, cos, sin)
+            x = after_attention(x, attend(i, q, k, v))
         return backbone.norm(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -94,21 +109,22 @@ class Runner:
             last = torch.tensor(bounds[1:], device=dev) - 1
             return self._logits(hidden.index_select(0, last))
 
-    def _decode_inputs(self, seqs: list[Sequence], table: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
-        """Host tensors of a decode step, padded to `rows` (padded rows: token 0 at position 0,
-        writing to the never-allocated page 0, with no context). `table` holds the sequences' page
-        rows [B, max_pages]."""
-        ps, b = self.page_size, len(seqs)
+    def _decode_inputs(
+        self, seqs: list[Sequence], table: np.ndarray, rows: int, limits: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """Host tensors of a run of decode steps, padded to `rows` (padded rows: token 0 at position 0,
+        limit 0: they write to the never-allocated page 0 and have no context). `table` holds the
+        sequences' page rows [B, max_pages]."""
+        b = len(seqs)
         ids = np.zeros(rows, dtype=np.int64)
         pos = np.zeros(rows, dtype=np.int64)
-        slots = np.zeros(rows, dtype=np.int64)
+        limit = np.zeros(rows, dtype=np.int64)
         padded = np.zeros((rows, self.max_pages), dtype=np.int32)
         ids[:b] = [s.tokens[-1] for s in seqs]
         pos[:b] = [s.cached for s in seqs]
+        limit[:b] = limits
         padded[:b] = table
-        slots[:b] = padded[np.arange(b), pos[:b] // ps].astype(np.int64) * ps + pos[:b] % ps
-        ctx = np.where(np.arange(rows) < b, pos + 1, 0).astype(np.int32)
-        host = {"ids": ids, "pos": pos, "slots": slots, "ctx": ctx, "table": padded}
+        host = {"ids": ids, "pos": pos, "limit": limit, "table": padded}
         return {k: torch.from_numpy(v) for k, v in host.items()}
 
     def _decode_step(self, ids, pos, slots, ctx, table) -> torch.Tensor:
@@ -122,23 +138,40 @@ class Runner:
             return self._logits(self._hidden(ids, pos, attend))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], table: np.ndarray) -> torch.Tensor:
-        """One token per sequence: feeds each last token, caches its K/V, returns logits [B, V].
-        table [B, max_pages]: the sequences' page-table rows."""
-        b = len(seqs)
-        if self.use_graphs and b <= self.max_batch:
-            bucket = next(x for x in self.buckets if x >= b)
-            if bucket not in self.graphs:
-                self._capture(bucket)
-            host = self._decode_inputs(seqs, table, bucket)
-            for name, tensor in host.items():
-                self.static[name][:bucket].copy_(tensor, non_blocking=True)
-            graph, logits = self.graphs[bucket]
-            graph.replay()
-            return logits[:b]
-        host = self._decode_inputs(seqs, table, b)
-        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-        return self._decode_step(dev["ids"], dev["pos"], dev["slots"], dev["ctx"], dev["table"])
+    def decode(self, seqs: list[Sequence], table: np.ndarray, limits: list[int], pick) -> None:
+        """Up to max(limits) decode steps with no host sync between them. Step k feeds each sequence's
+        last token, caches its K/V and hands the logits [B, V] to `pick(logits, k)`, which returns the
+        next tokens [B] on the device. Sequence i takes limits[i] steps (the cache slots reserved for
+        it); after that its row still computes, but writes to the scratch page 0 and stays in place,
+        and its results are to be ignored. table [B, max_pages]: the sequences' page-table rows."""
+        b, steps, ps = len(seqs), max(limits), self.page_size
+        graphs = self.use_graphs and b <= self.max_batch
+        rows = next(x for x in self.buckets if x >= b) if graphs else b
+        host = self._decode_inputs(seqs, table, rows, limits)
+        if graphs:
+            if rows not in self.graphs:
+                self._capture(rows)
+            state = {k: self.static[k][:rows] for k in ("ids", "pos", "slots", "ctx", "table")}
+            for name in ("ids", "pos", "table"):
+                state[name].copy_(host[name], non_blocking=True)
+        else:
+            state = {k: host[k].to(self.device, non_blocking=True) for k in ("ids", "pos", "table")}
+        limit = host["limit"].to(self.device, non_blocking=True)  # [rows]
+        ids, pos, table_d = state["ids"], state["pos"], state["table"]
+        row = torch.arange(rows, device=self.device)
+        for k in range(steps):
+            valid = limit > k  # [rows]
+            slots = torch.where(valid, table_d[row, pos // ps].long() * ps + pos % ps, 0)
+            ctx = torch.where(limit > 0, pos + 1, 0).int()
+            if graphs:
+                state["slots"].copy_(slots)
+                state["ctx"].copy_(ctx)
+                graph, logits = self.graphs[rows]
+                graph.replay()
+            else:
+                logits = self._decode_step(ids, pos, slots, ctx, table_d)
+            ids[:b] = pick(logits[:b], k)
+            pos += valid
 
     @torch.no_grad()
     def _capture(self, bucket: int) -> None:

@@ -4,6 +4,7 @@ running sequence, free a finished sequence's pages at once, preempt by recompute
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -71,18 +72,21 @@ class Scheduler:
             tokens += length
         return jobs
 
-    def schedule_decode(self) -> list[Sequence]:
-        """Give every running sequence a writable slot for its next token (a new page at a page
-        boundary, a private copy of a shared last page); preempt the newest sequences if pages run out."""
+    def schedule_decode(self, want: Callable[[Sequence], int] | None = None) -> list[Sequence]:
+        """Give every running sequence writable cache slots for its next `want(seq)` tokens (default
+        1): new pages, and a private copy of a shared last page. A sequence gets fewer when pages run
+        short, at least one: if even that fails, the newest sequences are preempted. A sequence's
+        slots are then `len(seq.pages) * page_size - seq.cached`."""
         ready: list[Sequence] = []
         ps, refs, preempted = self.page_size, self.pool.refs, self.preemptions
         for seq in list(self.running.values()):
-            if seq.cached < len(seq.pages) * ps and refs[seq.pages[-1]] == 1:  # the common case
+            wanted = want(seq) if want is not None else 1
+            if seq.cached + wanted <= len(seq.pages) * ps and refs[seq.pages[-1]] == 1:  # the common case
                 ready.append(seq)
                 continue
             if seq.seq_id not in self.running:  # preempted below
                 continue
-            while not self._make_room(seq):
+            while not self._make_room(seq, wanted):
                 victim = next(reversed(self.running.values()))
                 self._preempt(victim)
                 if victim is seq:
@@ -93,13 +97,11 @@ class Scheduler:
             return ready
         return [s for s in ready if s.seq_id in self.running]
 
-    def _make_room(self, seq: Sequence) -> bool:
-        if seq.cached == len(seq.pages) * self.page_size:  # page boundary: a fresh page
-            if not self.pool.num_free:
-                return False
-            seq.pages.append(self.pool.allocate())
-            self.table[seq.row, len(seq.pages) - 1] = seq.pages[-1]
-        elif self.pool.refs[seq.pages[-1]] > 1:  # copy-on-write of the shared partial page
+    def _make_room(self, seq: Sequence, wanted: int) -> bool:
+        """Slots for up to `wanted` more tokens, at least one (False: not even one page is free)."""
+        ps = self.page_size
+        if seq.cached < len(seq.pages) * ps and self.pool.refs[seq.pages[-1]] > 1:
+            # copy-on-write of the shared partial page
             if not self.pool.num_free:
                 return False
             page = self.pool.allocate()
@@ -107,7 +109,10 @@ class Scheduler:
             self.pool.release([seq.pages[-1]])
             seq.pages[-1] = page
             self.table[seq.row, len(seq.pages) - 1] = page
-        return True
+        while seq.cached + wanted > len(seq.pages) * ps and self.pool.num_free:  # fresh pages
+            seq.pages.append(self.pool.allocate())
+            self.table[seq.row, len(seq.pages) - 1] = seq.pages[-1]
+        return seq.cached < len(seq.pages) * ps
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages; it is prefilled again (prompt + tokens so far) when room returns."""

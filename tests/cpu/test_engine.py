@@ -64,6 +64,42 @@ def test_preemption_by_recompute_changes_nothing():
         assert_close(torch.tensor(a[5].logprobs), torch.tensor(b[5].logprobs), atol=1e-5, rtol=0)
 
 
+def test_runs_of_decode_steps_change_nothing():
+    """The device runs several decode steps per look of the host: tokens, log-probs and finish
+    reasons equal one step per look, with stops inside a run, the context limit and a tight pool."""
+    model = from_hf_model(tiny_model("qwen2", seed=3))
+    stops = list(range(3, model.config.vocab_size, 40))  # ~1/40 a step: most sequences stop mid-run
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=29, stop_token_ids=stops, seed=4)
+    one = _engine(model, max_context_tokens=48, decode_steps=1)
+    ref = one.generate(PROMPTS, params)
+    reasons = {g.finish_reason for g in ref}
+    assert reasons == {"stop", "length"} and 29 in {len(g.token_ids) for g in ref}
+    runs = {}
+    for config in ({"decode_steps": 8}, {"decode_steps": 5, "kv_cache_tokens": 96}):
+        engine = _engine(model, max_context_tokens=48, **config)
+        out = engine.generate(PROMPTS, params)
+        assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+        assert [g.finish_reason for g in out] == [g.finish_reason for g in ref]
+        for a, b in zip(out, ref):
+            assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+            assert_close(
+                torch.tensor(a.unscaled_logprobs), torch.tensor(b.unscaled_logprobs), atol=1e-5, rtol=0
+            )
+        runs[config["decode_steps"]] = engine.stats
+    assert runs[8]["steps"] == 5 and one.stats["steps"] == 29  # a prefill, then runs of up to 8 steps
+    assert runs[5]["preemptions"] > 0
+
+
+def test_compiled_layers_generate_what_eager_layers_do():
+    model = from_hf_model(tiny_model("qwen2", seed=9))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
+    eager = _engine(model, max_context_tokens=64).generate(PROMPTS, params)
+    compiled = _engine(model, max_context_tokens=64, compile_layers=True).generate(PROMPTS, params)
+    assert [g.token_ids for g in compiled] == [g.token_ids for g in eager]
+    for a, b in zip(compiled, eager):
+        assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 def test_seeded_sampling_is_reproducible_and_samples_differ():
     model = from_hf_model(tiny_model("qwen2", seed=3))
     params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5)
