@@ -125,8 +125,14 @@ def packed_response_logprobs(
     """The native model's path: sequences packed without padding, the LM head applied only at the
     positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`."""
     from hybridflow.models.native import chunked_token_logprobs
+    from hybridflow.models.native.shared_prefix import has_shared_prompts, pack_shared_prompts
 
-    inputs, index = packed_inputs(prompt_ids, response_ids, device)
+    if has_shared_prompts(prompt_ids) and model.model.sequence_parallel is None:
+        packing = pack_shared_prompts(prompt_ids, response_ids, device)  # each prompt once per group
+        inputs = (packing.input_ids, packing.position_ids, packing.cu_seqlens, packing.shared)
+        index = packing.index
+    else:
+        inputs, index = packed_inputs(prompt_ids, response_ids, device)
     targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=device)  # [R]
     with autocast(device, compute_dtype):
         chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]

@@ -46,6 +46,7 @@ class PackedLayout:
     bounds: list[int]  # the same on the host
     max_len: int
     sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
+    shared: object = None  # shared_prefix.SharedPrefix: prompts packed once for their responses
 
 
 @lru_cache(maxsize=1)
@@ -60,7 +61,12 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D].
 
-    CUDA: PyTorch's built-in varlen flash attention. Elsewhere: SDPA per sequence (exact, no padding)."""
+    CUDA: PyTorch's built-in varlen flash attention. Elsewhere: SDPA per sequence (exact, no padding).
+    A shared-prefix packing (`layout.shared`): responses also see their group's prompt."""
+    if layout.shared is not None:
+        from hybridflow.models.native.shared_prefix import shared_prefix_attention
+
+        return shared_prefix_attention(q, k, v, layout)
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -169,15 +175,24 @@ class Backbone(nn.Module):
         self.sequence_parallel = None  # set by parallel.ulysses.apply_sequence_parallel
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        shared: object = None,
     ) -> torch.Tensor:
-        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
+        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H].
+        `shared`: the SharedPrefix of a shared-prefix packing (cu_seqlens then bound its segments)."""
         sp, total = self.sequence_parallel, input_ids.shape[0]
+        if shared is not None and sp is not None:
+            raise ValueError("a shared-prefix packing cannot be split for sequence parallelism")
         if sp is not None:  # this rank keeps 1/P of the (padded) tokens: [n] each
             input_ids, position_ids, cu_seqlens = sp.split(input_ids, position_ids, cu_seqlens)
         x = self.embed_tokens(input_ids)  # [N, H] ([n, H] under sequence parallelism)
         bounds = cu_seqlens.tolist()
-        layout = PackedLayout(cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp)
+        layout = PackedLayout(
+            cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp, shared
+        )
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
@@ -206,10 +221,15 @@ class NativeModule(nn.Module):
             layer.compile(**options)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        shared: object = None,
     ) -> torch.Tensor:
-        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]."""
-        return self.model(input_ids, position_ids, cu_seqlens)
+        """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]
+        (`shared`: see Backbone.forward)."""
+        return self.model(input_ids, position_ids, cu_seqlens, shared)
 
 
 class NativeCausalLM(NativeModule):
