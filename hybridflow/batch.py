@@ -119,6 +119,47 @@ def plan_microbatches(
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
+def plan_grouped_microbatches(
+    prompt_ids: list[list[int]],
+    response_lengths: list[int],
+    max_tokens: int,
+    max_sequences: int | None = None,
+) -> list[list[int]]:
+    """Like `plan_microbatches`, for packings that hold a prompt once for all its responses: the
+    sequences of one prompt stay together (a group costs its prompt plus its responses) and are split
+    only where a group outgrows the budget. First-fit decreasing over the groups (or their parts)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompt_ids):
+        groups.setdefault(tuple(prompt), []).append(i)
+    units: list[tuple[list[int], int]] = []  # (sequences, tokens when packed)
+    for prompt, members in groups.items():
+        part, tokens = [], len(prompt)
+        for i in members:
+            full = part and (
+                tokens + response_lengths[i] > max_tokens
+                or (max_sequences is not None and len(part) >= max_sequences)
+            )
+            if full:
+                units.append((part, tokens))
+                part, tokens = [], len(prompt)
+            part.append(i)
+            tokens += response_lengths[i]
+        units.append((part, tokens))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for part, tokens in sorted(units, key=lambda u: (-u[1], u[0][0])):
+        for b, free in enumerate(room):
+            fits_seq = max_sequences is None or len(bins[b]) + len(part) <= max_sequences
+            if tokens <= free and fits_seq:
+                bins[b] += part
+                room[b] -= tokens
+                break
+        else:
+            bins.append(list(part))
+            room.append(max_tokens - tokens)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
 @dataclass
 class TrainingBatch:
     """What the actor and critic train on: ragged token lists plus response-aligned scalars.

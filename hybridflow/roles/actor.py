@@ -11,10 +11,10 @@ import torch
 from hybridflow.algorithms.aggregation import aggregate, count_sequences, count_tokens
 from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
-from hybridflow.batch import TrainingBatch, plan_microbatches
+from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
-from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
+from hybridflow.roles.forward import in_step_microbatches, local_microbatches, policy_logprobs, shares_prompts
 from hybridflow.tracking.progress import bar
 
 
@@ -104,6 +104,10 @@ class Actor:
             with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=self.temperature,
         )  # fmt: skip
 
+    def _grouping(self, batch: TrainingBatch) -> list[list[int]] | None:
+        """Prompts by which micro-batches keep a group together (a model that packs a prompt once)."""
+        return batch.prompt_ids if shares_prompts(self.model) else None
+
     @torch.no_grad()
     def log_probs(
         self, batch: TrainingBatch, *, with_entropy: bool = False
@@ -115,8 +119,9 @@ class Actor:
         entropy = torch.zeros(len(batch), width) if with_entropy else None
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         for rows, padding in in_step_microbatches(
-            lengths, self.config.max_tokens_per_microbatch, self.config.sequences_per_microbatch
-        ):
+            lengths, self.config.max_tokens_per_microbatch, self.config.sequences_per_microbatch,
+            prompt_ids=self._grouping(batch),
+        ):  # fmt: skip
             lp, ent = self._forward(batch.select(rows), with_entropy=with_entropy)
             if padding:
                 continue
@@ -141,7 +146,8 @@ class Actor:
         cfg = self.config
         self._bar = bar(None, "update", enabled=self.progress, inner=True)
         if not self._bar.disable:  # the micro-batch count is planned again only for a bar drawn
-            plans = (plan_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch)
+            plans = (local_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch,
+                                        prompt_ids=self._grouping(mb))
                      for mb in minibatches)  # fmt: skip
             self._bar.total = cfg.ppo_epochs * sum(len(plan) for plan in plans)
         for _ in range(self.config.ppo_epochs):
@@ -187,7 +193,10 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         # every rank runs as many micro-batches (FSDP gathers per forward); padding ones count zero
         for rows, padding in in_step_microbatches(
-            lengths, cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch
+            lengths,
+            cfg.max_tokens_per_microbatch,
+            cfg.sequences_per_microbatch,
+            prompt_ids=self._grouping(mb),
         ):
             micro = mb.select(rows)
             share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages

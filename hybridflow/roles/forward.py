@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import entropy_from_logits
-from hybridflow.batch import pack_sequences, plan_microbatches
+from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
 from hybridflow.devices import DTYPES
 from hybridflow.parallel.collectives import max_over_ranks
 
@@ -79,13 +79,38 @@ def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int |
     return plan_microbatches(batch_lengths, max_tokens, max_sequences)
 
 
+def shares_prompts(model) -> bool:
+    """Whether the model's log-prob forward packs a prompt once for all its responses (the native
+    model, unless sequence parallelism splits the packing)."""
+    return hasattr(model, "hidden_states") and model.model.sequence_parallel is None
+
+
+def local_microbatches(
+    batch_lengths: list[int],
+    max_tokens: int,
+    max_sequences: int | None,
+    *,
+    prompt_ids: list[list[int]] | None = None,
+) -> list[list[int]]:
+    """This rank's micro-batch plan; with `prompt_ids`, a prompt's sequences kept together."""
+    if prompt_ids is None:
+        return plan_microbatches(batch_lengths, max_tokens, max_sequences)
+    responses = [n - len(p) for n, p in zip(batch_lengths, prompt_ids)]
+    return plan_grouped_microbatches(prompt_ids, responses, max_tokens, max_sequences)
+
+
 def in_step_microbatches(
-    batch_lengths: list[int], max_tokens: int, max_sequences: int | None
+    batch_lengths: list[int],
+    max_tokens: int,
+    max_sequences: int | None,
+    *,
+    prompt_ids: list[list[int]] | None = None,
 ) -> list[tuple[list[int], bool]]:
     """(rows, is_padding) per micro-batch, as many on every data-parallel rank: a sharded model
     gathers its weights in every forward, a collective that all ranks must reach. A rank with fewer
-    micro-batches repeats its first one as padding, whose results are discarded."""
-    plan = plan_microbatches(batch_lengths, max_tokens, max_sequences)
+    micro-batches repeats its first one as padding, whose results are discarded. With `prompt_ids`
+    (a model that `shares_prompts`) the sequences of a prompt stay together where they fit."""
+    plan = local_microbatches(batch_lengths, max_tokens, max_sequences, prompt_ids=prompt_ids)
     return [(plan[i], False) if i < len(plan) else (plan[0], True) for i in range(max_over_ranks(len(plan)))]
 
 
@@ -127,7 +152,7 @@ def packed_response_logprobs(
     from hybridflow.models.native import chunked_token_logprobs
     from hybridflow.models.native.shared_prefix import has_shared_prompts, pack_shared_prompts
 
-    if has_shared_prompts(prompt_ids) and model.model.sequence_parallel is None:
+    if shares_prompts(model) and has_shared_prompts(prompt_ids):
         packing = pack_shared_prompts(prompt_ids, response_ids, device)  # each prompt once per group
         inputs = (packing.input_ids, packing.position_ids, packing.cu_seqlens, packing.shared)
         index = packing.index

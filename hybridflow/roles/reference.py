@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.batch import TrainingBatch
 from hybridflow.models.lora import adapters_disabled
-from hybridflow.roles.forward import in_step_microbatches, policy_logprobs
+from hybridflow.roles.forward import in_step_microbatches, policy_logprobs, shares_prompts
 
 
 class Reference:
@@ -42,7 +42,8 @@ class Reference:
         """Log-prob [B, T] of every response token under the reference policy."""
         out = torch.zeros_like(batch.response_mask)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        for rows, padding in in_step_microbatches(lengths, self.max_tokens, None):
+        grouping = batch.prompt_ids if shares_prompts(self.model) else None
+        for rows, padding in in_step_microbatches(lengths, self.max_tokens, None, prompt_ids=grouping):
             micro = batch.select(rows)
             with adapters_disabled(self.model) if self.adapters_off else nullcontext():
                 lp, _ = policy_logprobs(

@@ -2,7 +2,7 @@ import random
 
 import torch
 
-from hybridflow.batch import pack_sequences, plan_microbatches
+from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
 
 
 def test_pack_sequences_layout():
@@ -31,3 +31,16 @@ def test_plan_microbatches_keeps_every_sequence_once_within_budget():
         for mb in plan:
             assert sum(lengths[i] for i in mb) <= budget or len(mb) == 1
             assert cap is None or len(mb) <= cap
+
+
+def test_grouped_plan_keeps_a_prompts_sequences_together():
+    a, b, c = [1] * 4, [2] * 2, [3] * 10  # prompts of 4, 2 and 10 tokens
+    prompts = [a, b, a, c, a, b]
+    responses = [5, 4, 3, 2, 6, 4]
+    # a: 4 + 5 + 3 + 6 = 18 tokens packed once, b: 10, c: 12; first-fit decreasing in 20
+    assert plan_grouped_microbatches(prompts, responses, 20) == [[0, 2, 4], [1, 5], [3]]
+    # in 12, a splits where it outgrows the budget: [0, 2] (4 + 5 + 3) and [4] (4 + 6)
+    assert plan_grouped_microbatches(prompts, responses, 12) == [[0, 2], [1, 5], [3], [4]]
+    # two sequences at most: a splits into [0, 2] (12) and [4] (10), and neither fits beside c's 12
+    assert plan_grouped_microbatches(prompts, responses, 20, max_sequences=2) == [[0, 2], [1, 5], [3], [4]]
+    assert plan_grouped_microbatches(prompts, responses, 24, max_sequences=2) == [[0, 2], [1, 5], [3, 4]]
