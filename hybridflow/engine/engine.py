@@ -169,6 +169,7 @@ class Engine:
             for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
                 scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.int64)
+        stops = stops.to(self.device)  # once per generate, not once per run
         start, steps = time.perf_counter(), 0
         finished = bar(total, "generate", enabled=c.progress, inner=True)
         while scheduler.has_work:
@@ -283,7 +284,7 @@ class _Sampled:
         self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
         generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
         self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
-        self.stops = stops.to(device)
+        self.stops = stops  # [S] on the device
         self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
 
     def draw(self, logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -293,6 +294,6 @@ class _Sampled:
         self.out[k] = torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()])
         return tokens
 
-    def fetch(self) -> list:
+    def fetch(self) -> np.ndarray:
         """[steps, 4, B] on the host (the run's one sync)."""
         return self.out.cpu().numpy()

@@ -24,11 +24,6 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(small + list(range(128, max_batch, 64)) + [max_batch]))
 
 
-def _compiled(fn):
-    """Dynamic in the token count: one compiled graph serves every prefill and decode batch size."""
-    return torch.compile(fn, dynamic=True)
-
-
 class Runner:
     def __init__(
         self,
@@ -55,13 +50,15 @@ class Runner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
         self._graph_pool = None
-        # The parts of each layer around attention, compiled: eager they are ~30 small kernels a layer
-        # (norms, RoPE, SwiGLU, casts), most of a decode step's GPU time at any batch
+        # The parts of each layer around attention, compiled (the layer's own switch, dynamic in the
+        # token count): eager they are ~30 small kernels a layer (norms, RoPE, SwiGLU, casts), most
+        # of a decode step's GPU time at any batch
+        if compile_layers:
+            for layer in model.model.layers:
+                if layer.compiled is None:  # a module shared with the trainer may be compiled already
+                    layer.compile()
         self.layer_parts = [
-            (_compiled(layer.before_attention), _compiled(layer.after_attention))
-            if compile_layers
-            else (layer.before_attention, layer.after_attention)
-            for layer in model.model.layers
+            layer.compiled or (layer.before_attention, layer.after_attention) for layer in model.model.layers
         ]
 
     def _autocast(self):

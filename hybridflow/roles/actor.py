@@ -14,7 +14,7 @@ from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
-from hybridflow.roles.forward import in_step_microbatches, local_microbatches, policy_logprobs, shares_prompts
+from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
 from hybridflow.tracking.progress import bar
 
 
@@ -146,7 +146,7 @@ class Actor:
         cfg = self.config
         self._bar = bar(None, "update", enabled=self.progress, inner=True)
         if not self._bar.disable:  # the micro-batch count is planned again only for a bar drawn
-            plans = (local_microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch,
+            plans = (microbatches(_lengths(mb), cfg.max_tokens_per_microbatch, cfg.sequences_per_microbatch,
                                         prompt_ids=self._grouping(mb))
                      for mb in minibatches)  # fmt: skip
             self._bar.total = cfg.ppo_epochs * sum(len(plan) for plan in plans)

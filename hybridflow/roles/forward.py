@@ -75,17 +75,13 @@ def response_logprobs(
     return torch.stack(logps), (torch.stack(entropies) if with_entropy else None)
 
 
-def microbatches(batch_lengths: list[int], max_tokens: int, max_sequences: int | None) -> list[list[int]]:
-    return plan_microbatches(batch_lengths, max_tokens, max_sequences)
-
-
 def shares_prompts(model) -> bool:
     """Whether the model's log-prob forward packs a prompt once for all its responses (the native
     model, unless sequence parallelism splits the packing)."""
     return hasattr(model, "hidden_states") and model.model.sequence_parallel is None
 
 
-def local_microbatches(
+def microbatches(
     batch_lengths: list[int],
     max_tokens: int,
     max_sequences: int | None,
@@ -110,7 +106,7 @@ def in_step_microbatches(
     gathers its weights in every forward, a collective that all ranks must reach. A rank with fewer
     micro-batches repeats its first one as padding, whose results are discarded. With `prompt_ids`
     (a model that `shares_prompts`) the sequences of a prompt stay together where they fit."""
-    plan = local_microbatches(batch_lengths, max_tokens, max_sequences, prompt_ids=prompt_ids)
+    plan = microbatches(batch_lengths, max_tokens, max_sequences, prompt_ids=prompt_ids)
     return [(plan[i], False) if i < len(plan) else (plan[0], True) for i in range(max_over_ranks(len(plan)))]
 
 
