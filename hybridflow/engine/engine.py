@@ -31,8 +31,8 @@ class EngineConfig:
     """Longest prompt + response; a sequence that reaches it stops with finish_reason 'length'."""
     page_size: int = 64
     kv_cache_tokens: int | None = None
-    """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory,
-    or room for every sequence at full context on CPU."""
+    """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory (at
+    most room for max_batch_sequences at full context), or that room on CPU."""
     gpu_memory_utilization: float = 0.5
     cuda_graphs: bool = True
     decode_steps: int = 8
@@ -126,6 +126,9 @@ class Engine:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             pages = int(free * c.gpu_memory_utilization) // self.page_bytes
+            # never more than the running sequences can hold at full context: a larger pool costs
+            # memory, and time at every wake (allocation), for pages no sequence is ever given
+            pages = min(pages, per_seq * c.max_batch_sequences)
         else:
             pages = per_seq * c.max_batch_sequences
         if pages < per_seq + 1:

@@ -55,9 +55,10 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
 
 class WeightUpdater:
     """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
-    graphs stay valid. Tensors that come back at the same addresses (a trainer's parameters, from
-    the second update on) are copied on CUDA by one Triton launch per dtype pair from a kept plan;
-    tensors seen once (layers gathered from FSDP shards) are copied one by one, planning nothing."""
+    graphs stay valid. On CUDA the copies run as one Triton launch per dtype pair, from a plan that
+    is kept while the same tensors come back at the same addresses (a trainer's parameters) and
+    made again otherwise (layers gathered from FSDP shards). The first update plans too, so the
+    kernel compiles then (the first step) and not in the middle of a later step."""
 
     def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
         self.targets = targets
@@ -65,7 +66,6 @@ class WeightUpdater:
         self._key: tuple | None = None
         self._sources: list[torch.Tensor] = []  # kept alive: the plan holds their addresses
         self._written = 0
-        self._last_key: tuple | None = None  # the previous call's, when it had no plan
 
     @torch.no_grad()
     def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -87,10 +87,8 @@ class WeightUpdater:
         ]
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         self._plan, self._key, self._sources = None, None, []
-        repeated, self._last_key = key == self._last_key, key
         if (
-            repeated
-            and copies
+            copies
             and all(d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies)
         ):
             from hybridflow.engine.triton_copy import CastCopyPlan

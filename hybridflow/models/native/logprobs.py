@@ -1,45 +1,38 @@
 """Log-probs (and entropy) of target tokens without ever holding the [tokens, vocab] float32 matrix:
 the LM head and log-softmax run over token chunks, forward and backward (a custom autograd function
-that recomputes each chunk's logits in backward instead of storing them)."""
+that recomputes each chunk's logits in backward instead of storing them, and keeps each token's
+log-sum-exp for it). On CUDA each chunk's softmax work is a Triton kernel (`triton_logprobs`)."""
 
 from __future__ import annotations
-
-from functools import cache
 
 import torch
 
 
-def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, scale: float):
-    """One chunk's raw logits [c, V] (the matmul's dtype) and targets [c] -> log p(target) [c] and
-    entropy [c], float32, of softmax(logits * scale)."""
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float):
+    """One chunk's raw logits [c, V] (the matmul's dtype) and targets [c] -> log p(target), entropy and
+    log-sum-exp [c] each, float32, of softmax(logits * scale)."""
+    if logits.is_cuda:
+        from hybridflow.models.native.triton_logprobs import chunk_stats
+
+        return chunk_stats(logits, targets, scale)
     logits = logits.float() * scale
     lse = torch.logsumexp(logits, -1)  # [c]
     logp = logits.gather(-1, targets[:, None])[:, 0] - lse
     entropy = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
-    return logp, entropy
+    return logp, entropy, lse
 
 
-def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, scale: float):
-    """d loss / d raw logits [c, V] in the logits' dtype: (onehot(target) - softmax) * grad * scale."""
+def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, lse: torch.Tensor, scale: float):
+    """d loss / d raw logits [c, V] in the logits' dtype: (onehot(target) - softmax) * grad * scale,
+    with the softmax from the forward's log-sum-exp (on CUDA written over the logits)."""
+    if logits.is_cuda:
+        from hybridflow.models.native.triton_logprobs import chunk_grad_
+
+        return chunk_grad_(logits, targets, grad_logp, lse, scale)
     scaled = logits.float() * scale
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     onehot = (vocab[None, :] == targets[:, None]).float()  # [c, V]
-    return ((onehot - torch.softmax(scaled, -1)) * (grad_logp[:, None] * scale)).to(logits.dtype)
-
-
-@cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
-
-
-def _kernel(fn, device: torch.device):
-    """On CUDA the chunk's elementwise work fused by torch.compile (one or two reads of the [c, V]
-    logits instead of a dozen float32 passes); elsewhere eager. A one-row chunk runs eager: dynamic
-    shapes specialise sizes 0 and 1, and such a chunk would cost a recompile (seconds) for no work."""
-    if device.type != "cuda":
-        return fn
-    compiled = _compiled(fn)
-    return lambda logits, *rest: (compiled if logits.shape[0] > 1 else fn)(logits, *rest)
+    return ((onehot - torch.exp(scaled - lse[:, None])) * (grad_logp[:, None] * scale)).to(logits.dtype)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -51,18 +44,20 @@ class _ChunkedLogProbs(torch.autograd.Function):
         w = weight.to(hidden.dtype)  # matmuls run in the activations' dtype (bf16 under autocast)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
-        stats = _kernel(_chunk_forward, hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N], for the backward
         for s in range(0, n, chunk):
             logits = hidden[s : s + chunk] @ w.T  # [c, V]
-            logp[s : s + chunk], entropy[s : s + chunk] = stats(logits, targets[s : s + chunk], scale)
-        ctx.save_for_backward(hidden, weight, targets)
+            logp[s : s + chunk], entropy[s : s + chunk], lse[s : s + chunk] = _chunk_stats(
+                logits, targets[s : s + chunk], scale
+            )
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.scale = chunk, scale
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
         w = weight.to(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
@@ -70,13 +65,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.needs_input_grad[1]
             else None
         )
-        grad_of_logits = _kernel(_chunk_grad, hidden.device)
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s : s + ctx.chunk]
+            h, rows = hidden[s : s + ctx.chunk], slice(s, s + ctx.chunk)
             # d logp_t / d logits = onehot(target) - softmax; the raw logits' gradient is that times scale
-            d_logits = grad_of_logits(
-                h @ w.T, targets[s : s + ctx.chunk], grad_logp[s : s + ctx.chunk], ctx.scale
-            )
+            d_logits = _chunk_grad(h @ w.T, targets[rows], grad_logp[rows].contiguous(), lse[rows], ctx.scale)
             if grad_hidden is not None:
                 grad_hidden[s : s + ctx.chunk] = d_logits @ w
             if grad_weight is not None:

@@ -40,14 +40,34 @@ for b, hq, hkv, d, page, pages, block, target in cases:
           f"max abs err {err:.2e}")  # fmt: skip
     failed |= err > 1e-5
 logits = torch.randn(6, 1000) * 3
+logits[5, 500:] = logits[5, :500]  # exact ties across slices: the first index wins, as in torch.argmax
 seeds, steps = torch.arange(6) * 77 + 1, torch.arange(6)
-for t in (0.0, 0.7, 1.0):
+# (block, programs target): a row in one program; in slices of 128 (the last one short) merged
+for (block, target), t in [((1024, 1), t) for t in (0.0, 0.7, 1.0)] + [((64, 48), t) for t in (0.0, 0.7, 1.0)]:
     ref = sample_reference(logits, SamplingParams(temperature=t), seeds, steps)
-    got = sample_triton(logits, t, step_keys(seeds, steps))
+    got = sample_triton(logits, t, step_keys(seeds, steps), block=block, programs_target=target)
     err = max((ref[1] - got[1]).abs().max().item(), (ref[2] - got[2]).abs().max().item())
     same = torch.equal(ref[0], got[0])
-    print(f"sampler temperature={t}: same tokens {same}, log-prob max abs err {err:.2e}")
+    print(f"sampler temperature={t} block={block} programs={target}: same tokens {same}, "
+          f"log-prob max abs err {err:.2e}")  # fmt: skip
     failed |= not same or err > 1e-5
+# the LM head's softmax work: stats in one sweep (a vocabulary of 2.5 blocks), gradient in place
+from hybridflow.models.native import triton_logprobs  # noqa: E402
+from hybridflow.models.native.logprobs import _chunk_grad, _chunk_stats  # noqa: E402
+
+triton_logprobs.BLOCK = 64
+head_logits = (torch.randn(5, 160) * 4).bfloat16()
+head_targets = torch.tensor([0, 159, 63, 64, 7])
+upstream = torch.randn(5)
+for scale in (1.0, 1 / 0.7):
+    ref = _chunk_stats(head_logits, head_targets, scale)
+    got = triton_logprobs.chunk_stats(head_logits, head_targets, scale)
+    err = max((r - g).abs().max().item() for r, g in zip(ref, got))
+    d_ref = _chunk_grad(head_logits, head_targets, upstream, ref[2], scale).float()
+    d_got = triton_logprobs.chunk_grad_(head_logits.clone(), head_targets, upstream, got[2], scale).float()
+    d_err = (d_ref - d_got).abs().max().item()
+    print(f"log-prob head scale={scale:.3f}: stats error {err:.2e}, gradient error {d_err:.2e}")
+    failed |= err > 5e-5 or d_err > 1e-2 * d_ref.abs().max().item()  # fp32 sums of ~20; bf16 out
 # many tensors of mixed sizes (fp32 -> bf16 and fp32 -> fp32) copied by one launch per dtype pair
 sources = [torch.randn(n) for n in (1, 5, 1000, 37, 4096, 3)] + [torch.randn(7, 9)]
 targets = [

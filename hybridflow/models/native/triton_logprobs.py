@@ -1,0 +1,97 @@
+"""The LM head's per-chunk softmax work in Triton (CUDA): one read of a chunk's [c, V] logits for
+log p(target), entropy and log-sum-exp in the forward, and one read and one write for the logits'
+gradient in the backward (from the forward's log-sum-exp). The compiled PyTorch version read the
+logits three to four times each way."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr,  # [c, V] in the matmul's dtype
+    targets_ptr,  # [c] int64
+    logp_ptr,  # [c] float32 out
+    entropy_ptr,  # [c] float32 out
+    lse_ptr,  # [c] float32 out: log-sum-exp of the scaled row
+    stride,
+    vocab,
+    scale,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    m = float("-inf")
+    s = 0.0  # sum of exp(x - m)
+    t = 0.0  # sum of x * exp(x - m)
+    for start in range(0, vocab, BLOCK):
+        j = start + offs
+        x = tl.load(base + j, mask=j < vocab, other=float("-inf")).to(tl.float32) * scale
+        m_new = tl.maximum(m, tl.max(x, 0))
+        e = tl.exp(x - m_new)
+        x_e = tl.where(j < vocab, x * e, 0.0)
+        rescale = tl.exp(m - m_new)
+        s = s * rescale + tl.sum(e, 0)
+        t = t * rescale + tl.sum(x_e, 0)
+        m = m_new
+    lse = m + tl.log(s)
+    target = tl.load(targets_ptr + row)
+    chosen = tl.load(base + target).to(tl.float32) * scale
+    tl.store(logp_ptr + row, chosen - lse)
+    tl.store(entropy_ptr + row, lse - t / s)  # lse - sum p * x
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _grad_kernel(
+    logits_ptr,  # [c, V]: read, then overwritten by the gradient
+    targets_ptr,  # [c] int64
+    grad_ptr,  # [c] float32: d loss / d log p(target)
+    lse_ptr,  # [c] float32
+    stride,
+    vocab,
+    scale,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = j < vocab
+    base = logits_ptr + row * stride
+    x = tl.load(base + j, mask=valid, other=0.0).to(tl.float32) * scale
+    p = tl.exp(x - tl.load(lse_ptr + row))
+    onehot = (j == tl.load(targets_ptr + row)).to(tl.float32)
+    d = (onehot - p) * (tl.load(grad_ptr + row) * scale)
+    tl.store(base + j, d.to(logits_ptr.dtype.element_ty), mask=valid)
+
+
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [c, V] (rows contiguous), targets [c] -> log p(target), entropy, log-sum-exp [c] each,
+    float32, of softmax(logits * scale)."""
+    c, vocab = logits.shape
+    out = torch.empty(3, c, dtype=torch.float32, device=logits.device)
+    if c:
+        _stats_kernel[(c,)](
+            logits, targets, out[0], out[1], out[2], logits.stride(0), vocab, scale, BLOCK=BLOCK
+        )
+    return out[0], out[1], out[2]
+
+
+def chunk_grad_(
+    logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, lse: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """In place: logits [c, V] -> d loss / d logits = (onehot(target) - softmax) * grad * scale, in the
+    logits' dtype (the logits themselves are not needed afterwards)."""
+    c, vocab = logits.shape
+    if c:
+        _grad_kernel[(c, triton.cdiv(vocab, BLOCK))](
+            logits, targets, grad_logp, lse, logits.stride(0), vocab, scale, BLOCK=BLOCK
+        )
+    return logits
