@@ -117,8 +117,8 @@ class RolloutConfig:
     max_prefill_tokens: int = 16384
     """Native engine: token budget of one prefill step."""
     kv_cache_tokens: int | None = None
-    """Native engine: KV pool size in tokens. Default: gpu_memory_utilization of the free GPU memory;
-    on CPU, room for one step's sequences at full length."""
+    """Native engine: KV pool size in tokens. Default: gpu_memory_utilization of the free GPU memory,
+    at most room for max_batch_sequences at full length; on CPU, room for one step's sequences."""
     cuda_graphs: bool = True
     """Native engine: replay decode steps as CUDA graphs."""
     decode_steps: int = 8

@@ -9,7 +9,8 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
              actor.offload_optimizer, ref.offload_params) live in CPU memory instead, and an
              offloaded model gathers a layer (and prefetches the next) onto the GPU as it runs
   gen        resident + the KV pool (gpu_memory_utilization of the memory free when the engine is
-             built — sharded or offloaded: once the models are — or rollout.kv_cache_tokens);
+             built — sharded or offloaded: once the models are — at most room for
+             max_batch_sequences at full context; or rollout.kv_cache_tokens);
              disaggregated (resources.rollout_workers), on a rollout GPU: the engine + its pool, and
              W counts the training GPUs only
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
@@ -34,6 +35,7 @@ GIB = 2**30
 ACTIVATION_BYTES = 13.6  # per token, per layer, per (hidden + intermediate) unit
 LOGPROB_CHUNK = 2048  # tokens per log-prob chunk (models/native/logprobs.py)
 CUDA_CONTEXT = GIB  # the CUDA context and allocator slack, per process
+ENGINE_PAGE = 64  # tokens per KV page of the native engine on CUDA
 
 
 @dataclass
@@ -157,6 +159,9 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         kv_bytes = c.rollout.kv_cache_tokens * kv_per_token
     else:
         kv_bytes = max(c.rollout.gpu_memory_utilization * (gpu_bytes - CUDA_CONTEXT - at_engine_build), 0.0)
+        # the engine's cap: room for max_batch_sequences at full context, in whole pages of 64
+        pages = -(-(c.data.max_prompt_tokens + c.data.max_response_tokens) // ENGINE_PAGE)
+        kv_bytes = min(kv_bytes, c.rollout.max_batch_sequences * pages * ENGINE_PAGE * kv_per_token)
     logits = 4 * LOGPROB_CHUNK * shape.vocab * 4
     forward = logits + 4 * (shape.hidden + shape.intermediate) * c.ref.max_tokens_per_microbatch
     layer = master * (p - shape.embedding) / shape.layers

@@ -87,9 +87,8 @@ class WeightUpdater:
         ]
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         self._plan, self._key, self._sources = None, None, []
-        if (
-            copies
-            and all(d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies)
+        if copies and all(
+            d.is_cuda and s.is_cuda and d.is_contiguous() and s.is_contiguous() for d, s in copies
         ):
             from hybridflow.engine.triton_copy import CastCopyPlan
 

@@ -57,6 +57,13 @@ def optimizer_step(
     return sums
 
 
+def _on_host(sums: dict) -> dict[str, float]:
+    """Metric sums, some of them 0-d device tensors, as floats: one transfer for all."""
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([sums[k].double() for k in keys]).tolist() if keys else []
+    return {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)} | dict(zip(keys, values))
+
+
 def _lengths(batch: TrainingBatch) -> list[int]:
     return [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
 
@@ -141,7 +148,7 @@ class Actor:
         (training/rollout_probs_diff_*)."""
         sums: dict[str, float] = defaultdict(float)
         updates = skipped = 0
-        self._rollout_gaps: list[torch.Tensor] = []
+        self._rollout_gaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gaps, kept) per micro-batch
         self.model.train()
         cfg = self.config
         self._bar = bar(None, "update", enabled=self.progress, inner=True)
@@ -170,7 +177,10 @@ class Actor:
 
     def _rollout_gap_metrics(self) -> dict[str, float]:
         """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens."""
-        gaps = torch.cat(self._rollout_gaps).double() if self._rollout_gaps else torch.zeros(0)
+        gaps = torch.zeros(0, dtype=torch.float64)
+        if self._rollout_gaps:
+            values, kept = (torch.cat(parts).cpu() for parts in zip(*self._rollout_gaps))
+            gaps = values[kept].double()
         count, total, squares = sum_over_ranks([gaps.numel(), gaps.sum().item(), (gaps**2).sum().item()])
         (top,) = max_values_over_ranks([gaps.max().item() if gaps.numel() else 0.0])
         if not count:
@@ -207,8 +217,8 @@ class Actor:
             else:  # on-policy shortcut: the policy before this update is the one computing logp
                 old = logp.detach()
                 if micro.rollout_logprobs is not None and not padding:
-                    gap = (old.exp() - micro.rollout_logprobs.to(old.device).exp()).abs()[m > 0]
-                    self._rollout_gaps.append(gap.float().cpu())
+                    gap = (old.exp() - micro.rollout_logprobs.to(old.device).exp()).abs()  # [b, T]
+                    self._rollout_gaps.append((gap.float().flatten(), m.flatten() > 0))  # to the host later
             weights = (
                 micro.importance_weights.to(logp.device) if micro.importance_weights is not None else None
             )
@@ -245,18 +255,20 @@ class Actor:
                 kl = kl_penalty(logp, micro.ref_logprobs.to(logp.device), cfg.kl_loss_type)
                 kl_loss = agg(kl)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                sums["kl_loss"] += 0.0 if padding else kl_loss.item()
+                sums["kl_loss"] += 0.0 if padding else kl_loss.detach()
             if padding:
                 (loss * 0.0).backward()
                 continue
             # a non-finite loss makes the (global) gradient norm non-finite: every rank skips the step
             (loss * data_parallel_scale()).backward()
             self._bar.update()
-            sums["pg_loss"] += pg_loss.item()
-            sums["entropy"] += entropy_loss.item()
+            # metrics stay on the device until the mini-batch ends: a read per micro-batch would stall
+            # the host until the GPU drains, and the GPU then waits for the next micro-batch's launch
+            sums["pg_loss"] += pg_loss.detach()
+            sums["entropy"] += entropy_loss.detach()
             for k, v in pg_metrics.items():
-                sums[k] += v.item() * share
-        return optimizer_step(self.model, self.optimizer, self.scheduler, cfg.optim.grad_clip, sums)
+                sums[k] += v.detach() * share
+        return optimizer_step(self.model, self.optimizer, self.scheduler, cfg.optim.grad_clip, _on_host(sums))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -111,8 +111,8 @@ def in_step_microbatches(
 
 
 def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device):
-    """Prompt+response sequences packed without padding -> (input_ids, position_ids, cu_seqlens) on
-    `device`, and the packed positions that predict each response token [R] (flattened in order)."""
+    """Prompt+response sequences packed without padding -> (input_ids, position_ids on `device`,
+    cu_seqlens on the host), and the packed positions that predict each response token [R] (flattened in order)."""
     packed = pack_sequences([p + r for p, r in zip(prompt_ids, response_ids)])
     starts = packed.cu_seqlens.tolist()
     # position s_b + P_b - 1 + t predicts response token t of sequence b
@@ -121,7 +121,8 @@ def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], de
         dtype=torch.long,
         device=device,
     )  # [R]
-    inputs = (packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device))
+    # cu_seqlens stay on the host: the model reads the boundaries there without a device sync
+    inputs = (packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens)
     return inputs, index
 
 

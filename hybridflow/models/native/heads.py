@@ -38,7 +38,7 @@ class NativeScoreModel(NativeModule):
         [B, num_labels]. The head runs on those rows only."""
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens)  # [N, H]
         if positions is None:
-            positions = cu_seqlens[1:].long() - 1
+            positions = cu_seqlens[1:].long().to(hidden.device) - 1
         return self.score(hidden.index_select(0, positions))
 
     def forward(self, input_ids, position_ids, cu_seqlens) -> torch.Tensor:

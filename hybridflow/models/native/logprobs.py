@@ -22,7 +22,9 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float):
     return logp, entropy, lse
 
 
-def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, lse: torch.Tensor, scale: float):
+def _chunk_grad(
+    logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, lse: torch.Tensor, scale: float
+):
     """d loss / d raw logits [c, V] in the logits' dtype: (onehot(target) - softmax) * grad * scale,
     with the softmax from the forward's log-sum-exp (on CUDA written over the logits)."""
     if logits.is_cuda:

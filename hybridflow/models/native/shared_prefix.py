@@ -39,7 +39,7 @@ class SharedPrefix:
 class SharedPacking:
     input_ids: torch.Tensor  # [N]
     position_ids: torch.Tensor  # [N]
-    cu_seqlens: torch.Tensor  # [S + 1] int32: every prompt and response segment
+    cu_seqlens: torch.Tensor  # [S + 1] int32 on the host: every prompt and response segment
     index: torch.Tensor  # [R] the packed row whose hidden state predicts each response token, in order
     shared: SharedPrefix
 
@@ -95,10 +95,10 @@ def pack_shared_prompts(
         for row in ([last_prompt_row[b]] + list(range(starts[b], starts[b] + len(r) - 1)))[: len(r)]
     ]
 
-    def cumulative(values: list[int]) -> torch.Tensor:
+    def cumulative(values: list[int], on_device: bool = True) -> torch.Tensor:
         out = torch.zeros(len(values) + 1, dtype=torch.int32)
         out[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int32), 0)
-        return out.to(device)
+        return out.to(device) if on_device else out
 
     def rows_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
@@ -113,7 +113,11 @@ def pack_shared_prompts(
         groups=group_segments,
     )
     return SharedPacking(
-        rows_tensor(ids), rows_tensor(positions), cumulative(lengths), rows_tensor(index), shared
+        rows_tensor(ids),
+        rows_tensor(positions),
+        cumulative(lengths, on_device=False),
+        rows_tensor(index),
+        shared,
     )
 
 
