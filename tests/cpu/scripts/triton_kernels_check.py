@@ -43,7 +43,9 @@ logits = torch.randn(6, 1000) * 3
 logits[5, 500:] = logits[5, :500]  # exact ties across slices: the first index wins, as in torch.argmax
 seeds, steps = torch.arange(6) * 77 + 1, torch.arange(6)
 # (block, programs target): a row in one program; in slices of 128 (the last one short) merged
-for (block, target), t in [((1024, 1), t) for t in (0.0, 0.7, 1.0)] + [((64, 48), t) for t in (0.0, 0.7, 1.0)]:
+for (block, target), t in [((1024, 1), t) for t in (0.0, 0.7, 1.0)] + [
+    ((64, 48), t) for t in (0.0, 0.7, 1.0)
+]:
     ref = sample_reference(logits, SamplingParams(temperature=t), seeds, steps)
     got = sample_triton(logits, t, step_keys(seeds, steps), block=block, programs_target=target)
     err = max((ref[1] - got[1]).abs().max().item(), (ref[2] - got[2]).abs().max().item())
