@@ -13,6 +13,7 @@ from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
+from hybridflow.devices import to_device
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
 from hybridflow.tracking.progress import bar
@@ -211,22 +212,24 @@ class Actor:
             micro = mb.select(rows)
             share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages
             logp, entropy = self._forward(micro, with_entropy=True, entropy_grad=bool(cfg.entropy_coeff))
-            m = micro.response_mask.to(logp.device)
+            m = to_device(micro.response_mask, logp.device)
             if micro.old_logprobs is not None:
-                old = micro.old_logprobs.to(logp.device)
+                old = to_device(micro.old_logprobs, logp.device)
             else:  # on-policy shortcut: the policy before this update is the one computing logp
                 old = logp.detach()
                 if micro.rollout_logprobs is not None and not padding:
-                    gap = (old.exp() - micro.rollout_logprobs.to(old.device).exp()).abs()  # [b, T]
+                    gap = (old.exp() - to_device(micro.rollout_logprobs, old.device).exp()).abs()  # [b, T]
                     self._rollout_gaps.append((gap.float().flatten(), m.flatten() > 0))  # to the host later
             weights = (
-                micro.importance_weights.to(logp.device) if micro.importance_weights is not None else None
+                to_device(micro.importance_weights, logp.device)
+                if micro.importance_weights is not None
+                else None
             )
             pg_loss, pg_metrics = policy_loss(
                 cfg.policy_loss,
                 logp,
                 old,
-                micro.advantages.to(logp.device),
+                to_device(micro.advantages, logp.device),
                 m,
                 clip_low=cfg.clip_ratio_low,
                 clip_high=cfg.clip_ratio_high,
@@ -252,7 +255,7 @@ class Actor:
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy_loss
             if cfg.use_kl_loss:
-                kl = kl_penalty(logp, micro.ref_logprobs.to(logp.device), cfg.kl_loss_type)
+                kl = kl_penalty(logp, to_device(micro.ref_logprobs, logp.device), cfg.kl_loss_type)
                 kl_loss = agg(kl)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 sums["kl_loss"] += 0.0 if padding else kl_loss.detach()

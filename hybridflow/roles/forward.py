@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
-from hybridflow.devices import DTYPES
+from hybridflow.devices import DTYPES, to_device
 from hybridflow.parallel.collectives import max_over_ranks
 
 
@@ -119,11 +119,10 @@ def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], de
     index = torch.tensor(
         [s + len(p) - 1 + t for s, p, r in zip(starts, prompt_ids, response_ids) for t in range(len(r))],
         dtype=torch.long,
-        device=device,
     )  # [R]
     # cu_seqlens stay on the host: the model reads the boundaries there without a device sync
-    inputs = (packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens)
-    return inputs, index
+    inputs = (to_device(packed.input_ids, device), to_device(packed.position_ids, device), packed.cu_seqlens)
+    return inputs, to_device(index, device)
 
 
 def unflatten_responses(flat: torch.Tensor, response_ids: list[list[int]]) -> torch.Tensor:
@@ -155,7 +154,7 @@ def packed_response_logprobs(
         index = packing.index
     else:
         inputs, index = packed_inputs(prompt_ids, response_ids, device)
-    targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=device)  # [R]
+    targets = to_device(torch.tensor([t for r in response_ids for t in r], dtype=torch.long), device)  # [R]
     with autocast(device, compute_dtype):
         chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]
         logp, entropy = chunked_token_logprobs(

@@ -41,14 +41,20 @@ def test_shared_prompt_packing_equals_separate_sequences(family, monkeypatch):
 
 def test_packing_layout():
     p = shared_prefix.pack_shared_prompts(PROMPTS, RESPONSES, torch.device("cpu"))
-    # group [5 9 200 17] + responses 0, 1, 3; group [44 2] + response 2 (4 is empty); group [7] + 5
-    assert p.input_ids.tolist() == [5, 9, 200, 17, 3, 4, 5, 6, 12, 13, 44, 2, 8, 9, 10, 11, 7, 14, 15]
-    assert p.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]
-    assert p.cu_seqlens.tolist() == [0, 4, 7, 8, 10, 12, 16, 17, 19]
-    # response 0's tokens are predicted by the prompt's last row, then by its own rows
-    assert p.index.tolist() == [3, 4, 5, 3, 11, 12, 13, 14, 3, 8, 16, 17]
+    # prompts [5 9 200 17], [44 2], [7]; then responses 0, 1, 3 (group 1), 2 (group 2; 4 is empty), 5
+    assert p.input_ids.tolist() == [5, 9, 200, 17, 44, 2, 7, 3, 4, 5, 6, 12, 13, 8, 9, 10, 11, 14, 15]
+    assert p.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 0, 4, 5, 6, 4, 4, 5, 2, 3, 4, 5, 1, 2]
+    assert p.cu_seqlens.tolist() == [0, 4, 6, 7, 10, 11, 13, 17, 19]
+    # response 0's tokens are predicted by its prompt's last row, then by its own rows
+    assert p.index.tolist() == [3, 7, 8, 3, 5, 13, 14, 15, 3, 11, 6, 17]
     assert p.shared.cu_q.tolist() == [0, 6, 10, 12] and p.shared.cu_k.tolist() == [0, 4, 6, 7]
-    assert p.shared.groups == [(0, [1, 2, 3]), (4, [5]), (6, [7])]
+    assert (p.shared.prompts_end, p.shared.responses_start) == (7, 7)
+    assert p.shared.groups == [(0, [3, 4, 5]), (1, [6]), (2, [7])]
+    # a group whose only response is empty keeps its prompt after those of the groups with responses
+    q = shared_prefix.pack_shared_prompts([[1, 2], [3], [3]], [[], [4], [5, 6]], torch.device("cpu"))
+    assert q.input_ids.tolist() == [3, 1, 2, 4, 5, 6] and q.index.tolist() == [0, 0, 4]
+    assert (q.shared.prompts_end, q.shared.responses_start) == (1, 3)
+    assert q.shared.cu_k.tolist() == [0, 1] and q.shared.groups == [(0, [2, 3]), (1, [])]
 
 
 def _dense_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

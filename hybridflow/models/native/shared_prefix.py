@@ -1,7 +1,7 @@
 """Training on the samples of a prompt with the prompt packed once.
 
 GRPO-style batches hold n responses per prompt. Packed as n separate sequences, the prompt's tokens
-run through the model n times; here each group is packed as [prompt, response 1, ..., response n],
+run through the model n times; here each prompt is packed once (all prompts, then all responses),
 with position ids restarting at the prompt's length for every response, and attention that lets a
 response token see the whole prompt and its own response up to itself (never another response).
 The result equals the separate sequences' exactly (up to float rounding); the prompt's gradient
@@ -20,14 +20,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.devices import to_device
+
 
 @dataclass
 class SharedPrefix:
     """Where a shared-prefix packing put things. Segments (prompt or response, in packed order) are
-    the packing's cu_seqlens; these fields describe the response-to-prompt part."""
+    the packing's cu_seqlens; these fields describe the response-to-prompt part. The packing holds
+    every prompt first and then every response, group-major, so both sides of that part are
+    contiguous row ranges (slices, not gathers)."""
 
-    response_rows: torch.Tensor  # [Nr] int64: packed rows of response tokens, group-major
-    prompt_rows: torch.Tensor  # [Np] int64: packed rows of prompt tokens of groups with responses
+    responses_start: int  # rows [responses_start, N): response tokens, group-major
+    prompts_end: int  # rows [0, prompts_end): prompts of the groups with responses, in the same order
     cu_q: torch.Tensor  # [G + 1] int32: response tokens per group, cumulative
     cu_k: torch.Tensor  # [G + 1] int32: prompt tokens per group, cumulative
     max_q: int
@@ -51,44 +55,50 @@ def has_shared_prompts(prompt_ids: list[list[int]]) -> bool:
 def pack_shared_prompts(
     prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device
 ) -> SharedPacking:
-    """Sequences with equal prompts packed as one group [prompt, responses...] (groups in order of
-    first appearance). `index` follows the input order: response token t of sequence b is predicted
-    by the prompt's last row (t = 0) or by its response's row t - 1."""
+    """Sequences with equal prompts packed once per group: [prompt of group 1, ..., prompt of group G,
+    responses of group 1, ..., responses of group G] (groups in order of first appearance, those with
+    only empty responses last among the prompts). `index` follows the input order: response token t
+    of sequence b is predicted by its prompt's last row (t = 0) or by its response's row t - 1."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for b, prompt in enumerate(prompt_ids):
         groups.setdefault(tuple(prompt), []).append(b)
+    # groups that have responses first: their prompts are then one contiguous key range
+    ordered = sorted(groups.items(), key=lambda g: not any(response_ids[b] for b in g[1]))
     ids: list[int] = []
     positions: list[int] = []
     lengths: list[int] = []
-    starts = [0] * len(prompt_ids)  # packed row of each response's first token
     last_prompt_row = [0] * len(prompt_ids)
-    group_segments: list[tuple[int, list[int]]] = []
-    response_rows: list[int] = []
-    prompt_rows: list[int] = []
-    q_lengths: list[int] = []
+    prompt_segment: list[int] = []
     k_lengths: list[int] = []
-    for prompt, members in groups.items():
-        p, first = len(prompt), len(ids)
+    for prompt, members in ordered:
+        p = len(prompt)
+        for b in members:
+            last_prompt_row[b] = len(ids) + p - 1
+        if any(response_ids[b] for b in members):
+            k_lengths.append(p)
+        prompt_segment.append(len(lengths))
         ids += prompt
         positions += range(p)
         lengths.append(p)
-        segment, responses, rows = len(lengths) - 1, [], 0
+    prompts_end, responses_start = sum(k_lengths), len(ids)
+    starts = [0] * len(prompt_ids)  # packed row of each response's first token
+    group_segments: list[tuple[int, list[int]]] = []
+    q_lengths: list[int] = []
+    for (prompt, members), segment in zip(ordered, prompt_segment):
+        responses, rows = [], 0
         for b in members:
             r = response_ids[b]
-            last_prompt_row[b], starts[b] = first + p - 1, len(ids)
             if not r:
                 continue
-            response_rows += range(len(ids), len(ids) + len(r))
+            starts[b] = len(ids)
             ids += r
-            positions += range(p, p + len(r))
+            positions += range(len(prompt), len(prompt) + len(r))
             lengths.append(len(r))
             responses.append(len(lengths) - 1)
             rows += len(r)
         group_segments.append((segment, responses))
         if rows:
-            prompt_rows += range(first, first + p)
             q_lengths.append(rows)
-            k_lengths.append(p)
     index = [
         row
         for b, r in enumerate(response_ids)
@@ -98,14 +108,14 @@ def pack_shared_prompts(
     def cumulative(values: list[int], on_device: bool = True) -> torch.Tensor:
         out = torch.zeros(len(values) + 1, dtype=torch.int32)
         out[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int32), 0)
-        return out.to(device) if on_device else out
+        return to_device(out, device) if on_device else out
 
     def rows_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device)
+        return to_device(torch.tensor(values, dtype=torch.int64), device)
 
     shared = SharedPrefix(
-        response_rows=rows_tensor(response_rows),
-        prompt_rows=rows_tensor(prompt_rows),
+        responses_start=responses_start,
+        prompts_end=prompts_end,
         cu_q=cumulative(q_lengths),
         cu_k=cumulative(k_lengths),
         max_q=max(q_lengths, default=0),
@@ -170,21 +180,19 @@ class _FlashSharedPrefix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout):
         s, scale = layout.shared, q.shape[-1] ** -0.5
-        rr, pr = s.response_rows, s.prompt_rows
+        r, p = slice(s.responses_start, None), slice(0, s.prompts_end)  # responses, their prompts
         cu, n = layout.cu_seqlens, layout.max_len
         out, lse, rng, unused = _flash_forward(q, k, v, cu, cu, n, n, True, scale)  # within segments
-        if rr.numel():
+        if s.max_q:
             cross, cross_lse, _, _ = _flash_forward(
-                q.index_select(0, rr), k.index_select(0, pr), v.index_select(0, pr),
-                s.cu_q, s.cu_k, s.max_q, s.max_k, False, scale,
-            )  # fmt: skip
-            own_lse = lse.index_select(1, rr)  # [Hq, Nr]
+                q[r], k[p], v[p], s.cu_q, s.cu_k, s.max_q, s.max_k, False, scale
+            )  # responses against their prompt: [Nr, Hq, D], [Hq, Nr]
+            own_lse = lse[:, r]  # [Hq, Nr]
             merged = torch.logaddexp(own_lse, cross_lse)  # [Hq, Nr]
             w_own = torch.exp(own_lse - merged).T[..., None]  # [Nr, Hq, 1]
             w_cross = torch.exp(cross_lse - merged).T[..., None]
-            mixed = out.index_select(0, rr).float() * w_own + cross.float() * w_cross  # [Nr, Hq, D]
-            out = out.index_copy(0, rr, mixed.to(out.dtype))
-            lse = lse.index_copy(1, rr, merged)
+            out[r] = (out[r].float() * w_own + cross.float() * w_cross).to(out.dtype)  # [Nr, Hq, D]
+            lse[:, r] = merged
         ctx.save_for_backward(q, k, v, out, lse, rng, unused)
         ctx.layout, ctx.scale = layout, scale
         return out
@@ -197,14 +205,13 @@ class _FlashSharedPrefix(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         # each part's backward with the merged output and log-sum-exp: its exact share of the gradient
         dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, cu, cu, n, n, True, rng, unused, scale)
-        rr, pr = s.response_rows, s.prompt_rows
-        if rr.numel():
+        if s.max_q:
+            r, p = slice(s.responses_start, None), slice(0, s.prompts_end)
             dq_c, dk_c, dv_c = _flash_backward(
-                grad_out.index_select(0, rr), q.index_select(0, rr), k.index_select(0, pr),
-                v.index_select(0, pr), out.index_select(0, rr), lse.index_select(1, rr).contiguous(),
+                grad_out[r], q[r], k[p], v[p], out[r], lse[:, r].contiguous(),
                 s.cu_q, s.cu_k, s.max_q, s.max_k, False, rng, unused, scale,
             )  # fmt: skip
-            dq = dq.index_add(0, rr, dq_c)
-            dk = dk.index_add(0, pr, dk_c)
-            dv = dv.index_add(0, pr, dv_c)
+            dq[r] += dq_c
+            dk[p] += dk_c
+            dv[p] += dv_c
         return dq, dk, dv, None
