@@ -17,8 +17,8 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
   update_actor         resident + saved activations + the log-prob chunks' forward and backward
   update_weights       resident + one gathered layer
   (rollout.free_cache_engine=false, colocated: the KV pool stays, so every phase holds it)
-Activations: 13.6 bytes x (hidden + intermediate) per token per layer under bf16 autocast with an
-fp32 master, and 4 x chunk x vocabulary x 4 bytes for the log-prob chunks — both fitted to the peaks
+Activations: 11.8 bytes x (hidden + intermediate) per token per layer under bf16 autocast with an
+fp32 master, and 2 x chunk x vocabulary x 2 bytes for the log-prob chunks — both fitted to the peaks
 measured on one H200 (docs/benchmarks.md), which the estimate reproduces within a few percent."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hybridflow.config.schema import Config
 from hybridflow.devices import DTYPES
 
 GIB = 2**30
-ACTIVATION_BYTES = 13.6  # per token, per layer, per (hidden + intermediate) unit
+ACTIVATION_BYTES = 11.8  # per token, per layer, per (hidden + intermediate) unit
 LOGPROB_CHUNK = 2048  # tokens per log-prob chunk (models/native/logprobs.py)
 CUDA_CONTEXT = GIB  # the CUDA context and allocator slack, per process
 ENGINE_PAGE = 64  # tokens per KV page of the native engine on CUDA
@@ -162,7 +162,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         # the engine's cap: room for max_batch_sequences at full context, in whole pages of 64
         pages = -(-(c.data.max_prompt_tokens + c.data.max_response_tokens) // ENGINE_PAGE)
         kv_bytes = min(kv_bytes, c.rollout.max_batch_sequences * pages * ENGINE_PAGE * kv_per_token)
-    logits = 4 * LOGPROB_CHUNK * shape.vocab * 4
+    logits = 2 * LOGPROB_CHUNK * shape.vocab * 2  # two bf16 [chunk, V] blocks (Triton softmax kernels)
     forward = logits + 4 * (shape.hidden + shape.intermediate) * c.ref.max_tokens_per_microbatch
     layer = master * (p - shape.embedding) / shape.layers
     # an offloaded model gathers each layer (and prefetches the next) onto the GPU as it runs

@@ -214,12 +214,11 @@ class Engine:
     def _decode(self, scheduler: Scheduler, params, stops) -> int:
         """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
         (returns the sequences finished)."""
-        c, ps = self.config, self.cache.page_size
+        c, ps, k = self.config, self.cache.page_size, self.config.decode_steps
+        cap = params.max_tokens  # a sequence's token count never passes prompt + max_tokens or the context
 
-        def wanted(s: Sequence) -> int:  # never past max_tokens or the context
-            return min(
-                c.decode_steps, params.max_tokens - s.num_generated, c.max_context_tokens - len(s.tokens)
-            )
+        def wanted(s: Sequence) -> int:
+            return min(k, min(s.prompt_len + cap, c.max_context_tokens) - len(s.tokens))
 
         batch = scheduler.schedule_decode(wanted)
         if not batch:
@@ -247,14 +246,17 @@ class Engine:
         kept = (k < taken[:, None]).T  # [steps, B]
         if not (np.isfinite(run[:, 1]) & np.isfinite(run[:, 2]))[kept].all():
             raise NonFiniteLogits("the model produced NaN or inf logits during generation")
-        tokens, logp, unscaled = run[:, 0].T.astype(np.int64), run[:, 1].T, run[:, 2].T  # [B, steps]
-        for i, s in enumerate(batch):
-            n = taken[i]
-            s.tokens += tokens[i, :n].tolist()
-            s.logprobs += logp[i, :n].tolist()
-            s.unscaled_logprobs += unscaled[i, :n].tolist()
-            if ended[i]:
-                s.finish_reason = "stop" if stop[i, n - 1] else "length"
+        # to Python lists once: per-sequence numpy slicing costs more than the rest of the loop
+        tokens, logp = run[:, 0].T.astype(np.int64).tolist(), run[:, 1].T.tolist()  # [B][steps]
+        unscaled, stopped = run[:, 2].T.tolist(), stop.tolist()
+        for s, n, end, tok, lp, un, st in zip(
+            batch, taken.tolist(), ended.tolist(), tokens, logp, unscaled, stopped
+        ):
+            s.tokens += tok[:n]
+            s.logprobs += lp[:n]
+            s.unscaled_logprobs += un[:n]
+            if end:
+                s.finish_reason = "stop" if st[n - 1] else "length"
                 scheduler.finish(s)
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
