@@ -93,8 +93,8 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], lm-head weight [V, H], targets [N] -> (log p(target) [N] float32, entropy [N]
-    float32, no gradient) of softmax(logits / temperature). Peak extra memory: one [chunk, V] float32
-    block. Under autocast the matmuls run in the autocast dtype (the final norm hands over float32
+    float32, no gradient) of softmax(logits / temperature). Peak extra memory: one [chunk, V] block of
+    logits (on CUDA in the matmul's dtype; elsewhere a float32 copy too). Under autocast the matmuls run in the autocast dtype (the final norm hands over float32
     activations)."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
