@@ -186,15 +186,16 @@ class Backbone(nn.Module):
         sp, total = self.sequence_parallel, input_ids.shape[0]
         if shared is not None and sp is not None:
             raise ValueError("a shared-prefix packing cannot be split for sequence parallelism")
-        # boundaries handed over on the host are read there: reading them back from the GPU would wait
-        # for all queued work (the previous micro-batch's backward) before this forward is launched
-        bounds = cu_seqlens.tolist() if cu_seqlens.device != input_ids.device else None
-        cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
         if sp is not None:  # this rank keeps 1/P of the (padded) tokens: [n] each
+            cu_seqlens = cu_seqlens.to(input_ids.device)
             input_ids, position_ids, cu_seqlens = sp.split(input_ids, position_ids, cu_seqlens)
-            bounds = None
+            bounds = cu_seqlens.tolist()
+        else:
+            # read where the caller keeps them: boundaries handed over on the host cost no device sync
+            # (one read back from the GPU waits for all queued work, e.g. the last micro-batch's backward)
+            bounds = cu_seqlens.tolist()
+            cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
         x = self.embed_tokens(input_ids)  # [N, H] ([n, H] under sequence parallelism)
-        bounds = bounds if bounds is not None else cu_seqlens.tolist()
         layout = PackedLayout(
             cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp, shared
         )
