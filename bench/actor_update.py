@@ -113,7 +113,7 @@ def main() -> None:
             model.compile_layers()
             compiled = True
         config = ActorConfig(max_tokens_per_microbatch=int(budget), loss_agg_mode="token-mean")
-        actor = Actor(model, config, total_updates=100, max_response_tokens=args.response, pad_token_id=0)
+        actor = Actor(model, config, total_steps=100, max_response_tokens=args.response, pad_token_id=0)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         seconds = timed_updates(actor, batch, args.repeats)

@@ -113,47 +113,59 @@ def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
     return args.recipe, list(args.overrides)
 
 
+def _resolve(args: argparse.Namespace):
+    """The config a command runs: the same base rules for train, plan and config show (a bare
+    command is the demo; overrides alone start from hybridflow's defaults, or verl's for verl keys)."""
+    from hybridflow.config.loader import resolve_config
+
+    recipe, overrides = _recipe_and_overrides(args)
+    resolved = resolve_config(recipe, overrides, bare_is_demo=True)
+    if getattr(args, "quiet", False):
+        resolved.config.trainer.progress = False
+    return resolved
+
+
+def _announce(resolved, *, comment: str = "") -> None:
+    print(f"{comment}config base: {resolved.base}", flush=True)
+    for note in resolved.notes:
+        print(f"{comment}note: {note}", flush=True)
+
+
 def cmd_config_show(args: argparse.Namespace) -> None:
-    from hybridflow.config import load_config, to_yaml
+    from hybridflow.config import to_yaml
 
-    print(to_yaml(load_config(*_recipe_and_overrides(args))), end="")
-
-
-DEMO_RECIPE = "demo_arithmetic_grpo"
+    resolved = _resolve(args)
+    _announce(resolved, comment="# ")
+    print(to_yaml(resolved.config), end="")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from hybridflow.config import load_config
     from hybridflow.controller.memory_plan import GIB, plan_for
 
-    recipe, overrides = _recipe_and_overrides(args)
-    config = load_config(recipe or DEMO_RECIPE, overrides)
+    resolved = _resolve(args)
+    _announce(resolved)
     gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
-    print(plan_for(config, gpu_bytes=gpu).report())
+    print(plan_for(resolved.config, gpu_bytes=gpu).report())
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from hybridflow.config import load_config
     from hybridflow.controller.trainer import RLTrainer
 
-    recipe, overrides = _recipe_and_overrides(args)
-    if recipe is None:
-        recipe = DEMO_RECIPE
-        print(f"no recipe given: running the demo recipe {recipe}", flush=True)
-    if args.quiet:
-        overrides = [*overrides, "trainer.progress=false"]
-    RLTrainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
+    resolved = _resolve(args)
+    _announce(resolved)
+    RLTrainer(resolved.config, overwrite=args.overwrite).fit()
 
 
 def cmd_offline(args: argparse.Namespace) -> None:
     from hybridflow import offline
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import resolve_config
 
     trainer = {"sft": offline.SFTTrainer, "dpo": offline.DPOTrainer, "kto": offline.KTOTrainer}[args.command]
-    recipe, overrides = _recipe_and_overrides(args)
-    if args.quiet:
-        overrides = [*overrides, "trainer.progress=false"]
-    trainer(load_config(recipe, overrides), overwrite=args.overwrite).fit()
+    resolved = resolve_config(
+        args.recipe, [*args.overrides, *(("trainer.progress=false",) if args.quiet else ())]
+    )
+    _announce(resolved)
+    trainer(resolved.config, overwrite=args.overwrite).fit()
 
 
 def cmd_report(args: argparse.Namespace) -> None:

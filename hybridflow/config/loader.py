@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ def mapping_keys(cls: type = Config, prefix: str = "") -> set[str]:
         if dataclasses.is_dataclass(hint):
             keys |= mapping_keys(hint, f"{prefix}{f.name}.")
         elif typing.get_origin(hint) is dict:
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def list_valued_keys(cls: type = Config, prefix: str = "") -> set[str]:
+    """Dotted keys of list fields (a string given for one becomes a one-item list)."""
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys |= list_valued_keys(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is list:
             keys.add(f"{prefix}{f.name}")
     return keys
 
@@ -104,51 +118,124 @@ def _parse_override(item: str) -> list[tuple[str, Any]]:
     return [(key, value)]
 
 
-def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, dict[str, Any]]:
-    """Map alias keys to ours and check every key; returns (our items, deferred aliases)."""
-    out, deferred = [], {}
+DEMO_RECIPE = "demo_arithmetic_grpo"
+VERL_BASE = "verl_ppo_trainer"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config and how it came about: the base it started from and the notes on accepted keys that
+    have no effect here (both printed at the start of a run and by `config show`)."""
+
+    config: Config
+    base: str
+    notes: tuple[str, ...] = ()
+
+
+def _our_keys_only(items: list[tuple[str, Any]], known: set[str]) -> bool:
+    return all(key in known or key.split(".")[0] in ("sft", "preference") for key, _ in items)
+
+
+def _as_list(key: str, value: Any, list_keys: set[str]) -> Any:
+    # verl writes data.train_files=path.parquet: a string where a list is meant
+    return [value] if key in list_keys and isinstance(value, str) else value
+
+
+def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, list[str], dict[str, Any]]:
+    """Map verl keys to ours and check every key. Every unknown or refused key is reported in one
+    error; returns (our items, notes on keys accepted without effect, deferred verl items)."""
+    list_keys = list_valued_keys()
+    out, notes, problems = [], [], []
+    deferred: dict[str, Any] = {}
+    verl_values: dict[str, Any] = {}
     for key, value in items:
-        if key in aliases.EXPANSIONS:
-            out += list(aliases.EXPANSIONS[key](value).items())
-        elif key in aliases.RENAMES:
-            out.append((aliases.RENAMES[key], value))
-        elif key in aliases.DEFERRED:
+        if key in aliases.DEFERRED:
             deferred[key] = value
+        if key in aliases.VERL:
+            verl_values[key] = value
+            try:
+                t = aliases.VERL[key].rule(value)
+            except (TypeError, ValueError) as e:
+                problems.append(f"{key}={value!r}: {e}")
+                continue
+            if t.refusal:
+                problems.append(f"{key}: {t.refusal}")
+            if t.note:
+                notes.append(f"{key} has no effect here: {t.note}")
+            out += [(k, _as_list(k, v, list_keys)) for k, v in t.settings.items()]
         elif key in known:
-            out.append((key, value))
-        else:
+            out.append((key, _as_list(key, value, list_keys)))
+        elif key not in aliases.DEFERRED:
             hint = closest(key, [*known, *aliases.all_alias_keys()])
-            raise UserError(f"unknown config key '{key}'{hint}")
-    return out, deferred
+            problems.append(f"'{key}' is not a config key{hint}")
+    if "data.filter_overlong_prompts" in verl_values or "data.truncation" in verl_values:
+        settings, problem = aliases.overlong_setting(
+            verl_values.get("data.filter_overlong_prompts", False), verl_values.get("data.truncation", "error")
+        )
+        out += list(settings.items())
+        problems += [problem] if problem else []
+    resolved = dict(out)
+    sp = resolved.get("actor.sequence_parallel_size", 1)
+    for key in ("_sp.ref", "_sp.critic"):
+        if key in resolved and resolved[key] != sp:
+            problems.append(f"{key[4:]} sequence parallel size {resolved[key]} != the actor's {sp}: {aliases.SAME_SP}")
+    out = [(k, v) for k, v in out if not k.startswith("_sp.")]
+    if problems:
+        raise UserError(f"{len(problems)} config key(s) cannot be used: " + "; ".join(problems))
+    return out, notes, deferred
 
 
-def load_config(
-    recipe: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, settings: dict | None = None
-) -> Config:
-    """Defaults <- recipe YAML <- `settings` (a nested mapping like the YAML's, e.g. {"actor":
-    {"optim": {"lr": 1e-6}}}) <- overrides (later wins). Raises UserError naming the bad key/value."""
+def resolve_config(
+    recipe: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    settings: dict | None = None,
+    bare_is_demo: bool = False,
+) -> Resolved:
+    """Defaults <- the base <- `settings` (a nested mapping like the YAML's, e.g. {"actor": {"optim":
+    {"lr": 1e-6}}}) <- overrides (later wins). The base is the recipe when one is given; else, with
+    nothing at all and `bare_is_demo`, the demo recipe; else verl's defaults when verl keys are given
+    (they mean verl's defaults for everything else), else hybridflow's. Raises UserError naming
+    every bad key/value at once."""
     known = set(valid_keys())
-    items = _read_recipe(recipe) if recipe else []
-    items += _flatten(settings) if settings else []
+    user_items = _flatten(settings) if settings else []
     for item in overrides:
-        items += _parse_override(item)
-    ours, deferred = _translate(items, known)
+        user_items += _parse_override(item)
+    if recipe is not None:
+        base = f"recipe {resolve_recipe(recipe)}"
+    elif not user_items and bare_is_demo:
+        recipe, base = DEMO_RECIPE, f"the demo recipe {DEMO_RECIPE} (no recipe and no overrides given)"
+    elif user_items and not _our_keys_only(user_items, known):
+        recipe, base = VERL_BASE, (
+            f"verl's defaults (recipe {VERL_BASE}: verl keys were given without a recipe; "
+            "pass a recipe to start from another)"
+        )
+    else:
+        base = "hybridflow's defaults (no recipe given)"
+    items = (_read_recipe(recipe) if recipe else []) + user_items
+    ours, notes, deferred = _translate(items, known)
 
-    base = OmegaConf.structured(Config)
+    base_config = OmegaConf.structured(Config)
     try:
-        merged = OmegaConf.merge(base, _unflatten(ours)) if ours else base
+        merged = OmegaConf.merge(base_config, _unflatten(ours)) if ours else base_config
         resolved = OmegaConf.to_container(merged, resolve=True)
         for verl_key, value in deferred.items():
-            our_key, convert = aliases.DEFERRED[verl_key]
-            section, name = our_key.split(".")
-            merged[section][name] = convert(value, resolved)
+            for key, converted in aliases.DEFERRED[verl_key](value, resolved).items():
+                OmegaConf.update(merged, key, converted)
         config = OmegaConf.to_object(merged)
     except ValidationError as e:
         raise UserError(f"config {e.full_key}: {str(e.msg).splitlines()[0]}") from e
     except OmegaConfBaseException as e:
         raise UserError(f"config error at {getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from e
     assert isinstance(config, Config)
-    return config
+    return Resolved(config, base, tuple(dict.fromkeys(notes)))
+
+
+def load_config(
+    recipe: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, settings: dict | None = None
+) -> Config:
+    """The config of `resolve_config` (no demo for empty input: that is the CLI's choice)."""
+    return resolve_config(recipe, overrides, settings=settings).config
 
 
 def to_yaml(config: Config) -> str:

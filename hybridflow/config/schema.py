@@ -80,12 +80,17 @@ class DataConfig:
     prompts_per_step: int = 8
     """Prompts drawn per RL step; each is sampled `rollout.samples_per_prompt` times."""
     overlong_prompts: str = "filter"
-    """'filter' drops prompts longer than max_prompt_tokens (and logs the count); 'error' raises."""
+    """Prompts longer than max_prompt_tokens: 'filter' drops them (and logs the count); 'error' stops;
+    'truncate_left' / 'truncate_right' keep their last / first max_prompt_tokens tokens (verl's
+    truncation=left / right)."""
     on_bad_row: str = "error"
     """A malformed row (missing prompt, wrong type, empty prompt, no ground truth where the reward needs
     one, a jsonl line that is not UTF-8 JSON): 'error' stops at the first, naming it; 'skip' drops
     every such row and logs a report (file, row or line, reason) with the count."""
     apply_chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the tokenizer's chat template, e.g. {enable_thinking: false} (verl's
+    data.apply_chat_template_kwargs)."""
     system_prompt: str | None = None
     shuffle: bool = True
     max_val_prompts: int | None = None
@@ -95,7 +100,9 @@ class DataConfig:
     and these data.* settings)."""
 
     def __post_init__(self) -> None:
-        _check_choice("data", "overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        _check_choice(
+            "data", "overlong_prompts", self.overlong_prompts, ("filter", "error", "truncate_left", "truncate_right")
+        )
         _check_choice("data", "on_bad_row", self.on_bad_row, ("error", "skip"))
         for name in ("max_prompt_tokens", "max_response_tokens", "prompts_per_step"):
             _check_positive("data", name, getattr(self, name))
@@ -132,6 +139,10 @@ class RolloutConfig:
     val_samples_per_prompt: int = 1
     val_temperature: float = 0.0
     """0 means greedy."""
+    val_top_p: float = 1.0
+    """Validation's own top-p (verl's val_kwargs.top_p): rollout.top_p is not applied to validation."""
+    val_top_k: int = -1
+    """Validation's own top-k (verl's val_kwargs.top_k); -1 disables."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
@@ -154,6 +165,11 @@ class OptimConfig:
     lr_scheduler: str = "constant"
     """'constant' or 'cosine' (both after linear warmup)."""
     warmup_steps: int = 0
+    """Linear warmup over this many training steps (verl's unit: the schedule moves once per step,
+    whatever the mini-batches of a step)."""
+    warmup_ratio: float = 0.0
+    """With warmup_steps=0: warm up over this fraction of the run's training steps (verl's
+    lr_warmup_steps_ratio)."""
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
 
@@ -275,6 +291,17 @@ class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling: drop groups whose scores all agree, regenerate to fill the step."""
     max_generation_rounds: int = 4
+    prompts_per_round: int | None = None
+    """Prompts sampled per generation round (verl's data.gen_batch_size); None: data.prompts_per_step."""
+    metric: str = "seq_reward"
+    """What must differ within a group to keep it: 'seq_reward' (the score after shaping), 'score'
+    (the function's score), 'acc' (the function's acc, else its score), 'seq_final_reward' (after a
+    KL penalty in the reward too)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "algorithm.filter_groups", "metric", self.metric, ("seq_reward", "score", "acc", "seq_final_reward")
+        )
 
 
 @dataclass
@@ -312,11 +339,13 @@ class TrainerConfig:
     experiment_name: str = "run"
     run_dir: str = "runs/${trainer.experiment_name}"
     resume: str = "auto"
+    """'auto' goes on from the run directory's latest checkpoint (refused when it was made with another
+    model, data or algorithm), 'force' goes on from it even then, 'disable' never resumes."""
     keep_last_checkpoints: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("trainer", "resume", self.resume, ("auto", "disable"))
+        _check_choice("trainer", "resume", self.resume, ("auto", "disable", "force"))
 
 
 @dataclass

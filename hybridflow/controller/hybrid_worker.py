@@ -45,9 +45,9 @@ from hybridflow.rollout.sampling import SamplingParams
 
 
 class HybridWorker:
-    """Built by a worker group as `HybridWorker(config, rank, world_size, total_updates=...)`."""
+    """Built by a worker group as `HybridWorker(config, rank, world_size, total_steps=...)`."""
 
-    def __init__(self, config: Config, rank: int, world_size: int, *, total_updates: int) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int, *, total_steps: int) -> None:
         c = self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(c.resources.device)
@@ -138,7 +138,7 @@ class HybridWorker:
         self.actor = Actor(
             model,
             c.actor,
-            total_updates=total_updates,
+            total_steps=total_steps,
             max_response_tokens=c.data.max_response_tokens,
             pad_token_id=pad,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
@@ -163,7 +163,7 @@ class HybridWorker:
             Critic(
                 critic_model,
                 c.critic,
-                total_updates=total_updates,
+                total_steps=total_steps,
                 compute_dtype=c.actor.compute_dtype,
                 pad_token_id=pad,
                 device=self.device,

@@ -15,7 +15,7 @@ from hybridflow.errors import UserError
 
 
 class Placement:
-    def __init__(self, config: Config, device, *, total_updates: int) -> None:
+    def __init__(self, config: Config, device, *, total_steps: int) -> None:
         c = config
         rollout_count = c.resources.rollout_workers
         train_count = worker_count(c.resources, device) - rollout_count
@@ -25,7 +25,7 @@ class Placement:
                 f"{worker_count(c.resources, device)} (trainer.n_gpus_per_node x trainer.nnodes, or "
                 "resources.num_workers on CPU)"
             )
-        factory = functools.partial(HybridWorker, c, total_updates=total_updates)
+        factory = functools.partial(HybridWorker, c, total_steps=total_steps)
         # Ray hands out GPUs only to its own actors: next to Ray rollout workers, a lone trainer is a
         # Ray actor too, or both would be given the first GPU
         self.train: WorkerGroup = worker_group(

@@ -111,7 +111,7 @@ class RLTrainer:
             print_plan(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
         self.model_shape = model_shape(c) if self.peak_flops else None
-        self.placement = Placement(c, self.device, total_updates=self.total_steps * updates_per_step(c))
+        self.placement = Placement(c, self.device, total_steps=self.total_steps)
         self.workers = self.placement.train  # the workers that hold actor, reference and critic
         self.roles = RoleCalls(c, self.placement)
         kl = c.algorithm.kl_ctrl

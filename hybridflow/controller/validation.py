@@ -16,8 +16,9 @@ def validate(
     prompts: list[Prompt],
     params: SamplingParams,
 ) -> tuple[dict[str, float], list[dict]]:
-    """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n), and per-response samples.
-    `generate(prompts, params)` samples (over all rollout workers)."""
+    """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n) of the reward function's `acc`
+    when it returns one, else val-core/{data_source}/reward/... of its score (verl's naming), and
+    per-response samples. `generate(prompts, params)` samples (over all rollout workers)."""
     rollouts = generate(prompts, params)
     result = reward.score(rollouts)
     per_prompt: dict[int, list[int]] = defaultdict(list)
@@ -28,13 +29,14 @@ def validate(
     for rows in per_prompt.values():
         source = rollouts.prompts[rows[0]].data_source
         acc = accuracy_at_n(
-            [result.raw_scores[i].item() for i in rows], [result.preds[i] for i in rows], params.n
+            [result.accs[i].item() for i in rows], [result.preds[i] for i in rows], params.n
         )
         for k, v in acc.items():
             sums[source][k] += v
         counts[source] += 1
+    name = "acc" if result.acc_given else "reward"
     metrics = {
-        f"val-core/{src}/acc/{k}": v / counts[src] for src, accs in sums.items() for k, v in accs.items()
+        f"val-core/{src}/{name}/{k}": v / counts[src] for src, accs in sums.items() for k, v in accs.items()
     }
     samples = [
         {

@@ -22,7 +22,7 @@ from hybridflow.errors import UserError
 FORMAT = 1  # bump when the layout or the rendering changes
 # the data.* fields a cached prompt depends on
 PROMPT_FIELDS = ("prompt_key", "answer_key", "data_source", "max_prompt_tokens", "overlong_prompts",
-                 "on_bad_row", "apply_chat_template", "system_prompt")  # fmt: skip
+                 "on_bad_row", "apply_chat_template", "chat_template_kwargs", "system_prompt")  # fmt: skip
 
 
 def _file_fingerprint(path: Path) -> str:

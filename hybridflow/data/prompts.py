@@ -68,7 +68,12 @@ def _ground_truth(row: dict, answer_key: str | None) -> Any:
 
 
 def render_prompt(
-    prompt: list[dict[str, str]] | str, tokenizer, *, chat: bool, system_prompt: str | None
+    prompt: list[dict[str, str]] | str,
+    tokenizer,
+    *,
+    chat: bool,
+    system_prompt: str | None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The text the model sees: the tokenizer's own chat template, or the raw string."""
     if not chat:
@@ -80,7 +85,9 @@ def render_prompt(
         messages.insert(0, {"role": "system", "content": system_prompt})
     if tokenizer.chat_template is None:
         raise UserError("the tokenizer has no chat template; set data.apply_chat_template=false")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
 
 
 def rows_to_prompts(
@@ -108,7 +115,11 @@ def rows_to_prompts(
             bad.append(f"row {i}: {str(e).removeprefix(where).lstrip(': ')}")  # the reason alone
             continue
         text = render_prompt(
-            content, tokenizer, chat=config.apply_chat_template, system_prompt=config.system_prompt
+            content,
+            tokenizer,
+            chat=config.apply_chat_template,
+            system_prompt=config.system_prompt,
+            template_kwargs=config.chat_template_kwargs,
         )
         ids = tokenizer(text, add_special_tokens=not config.apply_chat_template)["input_ids"]
         if len(ids) > config.max_prompt_tokens:
@@ -116,8 +127,12 @@ def rows_to_prompts(
                 raise UserError(
                     f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={config.max_prompt_tokens}"
                 )
-            overlong += 1
-            continue
+            if config.overlong_prompts == "filter":
+                overlong += 1
+                continue
+            keep = config.max_prompt_tokens  # verl's truncation: the model sees the cut tokens
+            ids = ids[-keep:] if config.overlong_prompts == "truncate_left" else ids[:keep]
+            text = tokenizer.decode(ids)
         extra = row.get("extra_info")
         prompts.append(
             Prompt(

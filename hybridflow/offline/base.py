@@ -148,13 +148,13 @@ class OfflineTrainer:
     def finish_step(self, sums: dict[str, float], tokens: int) -> dict[str, float]:
         """The optimizer step after a batch's backward passes; `sums` (its loss and metrics) as the
         step's metrics, with the gradient norm, learning rate and token count."""
-        done = optimizer_step(
-            self.model, self.optimizer, self.scheduler, self.config.actor.optim.grad_clip, {}
-        )
+        done = optimizer_step(self.model, self.optimizer, self.config.actor.optim.grad_clip, {})
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         out = {f"train/{k}" if k == "loss" else k: v for k, v in sums.items()}
         return out | {
             "train/grad_norm": done["grad_norm"] if done else float("nan"),
-            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "train/skipped_updates": float(done is None),
             "train/tokens": float(tokens),
         }

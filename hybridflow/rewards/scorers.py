@@ -34,6 +34,10 @@ def _numbers_equal(pred: str | None, truth: Any) -> bool:
         return False
 
 
+_GSM8K_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
+_GSM8K_CLIP_CHARS = 300
+
+
 def gsm8k(
     solution_str: str,
     ground_truth: str,
@@ -43,41 +47,73 @@ def gsm8k(
     *,
     guards: bool = False,
 ) -> dict:
-    """verl-compatible GSM8K: the last 300 characters; strict '#### <number>' (commas and $ stripped)
-    or flexible (the last number). Correct: `score`; a parsed but wrong answer: `format_score`; none: 0.
-    Guards (off by default, so scores compare with verl): several numbers after '####' earn nothing."""
+    """verl's GSM8K scorer exactly (verl/utils/reward_score/gsm8k.py): only the last 300 characters
+    are read; strict takes the last '#### <digits . ,>' with ',' and '$' removed, flexible the last
+    run of digits, '.' and ',' that is not '' or '.' (nothing removed). The answer must equal the
+    ground truth as a string: '18.' or '18.00' against '18' scores `format_score`, as in verl. (One
+    departure: a ground truth that is not a string is compared as str(), where verl would never
+    match.) Guards (off by default, so scores equal verl's): several numbers after '####' earn
+    nothing. `gsm8k_lenient` compares numbers instead."""
     if guards and "####" in solution_str and len(_NUMBER.findall(solution_str.rsplit("####", 1)[1])) > 1:
         return {"score": 0.0, "pred": None}
-    tail = solution_str[-300:]
+    tail = solution_str[-_GSM8K_CLIP_CHARS:]
+    pred = None
     if method == "strict":
         matches = _GSM8K_STRICT.findall(tail)
-        pred = _clean_number(matches[-1]) if matches else None
+        pred = matches[-1].replace(",", "").replace("$", "") if matches else None
     else:
-        matches = [m for m in _NUMBER.findall(tail) if m not in ("", ".")]
-        pred = _clean_number(matches[-1]) if matches else None
+        for candidate in reversed(_GSM8K_FLEXIBLE.findall(tail)):
+            if candidate not in ("", "."):
+                pred = candidate
+                break
     if pred is None:
         return {"score": 0.0, "pred": None}
-    return {"score": score if _numbers_equal(pred, ground_truth) else format_score, "pred": pred}
+    truth = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
+    return {"score": float(score if pred == truth else format_score), "pred": pred}
 
 
-def _final_segment(text: str) -> str:
-    """The final answer's text: after the last '####', else the last line after its last '=' / 'is' / ':'
-    (reasoning inside <think>...</think> is never the answer)."""
+def gsm8k_lenient(solution_str: str, ground_truth: str, *, guards: bool = False) -> dict:
+    """GSM8K compared as numbers: the last '#### <number>' of the whole response, else its last
+    number; '$', ',' and a final '.' dropped, so '18.', '18.00' and '$18' all equal 18 (data_source
+    gsm8k_lenient; not verl's)."""
+    if guards and "####" in solution_str and len(_NUMBER.findall(solution_str.rsplit("####", 1)[1])) > 1:
+        return {"score": 0.0, "pred": None}
+    tail = solution_str.rsplit("####", 1)[1] if "####" in solution_str else solution_str
+    numbers = _NUMBER.findall(tail.replace("$", ""))
+    pred = _clean_number(numbers[0] if "####" in solution_str else numbers[-1]) if numbers else None
+    return {"score": float(_numbers_equal(pred, ground_truth)), "pred": pred}
+
+
+_ANSWER_SEPARATOR = re.compile(r"=|\bequals\b|\bis\b|:|\banswer\b", flags=re.IGNORECASE)
+
+
+def _final_answer_numbers(text: str) -> list[str]:
+    """The numbers of the final answer: after the last '####' if there is one; else on the last line
+    that has a digit, those after its last '=' / 'equals' / 'is' / ':' / 'answer' ('9 + 2 equals 11'
+    -> ['11']), or, when nothing numeric follows that word, the line's own numbers when it has just
+    one ('11 is the answer' -> ['11'], '0 + 4 = ?' -> none). Reasoning inside <think>...</think> is
+    never the answer."""
     text = text.rsplit("</think>", 1)[-1]
     if "####" in text:
-        return text.rsplit("####", 1)[1]
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    return re.split(r"=|\bis\b|:", last)[-1]
+        return _NUMBER.findall(text.rsplit("####", 1)[1])
+    lines = [line for line in text.splitlines() if any(ch.isdigit() for ch in line)]
+    if not lines:
+        return []
+    last = lines[-1]
+    after = _NUMBER.findall(_ANSWER_SEPARATOR.split(last)[-1])
+    if after:
+        return after
+    numbers = _NUMBER.findall(last)
+    return numbers if len(numbers) == 1 else []
 
 
 def arithmetic(solution_str: str, ground_truth: str, *, guards: bool = True) -> dict:
-    """The final answer is the number after the last '####', or else the last number in the response.
-    Guard: a final answer that lists several numbers ('7 or 8') earns nothing."""
-    if guards and len(_NUMBER.findall(_final_segment(solution_str))) > 1:
+    """The final answer (`_final_answer_numbers`) must be the ground truth. Guard: a final answer
+    that lists several numbers ('7 or 8') earns nothing; without guards its last number counts."""
+    numbers = _final_answer_numbers(solution_str)
+    if not numbers or (guards and len(numbers) > 1):
         return {"score": 0.0, "pred": None}
-    numbers = _NUMBER.findall(solution_str.rsplit("####", 1)[1] if "####" in solution_str else solution_str)
-    pred = _clean_number(numbers[-1]) if numbers else None
+    pred = _clean_number(numbers[-1])
     return {"score": float(_numbers_equal(pred, ground_truth)), "pred": pred}
 
 
@@ -135,6 +171,7 @@ def _countdown(solution_str: str, ground_truth: dict, *, guards: bool = True) ->
 SCORERS: dict[str, tuple[Callable[..., dict], bool]] = {
     "openai/gsm8k": (gsm8k, False),
     "gsm8k": (gsm8k, False),
+    "gsm8k_lenient": (gsm8k_lenient, False),
     "arithmetic": (arithmetic, True),
     "countdown": (_countdown, True),
     "math": (_math, True),
@@ -178,6 +215,9 @@ def compute_score(
         result = scorer(solution_str, ground_truth, guards=guards, **(code_options or {}))
     else:
         result = scorer(solution_str, ground_truth, guards=guards)
+    # acc: correctness alone (validation's accuracy): no partial credit for a well-formed wrong answer
+    partial_credit = scorer in (gsm8k, _countdown)
+    result = {**result, "acc": float(result["score"] == 1.0) if partial_credit else float(result["score"])}
     if format_weight:
         fmt = format_rewards.score(solution_str, format_pattern or "think")
         result = {**result, "score": result["score"] + format_weight * fmt, "format": fmt}

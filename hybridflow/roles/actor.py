@@ -19,27 +19,35 @@ from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_
 from hybridflow.tracking.progress import bar
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_updates: int):
-    """AdamW (fused on CUDA) and a warmup + constant/cosine schedule over `total_updates` steps."""
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    return optim.warmup_steps if optim.warmup_steps > 0 else int(optim.warmup_ratio * total_steps)
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """AdamW (fused on CUDA) and a warmup + constant/cosine schedule over `total_steps` training steps.
+    The schedule moves once per training step (`scheduler.step()` after a step's updates, as verl's),
+    not once per mini-batch: warmup and cosine lengths are in the same unit as total_training_steps."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params)
     optimizer = torch.optim.AdamW(
         params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, fused=fused or None
     )
 
+    warmup = warmup_steps(optim, total_steps)
+
     def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
+        if step < warmup:
+            return (step + 1) / warmup
         if optim.lr_scheduler == "constant":
             return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_updates - optim.warmup_steps))
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def optimizer_step(
-    model, optimizer, scheduler, grad_clip: float, sums: dict[str, float]
+    model, optimizer, grad_clip: float, sums: dict[str, float]
 ) -> dict[str, float] | None:
     """After a mini-batch's backward passes: metric sums over ranks (each rank holds its share, so
     the sums are the global values), clip to the global gradient norm and step; None (no step, the
@@ -53,7 +61,6 @@ def optimizer_step(
         optimizer.zero_grad(set_to_none=True)
         return None
     optimizer.step()
-    scheduler.step()
     sums["grad_norm"] = grad_norm.item()
     return sums
 
@@ -79,7 +86,7 @@ class Actor:
         model: torch.nn.Module,
         config: ActorConfig,
         *,
-        total_updates: int,
+        total_steps: int,
         max_response_tokens: int,
         pad_token_id: int,
         gradient_checkpointing: bool = False,
@@ -102,7 +109,7 @@ class Actor:
                 model.gradient_checkpointing_enable()
             else:  # the native model checkpoints each layer
                 model.gradient_checkpointing = True
-        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
+        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
         self.progress = progress
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
@@ -170,7 +177,8 @@ class Actor:
         self._bar.close()
         self.model.eval()
         out = {f"actor/{k}": v / max(updates, 1) for k, v in sums.items()}
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]  # the step's rate; the next step's after
+        self.scheduler.step()
         out["actor/skipped_updates"] = float(skipped)
         if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
             out |= self._rollout_gap_metrics()
@@ -271,7 +279,7 @@ class Actor:
             sums["entropy"] += entropy_loss.detach()
             for k, v in pg_metrics.items():
                 sums[k] += v.detach() * share
-        return optimizer_step(self.model, self.optimizer, self.scheduler, cfg.optim.grad_clip, _on_host(sums))
+        return optimizer_step(self.model, self.optimizer, cfg.optim.grad_clip, _on_host(sums))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -65,7 +65,7 @@ class Critic:
         model: torch.nn.Module,
         config: CriticConfig,
         *,
-        total_updates: int,
+        total_steps: int,
         compute_dtype: str,
         pad_token_id: int,
         device: torch.device | None = None,
@@ -76,7 +76,7 @@ class Critic:
         self.device = device or next(model.parameters()).device
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
-        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_updates)
+        self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
 
     def _values(self, batch: TrainingBatch) -> torch.Tensor:
         if hasattr(self.model, "token_scores"):  # native: packed, no padding
@@ -119,6 +119,7 @@ class Critic:
         self.model.eval()
         out = {f"critic/{k}": v / max(updates, 1) for k, v in sums.items()}
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # once per training step, as the actor's
         return out
 
     def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
@@ -150,7 +151,7 @@ class Critic:
             sums["vf_loss"] += loss.item()
             sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
             sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(tokens, 1)
-        return optimizer_step(self.model, self.optimizer, self.scheduler, self.config.optim.grad_clip, sums)
+        return optimizer_step(self.model, self.optimizer, self.config.optim.grad_clip, sums)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -28,11 +28,26 @@ class RewardResult:
     raw_scores: torch.Tensor  # [B] rule score before shaping (what accuracy is measured on)
     preds: list[str | None]
     metrics: dict[str, float] = field(default_factory=dict)
+    accs: torch.Tensor | None = None
+    """[B] the function's `acc` where it returned one, else its score (raw_scores): what validation
+    reports as accuracy and DAPO's filter_groups.metric=acc compares."""
+    acc_given: bool = False
+    """The function returned an `acc`: validation names its metric val-core/<source>/acc (verl's
+    rule), else val-core/<source>/reward."""
+
+    def __post_init__(self) -> None:
+        if self.accs is None:
+            self.accs = self.raw_scores
 
     def select(self, rows: list[int]) -> RewardResult:
         index = torch.tensor(rows, dtype=torch.long)
         return RewardResult(
-            self.scores[index], self.raw_scores[index], [self.preds[i] for i in rows], self.metrics
+            self.scores[index],
+            self.raw_scores[index],
+            [self.preds[i] for i in rows],
+            self.metrics,
+            self.accs[index],
+            self.acc_given,
         )
 
     @staticmethod
@@ -42,6 +57,8 @@ class RewardResult:
             torch.cat([p.raw_scores for p in parts]),
             [x for p in parts for x in p.preds],
             parts[-1].metrics if parts else {},
+            torch.cat([p.accs for p in parts]),
+            any(p.acc_given for p in parts),
         )
 
 
@@ -160,7 +177,13 @@ class Reward:
                 extras[k].append(v)
         metrics |= {f"reward/{k}/mean": sum(v) / len(v) for k, v in extras.items()}
         metrics["timing_s/reward"] = time.perf_counter() - start
-        return RewardResult(scores, raw, [o.pred for o in outcomes], metrics)
+        acc_given = self.uses_rules and any("acc" in o.extras for o in outcomes)
+        accs = (
+            torch.tensor([o.extras.get("acc", o.score) for o in outcomes], dtype=torch.float32)
+            if acc_given
+            else raw
+        )
+        return RewardResult(scores, raw, [o.pred for o in outcomes], metrics, accs, acc_given)
 
     def score(self, rollouts: Rollouts) -> RewardResult:
         return self.result(rollouts, self.submit(rollouts))

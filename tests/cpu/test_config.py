@@ -1,7 +1,6 @@
 import pytest
 
-from hybridflow.config import load_config, to_yaml, valid_keys
-from hybridflow.config.aliases import RENAMES
+from hybridflow.config import load_config, to_yaml
 from hybridflow.errors import UserError
 
 
@@ -59,15 +58,10 @@ def test_mini_batch_alias_uses_final_n_whatever_the_order():
     assert c.actor.sequences_per_update == 10
 
 
-def test_every_alias_targets_a_real_key():
-    keys = set(valid_keys())
-    assert set(RENAMES.values()) <= keys
-
-
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("actor.optim.lrr=1", "unknown config key 'actor.optim.lrr' (did you mean 'actor.optim.lr'?)"),
+        ("actor.optim.lrr=1", "'actor.optim.lrr' is not a config key (did you mean 'actor.optim.lr'?)"),
         ("data.train_batch_sz=3", "did you mean 'data.train_batch_size'?"),
         (
             "actor.optim.lr=abc",
@@ -94,7 +88,7 @@ def test_missing_and_broken_recipes(tmp_path):
     with pytest.raises(UserError, match="cannot parse recipe"):
         load_config(str(bad))
     bad.write_text("data:\n  nope: 1\n")
-    with pytest.raises(UserError, match="unknown config key 'data.nope'"):
+    with pytest.raises(UserError, match="'data.nope' is not a config key"):
         load_config(str(bad))
 
 
@@ -110,9 +104,12 @@ def test_docs_table_lists_every_alias():
 
     from hybridflow.config.aliases import all_alias_keys
 
+    from hybridflow.config.aliases import markdown_table
+
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     missing = [k for k in all_alias_keys() if f"`{k}`" not in doc]
     assert not missing, f"docs/config.md lacks {missing}"
+    assert markdown_table() in doc, "docs/config.md's table is not aliases.markdown_table() as rendered now"
 
 
 @pytest.mark.parametrize("recipe", ["demo_arithmetic_grpo", "gsm8k_grpo", "gsm8k_ppo", "countdown_dapo"])

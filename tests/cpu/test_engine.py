@@ -127,7 +127,7 @@ def test_sampled_logprobs_equal_the_trainers(temperature):
         if temperature == 1.0:
             assert_close(torch.tensor(g.logprobs), ours, atol=1e-6, rtol=0)
     # the actor's policy is softmax(logits / T) (verl's convention): its log-probs are the rollout's
-    actor = Actor(model, ActorConfig(compute_dtype="float32"), total_updates=1, max_response_tokens=20,
+    actor = Actor(model, ActorConfig(compute_dtype="float32"), total_steps=1, max_response_tokens=20,
                   pad_token_id=0, temperature=temperature)  # fmt: skip
     batch = TrainingBatch(
         [PROMPTS[g.prompt_index] for g in out],

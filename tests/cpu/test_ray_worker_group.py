@@ -277,7 +277,7 @@ def _actor(model):
 
     config = ActorConfig(max_tokens_per_microbatch=16, use_kl_loss=False, compute_dtype="float32")
     config.optim.lr = 1e-2
-    return Actor(model, config, total_updates=1, max_response_tokens=8, pad_token_id=0)
+    return Actor(model, config, total_steps=1, max_response_tokens=8, pad_token_id=0)
 
 
 def _policy_batch():
