@@ -206,3 +206,43 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{str(e).splitlines()[0]}"
         ) from e
     return trainer_state, optim_state
+
+
+# What a resumed run must share with the checkpoint it goes on from (else it trains something else)
+RESUME_IDENTITY = (
+    "model.path",
+    "model.lora_rank",
+    "data.train_files",
+    "data.task",
+    "data.task_options",
+    "algorithm.adv_estimator",
+)
+
+
+def check_resumable(path: Path, config_yaml: str, *, force: bool) -> None:
+    """Refuse to go on from checkpoint `path` when it was written with another model, data or
+    algorithm than `config_yaml` (naming each difference), unless `force` (trainer.resume=force)."""
+    from omegaconf import OmegaConf
+
+    saved_file = path / "config.yaml"
+    if force or not saved_file.is_file():
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False)
+    now = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=False)
+
+    def get(tree: dict, key: str) -> Any:
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    differ = [
+        f"{k}: {get(saved, k)!r} there, {get(now, k)!r} now"
+        for k in RESUME_IDENTITY
+        if get(saved, k) != get(now, k)
+    ]
+    if differ:
+        raise UserError(
+            f"the latest checkpoint {path} was made by another run ({'; '.join(differ)}); use another "
+            "trainer.run_dir (or trainer.experiment_name), --overwrite to start over, or "
+            "trainer.resume=force to go on from it anyway"
+        )

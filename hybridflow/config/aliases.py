@@ -137,7 +137,9 @@ def _resume_mode(value: Any) -> Translation:
     )
 
 
-_VAL_SAMPLING = "validation samples with rollout.val_temperature; top-p/top-k truncation is not applied to validation"
+_VAL_SAMPLING = (
+    "validation samples with rollout.val_temperature; top-p/top-k truncation is not applied to validation"
+)
 
 
 def _val_top_p(value: Any) -> Translation:
@@ -151,76 +153,150 @@ def _val_top_k(value: Any) -> Translation:
 def _fsdp_size(value: Any) -> Translation:
     if int(value) == -1:
         return Translation(note="FSDP2 shards over all training workers")
-    return Translation(refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)")
+    return Translation(
+        refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)"
+    )
 
 
 VERL: dict[str, Entry] = {
     # model
     f"{_ARR}.model.path": rename("model.path"),
-    f"{_ARR}.model.use_remove_padding": rename("model.use_remove_padding", "the native model is always padding-free"),
+    f"{_ARR}.model.use_remove_padding": rename(
+        "model.use_remove_padding", "the native model is always padding-free"
+    ),
     f"{_ARR}.model.enable_gradient_checkpointing": rename("model.enable_gradient_checkpointing"),
     f"{_ARR}.model.trust_remote_code": rename("model.trust_remote_code"),
-    f"{_ARR}.model.lora_rank": rename("model.lora_rank", "LoRA on the native model, one worker for now; verl's `target_modules: all-linear` is our default `model.lora_target_modules`"),
+    f"{_ARR}.model.lora_rank": rename(
+        "model.lora_rank",
+        "LoRA on the native model, one worker for now; verl's `target_modules: all-linear` is our default `model.lora_target_modules`",
+    ),
     f"{_ARR}.model.lora_alpha": rename("model.lora_alpha"),
     f"{_ARR}.model.lora_adapter_path": rename("model.lora_adapter_path"),
-    f"{_ARR}.model.use_fused_kernels": no_effect("the native model's LM head always computes log-probs in fused chunks"),
-    f"{_ARR}.model.fused_kernel_options.impl_backend": no_effect("the native model's LM head always computes log-probs in fused chunks"),
+    f"{_ARR}.model.use_fused_kernels": no_effect(
+        "the native model's LM head always computes log-probs in fused chunks"
+    ),
+    f"{_ARR}.model.fused_kernel_options.impl_backend": no_effect(
+        "the native model's LM head always computes log-probs in fused chunks"
+    ),
     f"{_ARR}.model.use_shm": no_effect("models load from local files"),
-    f"{_ARR}.model.override_config.attention_dropout": by_value(_dropout, "(no effect at 0)", "the native model has no dropout: 0 is accepted, other values refused"),
-    f"{_ARR}.model.override_config.embd_pdrop": by_value(_dropout, "(no effect at 0)", "as attention_dropout"),
-    f"{_ARR}.model.override_config.resid_pdrop": by_value(_dropout, "(no effect at 0)", "as attention_dropout"),
+    f"{_ARR}.model.override_config.attention_dropout": by_value(
+        _dropout, "(no effect at 0)", "the native model has no dropout: 0 is accepted, other values refused"
+    ),
+    f"{_ARR}.model.override_config.embd_pdrop": by_value(
+        _dropout, "(no effect at 0)", "as attention_dropout"
+    ),
+    f"{_ARR}.model.override_config.resid_pdrop": by_value(
+        _dropout, "(no effect at 0)", "as attention_dropout"
+    ),
     # rollout
     f"{_ARR}.rollout.n": rename("rollout.samples_per_prompt"),
-    f"{_ARR}.rollout.temperature": rename("rollout.temperature", "as in verl, the actor's and reference's log-probs are of softmax(logits / temperature), the distribution the rollout samples from (top-k/top-p truncation is not part of the policy)"),
+    f"{_ARR}.rollout.temperature": rename(
+        "rollout.temperature",
+        "as in verl, the actor's and reference's log-probs are of softmax(logits / temperature), the distribution the rollout samples from (top-k/top-p truncation is not part of the policy)",
+    ),
     f"{_ARR}.rollout.top_p": rename("rollout.top_p"),
     f"{_ARR}.rollout.top_k": rename("rollout.top_k"),
     f"{_ARR}.rollout.gpu_memory_utilization": rename("rollout.gpu_memory_utilization"),
     f"{_ARR}.rollout.free_cache_engine": rename("rollout.free_cache_engine"),
-    f"{_ARR}.rollout.name": by_value(_rollout_name, "`rollout.backend`", "`vllm`, `hf` and `native` (the built-in engine); sglang and trtllm are refused by name. vLLM must be installed: the start checks it before any work"),
+    f"{_ARR}.rollout.name": by_value(
+        _rollout_name,
+        "`rollout.backend`",
+        "`vllm`, `hf` and `native` (the built-in engine); sglang and trtllm are refused by name. vLLM must be installed: the start checks it before any work",
+    ),
     f"{_ARR}.rollout.max_num_seqs": rename("rollout.max_batch_sequences"),
-    f"{_ARR}.rollout.max_num_batched_tokens": rename("rollout.max_prefill_tokens", "the engine's token budget of one prefill step"),
-    f"{_ARR}.rollout.enable_chunked_prefill": no_effect("the built-in engine splits prefills by its token budget (rollout.max_prefill_tokens)"),
-    f"{_ARR}.rollout.tensor_model_parallel_size": no_effect("each GPU runs its own engine replica (tensor parallelism in the engine is issue #31); results are the same, memory per GPU is not: check with `hybridflow plan`"),
+    f"{_ARR}.rollout.max_num_batched_tokens": rename(
+        "rollout.max_prefill_tokens", "the engine's token budget of one prefill step"
+    ),
+    f"{_ARR}.rollout.enable_chunked_prefill": no_effect(
+        "the built-in engine splits prefills by its token budget (rollout.max_prefill_tokens)"
+    ),
+    f"{_ARR}.rollout.tensor_model_parallel_size": no_effect(
+        "each GPU runs its own engine replica (tensor parallelism in the engine is issue #31); results are the same, memory per GPU is not: check with `hybridflow plan`"
+    ),
     f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(_MICRO),
     f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(_DYNAMIC),
-    f"{_ARR}.rollout.log_prob_max_token_len_per_gpu": no_effect("the old-policy log-probs use actor.max_tokens_per_microbatch"),
-    f"{_ARR}.rollout.mode": no_effect("single-turn rollouts are the same in verl's sync and async modes; the engine batches requests continuously"),
-    f"{_ARR}.rollout.load_format": no_effect("the engine receives the actor's weights in place at the first sync"),
-    f"{_ARR}.rollout.layered_summon": no_effect("weights always reach the engine one decoder layer at a time"),
+    f"{_ARR}.rollout.log_prob_max_token_len_per_gpu": no_effect(
+        "the old-policy log-probs use actor.max_tokens_per_microbatch"
+    ),
+    f"{_ARR}.rollout.mode": no_effect(
+        "single-turn rollouts are the same in verl's sync and async modes; the engine batches requests continuously"
+    ),
+    f"{_ARR}.rollout.load_format": no_effect(
+        "the engine receives the actor's weights in place at the first sync"
+    ),
+    f"{_ARR}.rollout.layered_summon": no_effect(
+        "weights always reach the engine one decoder layer at a time"
+    ),
     f"{_ARR}.rollout.multi_turn.format": no_effect("multi-turn rollouts are not enabled (issue #29)"),
     f"{_ARR}.rollout.engine_kwargs.vllm.swap_space": no_effect("vLLM engine options are not passed through"),
     f"{_ARR}.rollout.engine_kwargs.sglang.attention_backend": no_effect("SGLang is not used"),
     f"{_ARR}.rollout.val_kwargs.n": rename("rollout.val_samples_per_prompt"),
-    f"{_ARR}.rollout.val_kwargs.temperature": rename("rollout.val_temperature", "greedy unless `val_kwargs.do_sample=True` (verl's rule, applied whatever the order of keys)"),
+    f"{_ARR}.rollout.val_kwargs.temperature": rename(
+        "rollout.val_temperature",
+        "greedy unless `val_kwargs.do_sample=True` (verl's rule, applied whatever the order of keys)",
+    ),
     f"{_ARR}.rollout.val_kwargs.top_p": by_value(_val_top_p, "`rollout.val_top_p`", ""),
     f"{_ARR}.rollout.val_kwargs.top_k": by_value(_val_top_k, "`rollout.val_top_k`", ""),
-    f"{_ARR}.rollout.val_kwargs.do_sample": by_value(lambda v: Translation(), "(see note)", "False (verl's default) makes validation greedy whatever `val_kwargs.temperature` says; True samples at it"),
+    f"{_ARR}.rollout.val_kwargs.do_sample": by_value(
+        lambda v: Translation(),
+        "(see note)",
+        "False (verl's default) makes validation greedy whatever `val_kwargs.temperature` says; True samples at it",
+    ),
     # actor
-    f"{_ARR}.actor.strategy": by_value(_strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron refused"),
+    f"{_ARR}.actor.strategy": by_value(
+        _strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron refused"
+    ),
     f"{_ARR}.actor.optim.lr": rename("actor.optim.lr"),
     f"{_ARR}.actor.optim.weight_decay": rename("actor.optim.weight_decay"),
-    f"{_ARR}.actor.optim.lr_warmup_steps": by_value(_warmup_steps, "`actor.optim.warmup_steps`", "training steps, as in verl (the schedule moves once per step, not per mini-batch); -1 (verl's default) leaves `lr_warmup_steps_ratio` in charge"),
-    f"{_ARR}.actor.optim.lr_warmup_steps_ratio": rename("actor.optim.warmup_ratio", "a fraction of the run's training steps"),
+    f"{_ARR}.actor.optim.lr_warmup_steps": by_value(
+        _warmup_steps,
+        "`actor.optim.warmup_steps`",
+        "training steps, as in verl (the schedule moves once per step, not per mini-batch); -1 (verl's default) leaves `lr_warmup_steps_ratio` in charge",
+    ),
+    f"{_ARR}.actor.optim.lr_warmup_steps_ratio": rename(
+        "actor.optim.warmup_ratio", "a fraction of the run's training steps"
+    ),
     f"{_ARR}.actor.grad_clip": rename("actor.optim.grad_clip"),
-    f"{_ARR}.actor.ppo_micro_batch_size_per_gpu": rename("actor.sequences_per_microbatch", "a cap on sequences per micro-batch; changes memory, not results"),
+    f"{_ARR}.actor.ppo_micro_batch_size_per_gpu": rename(
+        "actor.sequences_per_microbatch", "a cap on sequences per micro-batch; changes memory, not results"
+    ),
     f"{_ARR}.actor.ppo_max_token_len_per_gpu": rename("actor.max_tokens_per_microbatch"),
     f"{_ARR}.actor.use_dynamic_bsz": no_effect(_DYNAMIC),
     f"{_ARR}.actor.ppo_epochs": rename("actor.ppo_epochs"),
     f"{_ARR}.actor.clip_ratio_low": rename("actor.clip_ratio_low"),
     f"{_ARR}.actor.clip_ratio_high": rename("actor.clip_ratio_high"),
     f"{_ARR}.actor.clip_ratio_c": rename("actor.clip_ratio_c"),
-    f"{_ARR}.actor.clip_ratio": by_value(lambda v: Translation({"actor.clip_ratio_low": v, "actor.clip_ratio_high": v}), "`actor.clip_ratio_low` and `actor.clip_ratio_high`", "sets both"),
+    f"{_ARR}.actor.clip_ratio": by_value(
+        lambda v: Translation({"actor.clip_ratio_low": v, "actor.clip_ratio_high": v}),
+        "`actor.clip_ratio_low` and `actor.clip_ratio_high`",
+        "sets both",
+    ),
     f"{_ARR}.actor.loss_agg_mode": rename("actor.loss_agg_mode"),
-    f"{_ARR}.actor.use_token_level_loss": by_value(_token_level_loss, "`actor.loss_agg_mode`", "older verl: True is token-mean, False seq-mean-token-mean"),
+    f"{_ARR}.actor.use_token_level_loss": by_value(
+        _token_level_loss,
+        "`actor.loss_agg_mode`",
+        "older verl: True is token-mean, False seq-mean-token-mean",
+    ),
     f"{_ARR}.actor.use_kl_loss": rename("actor.use_kl_loss"),
     f"{_ARR}.actor.kl_loss_coef": rename("actor.kl_loss_coef"),
     f"{_ARR}.actor.kl_loss_type": rename("actor.kl_loss_type"),
     f"{_ARR}.actor.entropy_coeff": rename("actor.entropy_coeff"),
-    f"{_ARR}.actor.ulysses_sequence_parallel_size": rename("actor.sequence_parallel_size", "applies to actor, reference and critic alike"),
-    f"{_ARR}.actor.fsdp_config.param_offload": rename("actor.offload_params", "FSDP2 CPU offload: weights, gradients and Adam in CPU memory, the step on the CPU"),
-    f"{_ARR}.actor.fsdp_config.optimizer_offload": rename("actor.offload_optimizer", "Adam's state in CPU memory outside the update"),
-    f"{_ARR}.actor.fsdp_config.model_dtype": rename("model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=_dtype),
-    f"{_ARR}.actor.fsdp_config.fsdp_size": by_value(_fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes refused"),
+    f"{_ARR}.actor.ulysses_sequence_parallel_size": rename(
+        "actor.sequence_parallel_size", "applies to actor, reference and critic alike"
+    ),
+    f"{_ARR}.actor.fsdp_config.param_offload": rename(
+        "actor.offload_params",
+        "FSDP2 CPU offload: weights, gradients and Adam in CPU memory, the step on the CPU",
+    ),
+    f"{_ARR}.actor.fsdp_config.optimizer_offload": rename(
+        "actor.offload_optimizer", "Adam's state in CPU memory outside the update"
+    ),
+    f"{_ARR}.actor.fsdp_config.model_dtype": rename(
+        "model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=_dtype
+    ),
+    f"{_ARR}.actor.fsdp_config.fsdp_size": by_value(
+        _fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes refused"
+    ),
     f"{_ARR}.actor.policy_loss.loss_mode": rename("actor.policy_loss"),
     f"{_ARR}.actor.profiler.enable": no_effect(_PROFILE),
     f"{_ARR}.actor.profiler.ranks": no_effect(_PROFILE),
@@ -231,21 +307,35 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.ref.log_prob_micro_batch_size_per_gpu": no_effect(_MICRO),
     f"{_ARR}.ref.log_prob_use_dynamic_bsz": no_effect(_DYNAMIC),
     f"{_ARR}.ref.log_prob_max_token_len_per_gpu": rename("ref.max_tokens_per_microbatch"),
-    f"{_ARR}.ref.ulysses_sequence_parallel_size": by_value(lambda v: Translation({"_sp.ref": int(v)}), "(must equal the actor's)", SAME_SP),
+    f"{_ARR}.ref.ulysses_sequence_parallel_size": by_value(
+        lambda v: Translation({"_sp.ref": int(v)}), "(must equal the actor's)", SAME_SP
+    ),
     # critic
     "critic.strategy": by_value(_strategy("critic"), "(no effect)", "as actor.strategy"),
     "critic.model.path": rename("critic.model_path", "`default` is the embedded model, as for model.path"),
     "critic.model.use_remove_padding": no_effect("the native model is always padding-free"),
-    "critic.model.enable_gradient_checkpointing": no_effect("model.enable_gradient_checkpointing applies to every trained model"),
-    "critic.model.fsdp_config.param_offload": no_effect("the critic is not offloaded; `hybridflow plan` shows its memory"),
-    "critic.model.fsdp_config.optimizer_offload": no_effect("the critic is not offloaded; `hybridflow plan` shows its memory"),
+    "critic.model.enable_gradient_checkpointing": no_effect(
+        "model.enable_gradient_checkpointing applies to every trained model"
+    ),
+    "critic.model.fsdp_config.param_offload": no_effect(
+        "the critic is not offloaded; `hybridflow plan` shows its memory"
+    ),
+    "critic.model.fsdp_config.optimizer_offload": no_effect(
+        "the critic is not offloaded; `hybridflow plan` shows its memory"
+    ),
     "critic.optim.lr": rename("critic.optim.lr"),
-    "critic.optim.lr_warmup_steps_ratio": rename("critic.optim.warmup_ratio", "a fraction of the run's training steps"),
-    "critic.ppo_micro_batch_size_per_gpu": no_effect("the critic's micro-batches are packed to critic.max_tokens_per_microbatch, which changes memory, not results"),
+    "critic.optim.lr_warmup_steps_ratio": rename(
+        "critic.optim.warmup_ratio", "a fraction of the run's training steps"
+    ),
+    "critic.ppo_micro_batch_size_per_gpu": no_effect(
+        "the critic's micro-batches are packed to critic.max_tokens_per_microbatch, which changes memory, not results"
+    ),
     "critic.ppo_max_token_len_per_gpu": rename("critic.max_tokens_per_microbatch"),
     "critic.use_dynamic_bsz": no_effect(_DYNAMIC),
     "critic.cliprange_value": rename("critic.cliprange_value"),
-    "critic.ulysses_sequence_parallel_size": by_value(lambda v: Translation({"_sp.critic": int(v)}), "(must equal the actor's)", SAME_SP),
+    "critic.ulysses_sequence_parallel_size": by_value(
+        lambda v: Translation({"_sp.critic": int(v)}), "(must equal the actor's)", SAME_SP
+    ),
     "critic.profiler.enable": no_effect(_PROFILE),
     "critic.profiler.ranks": no_effect(_PROFILE),
     "critic.profiler.all_ranks": no_effect(_PROFILE),
@@ -253,15 +343,37 @@ VERL: dict[str, Entry] = {
     "data.train_batch_size": rename("data.prompts_per_step"),
     "data.max_prompt_length": rename("data.max_prompt_tokens"),
     "data.max_response_length": rename("data.max_response_tokens"),
-    "data.gen_batch_size": rename("algorithm.filter_groups.prompts_per_round", "DAPO: prompts sampled per generation round"),
-    "data.filter_overlong_prompts": by_value(lambda v: Translation(), "`data.overlong_prompts`", "True: `filter`; False: what `data.truncation` says"),
-    "data.truncation": by_value(lambda v: Translation(), "`data.overlong_prompts`", "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` refused"),
+    "data.gen_batch_size": rename(
+        "algorithm.filter_groups.prompts_per_round", "DAPO: prompts sampled per generation round"
+    ),
+    "data.filter_overlong_prompts": by_value(
+        lambda v: Translation(),
+        "`data.overlong_prompts`",
+        "True: `filter`; False: what `data.truncation` says",
+    ),
+    "data.truncation": by_value(
+        lambda v: Translation(),
+        "`data.overlong_prompts`",
+        "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` refused",
+    ),
     "data.return_raw_chat": no_effect("prompts keep their chat messages"),
-    "data.apply_chat_template_kwargs.reasoning_effort": rename("data.chat_template_kwargs.reasoning_effort", "passed to the tokenizer's chat template"),
-    "data.apply_chat_template_kwargs.enable_thinking": rename("data.chat_template_kwargs.enable_thinking", "passed to the tokenizer's chat template"),
+    "data.apply_chat_template_kwargs.reasoning_effort": rename(
+        "data.chat_template_kwargs.reasoning_effort", "passed to the tokenizer's chat template"
+    ),
+    "data.apply_chat_template_kwargs.enable_thinking": rename(
+        "data.chat_template_kwargs.enable_thinking", "passed to the tokenizer's chat template"
+    ),
     # algorithm
-    "algorithm.filter_groups.metric": by_value(lambda v: Translation({"algorithm.filter_groups.metric": v}), "`algorithm.filter_groups.metric`", "acc (the function's `acc`, else its score), score, seq_reward (score after shaping), seq_final_reward (after a KL penalty in the reward too)"),
-    "algorithm.filter_groups.max_num_gen_batches": by_value(_max_gen_batches, "`algorithm.filter_groups.max_generation_rounds`", "positive limits; at the limit hybridflow trains on the groups it kept (verl raises)"),
+    "algorithm.filter_groups.metric": by_value(
+        lambda v: Translation({"algorithm.filter_groups.metric": v}),
+        "`algorithm.filter_groups.metric`",
+        "acc (the function's `acc`, else its score), score, seq_reward (score after shaping), seq_final_reward (after a KL penalty in the reward too)",
+    ),
+    "algorithm.filter_groups.max_num_gen_batches": by_value(
+        _max_gen_batches,
+        "`algorithm.filter_groups.max_generation_rounds`",
+        "positive limits; at the limit hybridflow trains on the groups it kept (verl raises)",
+    ),
     "algorithm.use_pf_ppo": by_value(_pf_ppo, "(refused when True)", "PF-PPO is not implemented"),
     "algorithm.pf_ppo.reweight_method": refused("PF-PPO is not implemented in hybridflow"),
     "algorithm.pf_ppo.weight_pow": refused("PF-PPO is not implemented in hybridflow"),
@@ -275,29 +387,63 @@ VERL: dict[str, Entry] = {
     "reward_model.overlong_buffer.len": rename("reward.overlong_buffer.buffer_tokens"),
     "reward_model.overlong_buffer.penalty_factor": rename("reward.overlong_buffer.penalty_factor"),
     "reward_model.reward_manager": by_value(
-        _only(lambda v: v in ("naive", "batch", "prime", "dapo"),
-              "rule rewards always score in hybridflow's process pool (reward.num_workers) with timeouts; DAPO's overlong shaping follows reward_model.overlong_buffer",
-              "reward_model.reward_manager={v!r}: hybridflow scores in its process pool (naive, batch, prime, dapo accepted)"),
-        "(no effect)", "naive / batch / prime / dapo: scoring always runs in the process pool"),  # fmt: skip
-    "reward_model.enable": by_value(_reward_model_enable, "`reward.rule_weight=0`", "True: the reward model's score replaces the rule reward, as in verl"),
-    "reward_model.model.path": rename("reward.model_path", "scored only when `reward_model.enable=True` (as in verl)"),
+        _only(
+            lambda v: v in ("naive", "batch", "prime", "dapo"),
+            "rule rewards always score in hybridflow's process pool (reward.num_workers) with timeouts; DAPO's overlong shaping follows reward_model.overlong_buffer",
+            "reward_model.reward_manager={v!r}: hybridflow scores in its process pool (naive, batch, prime, dapo accepted)",
+        ),
+        "(no effect)",
+        "naive / batch / prime / dapo: scoring always runs in the process pool",
+    ),  # fmt: skip
+    "reward_model.enable": by_value(
+        _reward_model_enable,
+        "`reward.rule_weight=0`",
+        "True: the reward model's score replaces the rule reward, as in verl",
+    ),
+    "reward_model.model.path": rename(
+        "reward.model_path", "scored only when `reward_model.enable=True` (as in verl)"
+    ),
     "reward_model.model.use_remove_padding": no_effect("the native model is always padding-free"),
     "reward_model.model.fsdp_config.param_offload": no_effect("the reward model is not offloaded"),
-    "reward_model.micro_batch_size_per_gpu": no_effect("the reward model's micro-batches are packed to reward.model_max_tokens_per_microbatch"),
+    "reward_model.micro_batch_size_per_gpu": no_effect(
+        "the reward model's micro-batches are packed to reward.model_max_tokens_per_microbatch"
+    ),
     "reward_model.num_workers": rename("reward.num_workers"),
-    "reward_model.use_reward_loop": no_effect("rewards are scored in the trainer's process pool (and the reward model in the trainer)"),
-    "reward_model.rollout.name": refused("a reward model served by a rollout engine (verl's reward loop) is not supported: hybridflow scores reward_model.model.path as a sequence classifier"),
-    "reward_model.rollout.tensor_model_parallel_size": refused("a reward model served by a rollout engine (verl's reward loop) is not supported"),
-    "reward_model.rollout.gpu_memory_utilization": refused("a reward model served by a rollout engine (verl's reward loop) is not supported"),
-    "reward_model.rollout.prompt_length": refused("a reward model served by a rollout engine (verl's reward loop) is not supported"),
-    "reward_model.rollout.response_length": refused("a reward model served by a rollout engine (verl's reward loop) is not supported"),
-    "reward_model.sandbox_fusion.url": no_effect("code runs in hybridflow's local sandbox (data_source code), not a SandboxFusion server"),
-    "reward_model.sandbox_fusion.max_concurrent": no_effect("code runs in hybridflow's local sandbox, reward.num_workers at a time"),
+    "reward_model.use_reward_loop": no_effect(
+        "rewards are scored in the trainer's process pool (and the reward model in the trainer)"
+    ),
+    "reward_model.rollout.name": refused(
+        "a reward model served by a rollout engine (verl's reward loop) is not supported: hybridflow scores reward_model.model.path as a sequence classifier"
+    ),
+    "reward_model.rollout.tensor_model_parallel_size": refused(
+        "a reward model served by a rollout engine (verl's reward loop) is not supported"
+    ),
+    "reward_model.rollout.gpu_memory_utilization": refused(
+        "a reward model served by a rollout engine (verl's reward loop) is not supported"
+    ),
+    "reward_model.rollout.prompt_length": refused(
+        "a reward model served by a rollout engine (verl's reward loop) is not supported"
+    ),
+    "reward_model.rollout.response_length": refused(
+        "a reward model served by a rollout engine (verl's reward loop) is not supported"
+    ),
+    "reward_model.sandbox_fusion.url": no_effect(
+        "code runs in hybridflow's local sandbox (data_source code), not a SandboxFusion server"
+    ),
+    "reward_model.sandbox_fusion.max_concurrent": no_effect(
+        "code runs in hybridflow's local sandbox, reward.num_workers at a time"
+    ),
     # trainer
     "train.total_training_steps": rename("trainer.total_training_steps"),
     "trainer.default_local_dir": rename("trainer.run_dir"),
-    "trainer.resume_mode": by_value(_resume_mode, "`trainer.resume`", "auto / disable; resume_path refused with the way to start from a checkpoint"),
-    "trainer.n_gpus_per_node": rename("resources.n_gpus_per_node", "must be GPUs this machine has: the start checks"),
+    "trainer.resume_mode": by_value(
+        _resume_mode,
+        "`trainer.resume`",
+        "auto / disable; resume_path refused with the way to start from a checkpoint",
+    ),
+    "trainer.n_gpus_per_node": rename(
+        "resources.n_gpus_per_node", "must be GPUs this machine has: the start checks"
+    ),
     "trainer.nnodes": rename("resources.nnodes"),
     "trainer.critic_warmup": rename("critic.warmup_steps"),
     "trainer.logger": by_value(_logger, "`trainer.logger`", "verl's `file` sink is our `jsonl`"),

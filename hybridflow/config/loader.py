@@ -170,7 +170,8 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
             problems.append(f"'{key}' is not a config key{hint}")
     if "data.filter_overlong_prompts" in verl_values or "data.truncation" in verl_values:
         settings, problem = aliases.overlong_setting(
-            verl_values.get("data.filter_overlong_prompts", False), verl_values.get("data.truncation", "error")
+            verl_values.get("data.filter_overlong_prompts", False),
+            verl_values.get("data.truncation", "error"),
         )
         out += list(settings.items())
         problems += [problem] if problem else []
@@ -178,7 +179,9 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
     sp = resolved.get("actor.sequence_parallel_size", 1)
     for key in ("_sp.ref", "_sp.critic"):
         if key in resolved and resolved[key] != sp:
-            problems.append(f"{key[4:]} sequence parallel size {resolved[key]} != the actor's {sp}: {aliases.SAME_SP}")
+            problems.append(
+                f"{key[4:]} sequence parallel size {resolved[key]} != the actor's {sp}: {aliases.SAME_SP}"
+            )
     out = [(k, v) for k, v in out if not k.startswith("_sp.")]
     if problems:
         raise UserError(f"{len(problems)} config key(s) cannot be used: " + "; ".join(problems))
@@ -206,9 +209,12 @@ def resolve_config(
     elif not user_items and bare_is_demo:
         recipe, base = DEMO_RECIPE, f"the demo recipe {DEMO_RECIPE} (no recipe and no overrides given)"
     elif user_items and not _our_keys_only(user_items, known):
-        recipe, base = VERL_BASE, (
-            f"verl's defaults (recipe {VERL_BASE}: verl keys were given without a recipe; "
-            "pass a recipe to start from another)"
+        recipe, base = (
+            VERL_BASE,
+            (
+                f"verl's defaults (recipe {VERL_BASE}: verl keys were given without a recipe; "
+                "pass a recipe to start from another)"
+            ),
         )
     else:
         base = "hybridflow's defaults (no recipe given)"

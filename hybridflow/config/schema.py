@@ -101,7 +101,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_choice(
-            "data", "overlong_prompts", self.overlong_prompts, ("filter", "error", "truncate_left", "truncate_right")
+            "data",
+            "overlong_prompts",
+            self.overlong_prompts,
+            ("filter", "error", "truncate_left", "truncate_right"),
         )
         _check_choice("data", "on_bad_row", self.on_bad_row, ("error", "skip"))
         for name in ("max_prompt_tokens", "max_response_tokens", "prompts_per_step"):
@@ -252,6 +255,10 @@ class RewardConfig:
     custom_function_path: str | None = None
     """A Python file defining the reward function (verl's custom_reward_function.path)."""
     custom_function_name: str = "compute_score"
+    on_all_errors: str = "stop"
+    """A step (or validation) in which the reward function failed on every response: 'stop' ends the
+    run with the first error's traceback; 'warn' prints it and goes on (the responses score 0). The
+    first error of a run is always printed with its traceback."""
     num_workers: int = 2
     """Scoring processes; 0 scores in the trainer's process (timeouts still apply, from the main thread)."""
     timeout_s: float = 10.0
@@ -273,6 +280,9 @@ class RewardConfig:
     rule_weight: float = 1.0
     """score = rule_weight * rule score + model_weight * reward-model score (when a model is set)."""
     model_max_tokens_per_microbatch: int = 8192
+
+    def __post_init__(self) -> None:
+        _check_choice("reward", "on_all_errors", self.on_all_errors, ("stop", "warn"))
 
 
 @dataclass
@@ -300,7 +310,10 @@ class FilterGroupsConfig:
 
     def __post_init__(self) -> None:
         _check_choice(
-            "algorithm.filter_groups", "metric", self.metric, ("seq_reward", "score", "acc", "seq_final_reward")
+            "algorithm.filter_groups",
+            "metric",
+            self.metric,
+            ("seq_reward", "score", "acc", "seq_final_reward"),
         )
 
 

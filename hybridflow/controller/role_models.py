@@ -86,7 +86,7 @@ def value_model(config: Config, policy, device: torch.device):
     (packed) whenever the policy is."""
     if not config.critic.model_path:
         return value_model_from_policy(policy)
-    model = load_value_model(config.critic.model_path, device)
+    model = load_value_model(config.critic.model_path, device, config.model.cache_dir)
     if isinstance(policy, native.NativeModule) and native.supports(model.config):
         return native.score_model_from_hf(model)
     return model

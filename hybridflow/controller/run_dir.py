@@ -21,7 +21,7 @@ def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:
         raise UserError(
             f"run directory {run_dir} holds files this trainer did not write; choose another trainer.run_dir"
         )
-    if resume != "auto" and not overwrite and any(run_dir.iterdir()):
+    if resume == "disable" and not overwrite and any(run_dir.iterdir()):
         raise UserError(
             f"run directory {run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
         )

@@ -82,3 +82,28 @@ def graded_sources(config: Config, reward_function=None) -> frozenset[str]:
     builtin = reward_function is None and config.reward.custom_function_path is None
     rules = builtin and (config.reward.model_path is None or config.reward.rule_weight != 0)
     return frozenset(SCORERS) if rules else frozenset()
+
+
+def check_environment(config: Config) -> None:
+    """What this machine must have for the config, checked before any work: the GPUs asked for and
+    the rollout backend's package."""
+    import importlib.util
+
+    import torch
+
+    r = config.resources
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    asked = r.n_gpus_per_node
+    if r.device != "cpu" and asked > 1 and r.nnodes == 1 and r.ray_address is None and asked > gpus:
+        raise UserError(
+            f"resources.n_gpus_per_node={asked} (verl: trainer.n_gpus_per_node) but this machine has "
+            f"{gpus} CUDA GPU(s); ask for at most {max(gpus, 1)}"
+            + (", or run on the CPU with resources.device=cpu resources.num_workers=N" if not gpus else "")
+        )
+    if r.device == "cuda" and not gpus:
+        raise UserError("resources.device=cuda but no CUDA GPU is available; use resources.device=cpu")
+    if config.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "rollout.backend=vllm (verl: actor_rollout_ref.rollout.name=vllm) but vLLM is not installed: "
+            "pip install vllm, or generate with the built-in engine (rollout.backend=native)"
+        )

@@ -13,6 +13,7 @@ from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl
 from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.checkpoint import (
+    check_resumable,
     latest_checkpoint,
     load_checkpoint_state,
     rng_state,
@@ -29,7 +30,13 @@ from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.role_calls import RoleCalls
 from hybridflow.controller.run_dir import prepare_run_dir
-from hybridflow.controller.setup import check_config, graded_sources, step_plan, updates_per_step
+from hybridflow.controller.setup import (
+    check_config,
+    check_environment,
+    graded_sources,
+    step_plan,
+    updates_per_step,
+)
 from hybridflow.controller.validation import validate
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
@@ -68,6 +75,7 @@ class RLTrainer:
         reward). `write_inputs(run_dir)` writes what the config names under run_dir/inputs (the Python
         API's live models and datasets) once the run directory is checked."""
         check_config(config)
+        check_environment(config)
         self.config = c = config
         self.run_dir = prepare_run_dir(c, overwrite=overwrite)
         if write_inputs is not None:
@@ -343,7 +351,7 @@ class RLTrainer:
         round_rollouts, round_results = [], []  # unfiltered rounds, the fallback when nothing is informative
         while True:
             rounds += 1
-            prompts = self.sampler.next()
+            prompts = self.sampler.next(dapo.prompts_per_round if dapo.enable else None)
             rollouts = self.roles.rollouts(prompts, self._sampling(rounds), first_group=groups)
             result: RewardResult = self.reward.score(rollouts)
             metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
@@ -353,7 +361,8 @@ class RLTrainer:
                 return rollouts, result, metrics
             round_rollouts.append(rollouts)
             round_results.append(result)
-            keep = filter_zero_variance_groups(result.scores, rollouts.group_ids).nonzero()[:, 0].tolist()
+            keep = filter_zero_variance_groups(self._filter_values(result), rollouts.group_ids)
+            keep = keep.nonzero()[:, 0].tolist()
             kept_rollouts.append(rollouts.select(keep))
             kept_results.append(result.select(keep))
             groups += len(prompts)
@@ -374,6 +383,16 @@ class RLTrainer:
         metrics |= {"dapo/generation_rounds": float(rounds), "dapo/kept_groups": float(len(wanted))}
         return rollouts.select(rows), result.select(rows), metrics
 
+    def _filter_values(self, result: RewardResult) -> torch.Tensor:
+        """[B] what must differ within a group for DAPO to keep it (algorithm.filter_groups.metric)."""
+        metric = self.config.algorithm.filter_groups.metric
+        if metric == "seq_final_reward" and self.config.algorithm.use_kl_in_reward:
+            raise UserError(
+                "algorithm.filter_groups.metric=seq_final_reward with a KL penalty in the reward is not "
+                "supported (the penalty is known only after the reference pass); use seq_reward"
+            )
+        return {"acc": result.accs, "score": result.raw_scores}.get(metric, result.scores)
+
     def _greedy_baselines(self, rollouts: Rollouts) -> torch.Tensor:
         """ReMax: the reward of one greedy response per prompt, broadcast to its samples."""
         firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
@@ -385,7 +404,13 @@ class RLTrainer:
 
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
-        params = self._sampling(-1, n=r.val_samples_per_prompt, temperature=r.val_temperature)
+        params = self._sampling(
+            -1,
+            n=r.val_samples_per_prompt,
+            temperature=r.val_temperature,
+            top_p=r.val_top_p,
+            top_k=r.val_top_k,
+        )
         metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
         self.placement.sleep_rollout()
         return metrics
@@ -456,11 +481,13 @@ class RLTrainer:
         return self.last_checkpoint
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
+        resume = self.config.trainer.resume
+        path = latest_checkpoint(self.run_dir) if resume in ("auto", "force") else None
         if path is None:
             for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh start forgets an unsaved attempt
                 truncate_jsonl(self.run_dir / name, 0)
             return
+        check_resumable(path, to_yaml(self.config), force=resume == "force")
         state, schedulers = load_checkpoint_state(path)
         if not (path / "actor_state").is_dir():
             raise UserError(

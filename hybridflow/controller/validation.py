@@ -28,9 +28,7 @@ def validate(
     counts: dict[str, int] = defaultdict(int)
     for rows in per_prompt.values():
         source = rollouts.prompts[rows[0]].data_source
-        acc = accuracy_at_n(
-            [result.accs[i].item() for i in rows], [result.preds[i] for i in rows], params.n
-        )
+        acc = accuracy_at_n([result.accs[i].item() for i in rows], [result.preds[i] for i in rows], params.n)
         for k, v in acc.items():
             sums[source][k] += v
         counts[source] += 1

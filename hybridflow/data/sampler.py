@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from hybridflow.batch import Prompt
+from hybridflow.errors import UserError
 
 
 class PromptSampler:
@@ -18,8 +19,9 @@ class PromptSampler:
         self, prompts: list[Prompt], prompts_per_step: int, *, seed: int, shuffle: bool = True
     ) -> None:
         if prompts_per_step > len(prompts):
-            raise ValueError(
-                f"prompts_per_step={prompts_per_step} exceeds the {len(prompts)} training prompts"
+            raise UserError(
+                f"data.prompts_per_step={prompts_per_step} (verl: data.train_batch_size) exceeds the "
+                f"{len(prompts)} training prompts"
             )
         self.prompts = prompts
         self.prompts_per_step = prompts_per_step

@@ -87,8 +87,20 @@ def _model_path(path: str, cache_dir: str | None) -> Path:
         return default_model_dir(cache_dir)
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"model path not found: {path}")
+        hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+        hint = (
+            f" ('{path}' looks like a Hugging Face hub id: hybridflow loads local files, so download it "
+            f"first, e.g. `huggingface-cli download {path} --local-dir DIR`, and give DIR)"
+            if hub_id
+            else ""
+        )
+        raise UserError(f"model path not found: {path}{hint}")
     return p
+
+
+def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
+    """'default' as the embedded model's cached HF directory; any other path checked to exist."""
+    return _model_path(path, cache_dir)
 
 
 def _load_hf_dir(p: Path, dtype: torch.dtype, trust_remote_code: bool):

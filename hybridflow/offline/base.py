@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.checkpoint import (
+    check_resumable,
     latest_checkpoint,
     load_checkpoint_state,
     rng_state,
@@ -192,11 +193,13 @@ class OfflineTrainer:
         return self.last_checkpoint
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir) if self.config.trainer.resume == "auto" else None
+        resume = self.config.trainer.resume
+        path = latest_checkpoint(self.run_dir) if resume in ("auto", "force") else None
         self.last_checkpoint = path
         if path is None:
             truncate_jsonl(self.run_dir / "metrics.jsonl", 0)
             return
+        check_resumable(path, to_yaml(self.config), force=resume == "force")
         state, schedulers = load_checkpoint_state(path)
         load_sharded(self.model, self.optimizer, path / "actor_state")
         self.scheduler.load_state_dict(schedulers["actor_scheduler"])

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class Outcome:
     error: bool = False
     timeout: bool = False
     latency_ms: float = 0.0
+    message: str | None = None
+    """What went wrong (the traceback of an exception, or what was returned instead of a number)."""
 
 
 class _Timeout(Exception):
@@ -55,9 +58,9 @@ def _normalize(out: Any) -> Outcome:
     try:
         value = float(out)
     except (TypeError, ValueError):
-        return Outcome(error=True, pred=pred)
+        return Outcome(error=True, pred=pred, message=f"the reward function returned {out!r}, not a number")
     if not math.isfinite(value):
-        return Outcome(error=True, pred=pred)
+        return Outcome(error=True, pred=pred, message=f"the reward function returned {value}")
     return Outcome(value, None if pred is None else str(pred), extras)
 
 
@@ -89,11 +92,15 @@ def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict)
             outs = _call(fn, *(list(col) for col in zip(*items)), **options)
             results = [_normalize(o) for o in outs]
             if len(results) != len(items):
-                results = [Outcome(error=True) for _ in items]
+                message = (
+                    f"the batched reward function returned {len(results)} scores for {len(items)} responses"
+                )
+                results = [Outcome(error=True, message=message) for _ in items]
         except _Timeout:
             results = [Outcome(timeout=True) for _ in items]
         except Exception:
-            results = [Outcome(error=True) for _ in items]
+            message = traceback.format_exc()
+            results = [Outcome(error=True, message=message) for _ in items]
         finally:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -111,7 +118,7 @@ def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict)
         except _Timeout:
             result = Outcome(timeout=True)
         except Exception:
-            result = Outcome(error=True)
+            result = Outcome(error=True, message=traceback.format_exc())
         finally:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -207,7 +214,8 @@ class RewardExecutor:
                 killed = True
                 outcomes += [Outcome(timeout=True, latency_ms=self.timeout_s * 1000) for _ in chunk]
             except Exception:
-                outcomes += [Outcome(error=True) for _ in chunk]
+                message = traceback.format_exc()
+                outcomes += [Outcome(error=True, message=message) for _ in chunk]
         if killed:
             self.pool.terminate()
             self.pool = self._new_pool()

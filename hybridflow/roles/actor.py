@@ -46,9 +46,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def optimizer_step(
-    model, optimizer, grad_clip: float, sums: dict[str, float]
-) -> dict[str, float] | None:
+def optimizer_step(model, optimizer, grad_clip: float, sums: dict[str, float]) -> dict[str, float] | None:
     """After a mini-batch's backward passes: metric sums over ranks (each rank holds its share, so
     the sums are the global values), clip to the global gradient norm and step; None (no step, the
     gradients dropped) when the norm is not finite, which every rank sees alike."""

@@ -43,13 +43,17 @@ def value_model_from_policy(policy: torch.nn.Module) -> torch.nn.Module:
     return critic.to(next(policy.parameters()).device)
 
 
-def load_value_model(path: str, device: torch.device) -> torch.nn.Module:
-    """A value model from an HF directory (a token-classification checkpoint, or a causal LM whose
-    backbone is reused under a new zero-initialised one-label head)."""
+def load_value_model(path: str, device: torch.device, cache_dir: str | None = None) -> torch.nn.Module:
+    """A value model from an HF directory or 'default' (a token-classification checkpoint, or a
+    causal LM whose backbone is reused under a new zero-initialised one-label head)."""
     from hybridflow.errors import UserError
+    from hybridflow.models.loading import resolve_model_path
 
+    directory = resolve_model_path(path, cache_dir)
+    if directory.is_file():
+        raise UserError(f"critic.model_path={path}: a value model loads from an HF directory, not a file")
     try:
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1)
+        model = AutoModelForTokenClassification.from_pretrained(directory, num_labels=1)
     except (OSError, ValueError) as e:
         raise UserError(
             f"critic.model_path={path}: cannot load a value model ({str(e).splitlines()[0]})"

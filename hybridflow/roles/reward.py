@@ -4,6 +4,7 @@ in a process pool with timeouts, optionally plus a reward model, then apply DAPO
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,6 +21,12 @@ from hybridflow.rewards.executor import Outcome, RewardExecutor
 from hybridflow.rewards.loading import builtin_function, load_custom_function
 from hybridflow.rewards.sandbox import SandboxLimits
 from hybridflow.rewards.scorers import SCORERS
+
+log = logging.getLogger(__name__)
+
+
+class RewardFunctionFailed(UserError):
+    """Every response of a batch errored in the reward function: training on zeros would be silent."""
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Reward:
         this process: a lambda or a notebook's closure cannot reach spawned workers."""
         self.tokenizer = tokenizer
         self.config = config
+        self._error_shown = False
         self.max_response_tokens = max_response_tokens
         self.custom = function is not None or config.custom_function_path is not None
         num_workers = config.num_workers
@@ -147,6 +155,7 @@ class Reward:
     def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
         future, start = pending
         outcomes: list[Outcome] = future.result() or [Outcome() for _ in rollouts.response_ids]
+        self._report_errors(outcomes)
         raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
         scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
         metrics = {
@@ -187,6 +196,29 @@ class Reward:
 
     def score(self, rollouts: Rollouts) -> RewardResult:
         return self.result(rollouts, self.submit(rollouts))
+
+    def _report_errors(self, outcomes: list[Outcome]) -> None:
+        """The first error of the run is printed with its traceback; a batch in which every response
+        errored stops the run (reward.on_all_errors=stop) instead of training on zeros."""
+        failed = [o for o in outcomes if o.error]
+        if not failed:
+            return
+        first = next((o.message for o in failed if o.message), "no details")
+        everything = len(failed) == len(outcomes)
+        if everything and self.config.on_all_errors == "stop":
+            raise RewardFunctionFailed(
+                f"the reward function failed on all {len(outcomes)} responses of this batch; the first error:\n"
+                f"{first.rstrip()}\n(reward.on_all_errors=warn goes on, scoring them 0)"
+            )
+        if not self._error_shown or everything:
+            self._error_shown = True
+            log.warning(
+                "the reward function failed on %d of %d responses (scored 0, counted in reward/errors); "
+                "the first error:\n%s",
+                len(failed),
+                len(outcomes),
+                first.rstrip(),
+            )
 
     def close(self) -> None:
         self.executor.close()

@@ -52,6 +52,11 @@ class ConsoleSink:
             part = f"reward mean {num(m['critic/score/mean'])}"
             if "critic/score/std" in m:
                 part += f" std {num(m['critic/score/std'])}"
+            failed = [
+                f"{m[k]:.0f} {k.split('/')[1]}" for k in ("reward/errors", "reward/timeouts") if m.get(k)
+            ]
+            if failed:  # scored 0: the reward mean is not what the function would have said
+                part += f" ({', '.join(failed)})"
             parts.append(part)
         kl = next((k for k in ("actor/kl_loss", "critic/kl") if k in m), None)  # KL loss, or KL in the reward
         if kl:
