@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hybridflow.api.trl_config import trl_settings
 from hybridflow.config import Config, load_config
+from hybridflow.errors import UserError
 
 SECTIONS = (
     "model",
@@ -60,7 +62,60 @@ class RLConfig:
     resources: dict[str, Any] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
 
+    # TRL's names (GRPOConfig, and the tutorials' PPOConfig), converted by api/trl_config.py; each
+    # means what it means in TRL, or the config says why not. None: not given.
+    num_generations: int | None = None
+    max_completion_length: int | None = None
+    max_prompt_length: int | None = None
+    beta: float | None = None
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    num_train_epochs: float | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+    num_iterations: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    loss_type: str | None = None
+    scale_rewards: str | bool | None = None
+    reward_weights: list[float] | None = None
+    save_steps: int | None = None
+    logging_steps: int | None = None
+    eval_steps: int | None = None
+    lr_scheduler_type: str | None = None
+    warmup_ratio: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    gradient_checkpointing: bool | None = None
+    report_to: str | list[str] | None = None
+    use_vllm: bool | None = None
+    bf16: bool | None = None
+    mask_truncated_completions: bool | None = None
+    importance_sampling_level: str | None = None
+    shuffle_dataset: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    log_completions: bool | None = None
+    remove_unused_columns: bool | None = None
+    exp_name: str | None = None
+    batch_size: int | None = None
+    mini_batch_size: int | None = None
+    ppo_epochs: int | None = None
+    cliprange: float | None = None
+    cliprange_value: float | None = None
+    vf_coef: float | None = None
+    max_new_tokens: int | None = None
+    save_freq: int | None = None
+    gamma: float | None = None
+    lam: float | None = None
+
     PRESET: ClassVar[dict[str, Any]] = {}
+    notes: ClassVar[list[str]] = []
     KL_IN_REWARD: ClassVar[bool] = False
     """Where kl_coef goes: a KL penalty in the reward (PPO) or a KL loss on the actor (GRPO family)."""
 
@@ -80,19 +135,47 @@ class RLConfig:
             "trainer.total_training_steps": self.max_steps,
             "trainer.seed": self.seed,
         }
-        if self.kl_coef is not None:
-            on = self.kl_coef > 0
+        kl_coef = self.kl_coef if self.kl_coef is not None else self.beta  # beta: TRL's name
+        if kl_coef is not None:
+            on = kl_coef > 0
             if self.KL_IN_REWARD:
-                flat |= {"algorithm.use_kl_in_reward": on, "algorithm.kl_ctrl.kl_coef": self.kl_coef}
+                flat |= {"algorithm.use_kl_in_reward": on, "algorithm.kl_ctrl.kl_coef": kl_coef}
             else:
-                flat |= {"actor.use_kl_loss": on, "actor.kl_loss_coef": self.kl_coef}
+                flat |= {"actor.use_kl_loss": on, "actor.kl_loss_coef": kl_coef}
         for key, value in flat.items():
             if value is not None:
                 _merge(tree, _nest(key, value))
+        self._check_one_name_each()
+        samples = (
+            _dig(tree, "rollout.samples_per_prompt") or _dig(self.PRESET, "rollout.samples_per_prompt") or 4
+        )
+        trl, self.notes = trl_settings(self, samples)
+        for key, value in trl.items():
+            _merge(tree, _nest(key, value))
         return tree
+
+    def _check_one_name_each(self) -> None:
+        for ours, theirs in (
+            ("samples_per_prompt", "num_generations"),
+            ("max_response_tokens", "max_completion_length"),
+            ("max_response_tokens", "max_new_tokens"),
+            ("max_prompt_tokens", "max_prompt_length"),
+            ("kl_coef", "beta"),
+            ("prompts_per_step", "batch_size"),
+            ("prompts_per_step", "per_device_train_batch_size"),
+            ("prompts_per_step", "generation_batch_size"),
+        ):
+            if getattr(self, ours) is not None and getattr(self, theirs) is not None:
+                raise UserError(f"{ours}= and TRL's {theirs}= both given: give one of them")
 
     def to_config(self) -> Config:
         return load_config(self.recipe, self.overrides, settings=self.settings())
+
+
+def _dig(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def _nest(key: str, value: Any) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.api.trl_rewards import ROW_KEY
 from hybridflow.errors import UserError
 
 INPUTS = "inputs"
 VERL_FIRST_PARAMETERS = ("data_source", "data_sources", "data_source_list")
-ROW_KEY = "row"  # extra_info[ROW_KEY]: the dataset row, for TRL-style reward functions
 
 
 def is_path(value: Any) -> bool:
@@ -25,19 +25,6 @@ def is_verl_reward(fn: Callable) -> bool:
     """verl's compute_score(data_source, solution_str, ground_truth, extra_info) or its batched form."""
     params = list(inspect.signature(fn).parameters)
     return bool(params) and params[0] in VERL_FIRST_PARAMETERS
-
-
-def trl_reward(fn: Callable, prompt_key: str) -> Callable:
-    """`fn(prompts, responses, **columns) -> list[float]` as verl's batched signature: the prompts
-    (strings or chat messages, as in the dataset) and every other column of each row come from
-    extra_info["row"], which `with_rows_kept` adds."""
-
-    def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
-        rows = [info[ROW_KEY] for info in extra_infos]
-        columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != prompt_key}
-        return fn([row[prompt_key] for row in rows], list(solution_strs), **columns)
-
-    return compute_score
 
 
 def dataset_rows(dataset: Any, name: str) -> list[dict]:

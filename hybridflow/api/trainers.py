@@ -21,15 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.api.configs import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLConfig, RLOOConfig
-from hybridflow.api.inputs import (
-    INPUTS,
-    dataset_rows,
-    is_path,
-    is_verl_reward,
-    trl_reward,
-    with_rows_kept,
-    write_model,
-)
+from hybridflow.api.inputs import INPUTS, dataset_rows, is_path, is_verl_reward, with_rows_kept, write_model
+from hybridflow.api.trl_rewards import TRLRewards, keyword_callable
 from hybridflow.config import Config
 from hybridflow.data.files import write_rows
 from hybridflow.errors import UserError
@@ -42,16 +35,22 @@ class Trainer:
 
     def __init__(
         self,
-        actor_model: Any = "default",
+        actor_model: Any = None,
         *,
         args: RLConfig | Config | None = None,
         tokenizer: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
-        reward_fn: Callable | str | None = None,
+        reward_fn: Callable | str | list | None = None,
         ref_model: Any = None,
         critic_model: Any = None,
         overwrite: bool = False,
+        model: Any = None,
+        reward_funcs: Callable | str | list | None = None,
+        processing_class: Any = None,
+        dataset: Any = None,
+        config: RLConfig | Config | None = None,
+        peft_config: Any = None,
     ) -> None:
         """`actor_model`: an `AutoModelForCausalLM`, an HF directory, a .gguf file or "default".
         `train_dataset`/`eval_dataset`: a `datasets.Dataset`, a list of row dicts, or data file
@@ -60,11 +59,25 @@ class Trainer:
         solution_str, ground_truth, extra_info)` (or its batched form), or a path to a Python file
         defining `compute_score`; None scores with the built-in scorer of each row's data_source.
         `ref_model` (KL reference) and `critic_model` (PPO): a model or path; None derives them from
-        the actor. `overwrite` starts over in a run directory holding an earlier run."""
+        the actor. `overwrite` starts over in a run directory holding an earlier run.
+
+        TRL's names are accepted for the same things: `model` (actor_model), `reward_funcs` (a
+        function, a list of them weighted by the config's `reward_weights`, or a reward model
+        directory), `processing_class` (tokenizer), and the tutorials' `dataset` (train_dataset) and
+        `config` (args). `peft_config` (a peft.LoraConfig) sets model.lora_rank/alpha/target_modules."""
+        actor_model = _one_of("actor_model", actor_model, "model", model, default="default")
+        reward_fn = _one_of("reward_fn", reward_fn, "reward_funcs", reward_funcs)
+        tokenizer = _one_of("tokenizer", tokenizer, "processing_class", processing_class)
+        train_dataset = _one_of("train_dataset", train_dataset, "dataset", dataset)
+        args = _one_of("args", args, "config", config)
         args = args if args is not None else self.CONFIG()
         if isinstance(args, RLConfig) and type(args) is not self.CONFIG:  # the class picks the algorithm
             args = self.CONFIG(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
         self.config = c = args.to_config() if isinstance(args, RLConfig) else copy.deepcopy(args)
+        for note in getattr(args, "notes", []):
+            print(f"note: {note}", flush=True)
+        if peft_config is not None:
+            _apply_peft_config(c, peft_config)
         self.overwrite = overwrite
         self._rl = None
         inputs = Path(c.trainer.run_dir) / INPUTS
@@ -88,9 +101,21 @@ class Trainer:
                 section.model_path = str(model)
 
         self.reward_function = None
-        trl_style = callable(reward_fn) and not is_verl_reward(reward_fn)
-        if callable(reward_fn):
-            self.reward_function = trl_reward(reward_fn, c.data.prompt_key) if trl_style else reward_fn
+        funcs = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+        trl_style = all(callable(f) for f in funcs) and not (len(funcs) == 1 and is_verl_reward(funcs[0]))
+        weights = getattr(args, "reward_weights", None)
+        if weights is not None and not trl_style:
+            raise UserError("reward_weights weigh a list of TRL-style reward functions (reward_funcs=[...])")
+        if trl_style:
+            self.reward_function = TRLRewards(
+                [keyword_callable(f) for f in funcs], weights, c.data.prompt_key
+            )
+        elif callable(reward_fn):
+            self.reward_function = reward_fn
+        elif isinstance(reward_fn, (list, tuple)):
+            raise UserError("a list of reward functions takes callables only (TRL's or the positional shape)")
+        elif reward_fn is not None and Path(reward_fn).is_dir():  # TRL: a reward model
+            c.reward.model_path, c.reward.rule_weight = str(reward_fn), 0.0
         elif reward_fn is not None:
             c.reward.custom_function_path = str(reward_fn)
         for name, dataset, attr in (
@@ -176,6 +201,25 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _one_of(ours: str, value: Any, theirs: str, alias: Any, default: Any = None) -> Any:
+    if value is not None and alias is not None:
+        raise UserError(f"{ours}= and {theirs}= name the same thing: give one of them")
+    return value if value is not None else alias if alias is not None else default
+
+
+def _apply_peft_config(config: Config, peft_config: Any) -> None:
+    """A peft.LoraConfig as our LoRA settings (its rank, alpha and target modules)."""
+    rank = getattr(peft_config, "r", None)
+    if not rank:
+        raise UserError(f"peft_config: expected a peft.LoraConfig, got {type(peft_config).__name__}")
+    config.model.lora_rank = int(rank)
+    config.model.lora_alpha = float(getattr(peft_config, "lora_alpha", config.model.lora_alpha))
+    targets = getattr(peft_config, "target_modules", None)
+    if targets == "all-linear" or targets is None:
+        return
+    config.model.lora_target_modules = sorted(targets)
 
 
 def _load_tokenizer(tokenizer: Any):

@@ -166,7 +166,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_scheduler: str = "constant"
-    """'constant' or 'cosine' (both after linear warmup)."""
+    """'constant', 'cosine' or 'linear' (decay to min_lr_ratio), each after a linear warmup."""
     warmup_steps: int = 0
     """Linear warmup over this many training steps (verl's unit: the schedule moves once per step,
     whatever the mini-batches of a step)."""
@@ -177,7 +177,7 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_choice("optim", "lr_scheduler", self.lr_scheduler, ("constant", "cosine"))
+        _check_choice("optim", "lr_scheduler", self.lr_scheduler, ("constant", "cosine", "linear"))
         _check_positive("optim", "lr", self.lr, allow_zero=True)
 
 

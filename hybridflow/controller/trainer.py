@@ -159,6 +159,7 @@ class RLTrainer:
             with GracefulStop() as stop:
                 while self.step < self.stop_at and not stop.requested:
                     self.step += 1
+                    self.reward.set_step(self.step, self.stop_at)
                     metrics = self.train_step()
                     self._after_step(metrics)
                     self.progress.update()

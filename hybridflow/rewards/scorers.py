@@ -84,14 +84,16 @@ def gsm8k_lenient(solution_str: str, ground_truth: str, *, guards: bool = False)
     return {"score": float(_numbers_equal(pred, ground_truth)), "pred": pred}
 
 
+_CLAUSE_END = re.compile(r"\.\s|,\s|;|!|\?")
 _ANSWER_SEPARATOR = re.compile(r"=|\bequals\b|\bis\b|:|\banswer\b", flags=re.IGNORECASE)
 
 
 def _final_answer_numbers(text: str) -> list[str]:
     """The numbers of the final answer: after the last '####' if there is one; else on the last line
-    that has a digit, those after its last '=' / 'equals' / 'is' / ':' / 'answer' ('9 + 2 equals 11'
-    -> ['11']), or, when nothing numeric follows that word, the line's own numbers when it has just
-    one ('11 is the answer' -> ['11'], '0 + 4 = ?' -> none). Reasoning inside <think>...</think> is
+    that has a digit, those in the first clause after its last '=' / 'equals' / 'is' / ':' /
+    'answer' ('9 + 2 equals 11' -> ['11'], 'is 13. When you add 7 to 6' -> ['13']), or, when nothing
+    numeric follows that word, the line's own number when it has just one ('11 is the answer' ->
+    ['11'], '0 + 4 = ?' -> none). Reasoning inside <think>...</think> is
     never the answer."""
     text = text.rsplit("</think>", 1)[-1]
     if "####" in text:
@@ -100,7 +102,8 @@ def _final_answer_numbers(text: str) -> list[str]:
     if not lines:
         return []
     last = lines[-1]
-    after = _NUMBER.findall(_ANSWER_SEPARATOR.split(last)[-1])
+    # the answer is the first clause after the word: "is 13. When you add 7 to 6" -> "13"
+    after = _NUMBER.findall(_CLAUSE_END.split(_ANSWER_SEPARATOR.split(last)[-1])[0])
     if after:
         return after
     numbers = _NUMBER.findall(last)

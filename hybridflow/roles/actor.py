@@ -41,6 +41,8 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
         if optim.lr_scheduler == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if optim.lr_scheduler == "linear":
+            return 1.0 - (1 - optim.min_lr_ratio) * progress
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.algorithms.losses import overlong_penalty
+from hybridflow.api.trl_rewards import RESPONSE_IDS_KEY
 from hybridflow.batch import Rollouts
 from hybridflow.config.schema import RewardConfig
 from hybridflow.errors import UserError
@@ -88,6 +89,7 @@ class Reward:
         self.tokenizer = tokenizer
         self.config = config
         self._error_shown = False
+        self.function = function
         self.max_response_tokens = max_response_tokens
         self.custom = function is not None or config.custom_function_path is not None
         num_workers = config.num_workers
@@ -147,7 +149,10 @@ class Reward:
     def submit(self, rollouts: Rollouts) -> tuple[Future, float]:
         """Start scoring (rule scores run in the pool while the caller goes on)."""
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
-        items = [(p.data_source, t, p.ground_truth, p.extra_info) for p, t in zip(rollouts.prompts, texts)]
+        infos = [p.extra_info for p in rollouts.prompts]
+        if getattr(self.function, "wants_response_ids", False):  # TRL's completion_ids
+            infos = [{**info, RESPONSE_IDS_KEY: ids} for info, ids in zip(infos, rollouts.response_ids)]
+        items = [(p.data_source, t, p.ground_truth, i) for p, t, i in zip(rollouts.prompts, texts, infos)]
         if not self.uses_rules:
             items = []
         return self.executor.submit(items), time.perf_counter()
@@ -196,6 +201,11 @@ class Reward:
 
     def score(self, rollouts: Rollouts) -> RewardResult:
         return self.result(rollouts, self.submit(rollouts))
+
+    def set_step(self, step: int, max_steps: int) -> None:
+        """Tell a live function that follows training progress (TRL's trainer_state) the step."""
+        if hasattr(self.function, "set_step"):
+            self.function.set_step(step, max_steps)
 
     def _report_errors(self, outcomes: list[Outcome]) -> None:
         """The first error of the run is printed with its traceback; a batch in which every response

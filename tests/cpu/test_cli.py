@@ -78,7 +78,7 @@ def test_generate_writes_jsonl_and_never_overwrites(tiny_dir, tmp_path, capsys):
     [
         (["generate", "--model", "/no/such/model", "--prompt", "x"], "model path not found: /no/such/model"),
         (["generate", "--prompts-file", "/no/file.jsonl"], "data file not found"),
-        (["config", "show", "actor.optim.lrr=1"], "unknown config key 'actor.optim.lrr'"),
+        (["config", "show", "actor.optim.lrr=1"], "'actor.optim.lrr' is not a config key"),
         (["config", "show", "missing.yaml"], "recipe file not found: missing.yaml"),
     ],
 )

@@ -16,7 +16,11 @@ from hybridflow.rewards.scorers import SCORERS, UnknownDataSource
         ("#### 1,234", "1234", 1.0),  # thousands separator stripped
         ("#### $18", "18", 0.0),  # verl's strict pattern has no '$' after '####'
         ("#### 18 dollars", "18", 1.0),
-        ("#### 18.", "18", 1.0),  # trailing period
+        ("#### 18.", "18", 0.0),  # verl compares strings: '18.' is not '18'
+        ("#### 18.00", "18", 0.0),
+        ("#### 18.5", "18.5", 1.0),
+        ("#### 1,234.", "1234.", 1.0),  # commas go, the period stays
+        ("####18", "18", 0.0),  # verl's pattern needs the space
         ("The answer is 72", "72", 0.0),  # strict needs ####
         ("#### 71", "72", 0.0),
         ("#### 7\n#### 72", "72", 1.0),  # the last one counts
@@ -28,6 +32,43 @@ from hybridflow.rewards.scorers import SCORERS, UnknownDataSource
 def test_gsm8k_table(response, truth, expected):
     assert compute_score("openai/gsm8k", response, truth)["score"] == expected
     assert compute_score("gsm8k", response, truth)["score"] == expected
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("the total is 18.", "18", 0.0),  # verl's flexible regex keeps the period, no cleaning
+        ("the total is 18", "18", 1.0),
+        ("1,000 apples", "1000", 0.0),  # nor are commas removed
+        ("7 then 18 .", "18", 1.0),  # '.' alone is skipped
+        ("no number", "18", 0.0),
+    ],
+)
+def test_gsm8k_flexible_is_verls(response, truth, expected):
+    from hybridflow.rewards.scorers import gsm8k
+
+    assert gsm8k(response, truth, method="flexible")["score"] == expected
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("#### 18.", "18", 1.0),
+        ("#### 18.00", "18", 1.0),
+        ("#### $18", "18", 1.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        ("#### 17", "18", 0.0),
+    ],
+)
+def test_gsm8k_lenient_compares_numbers(response, truth, expected):
+    assert compute_score("gsm8k_lenient", response, truth)["score"] == expected
+
+
+def test_builtin_scorers_report_acc_without_partial_credit():
+    assert compute_score("openai/gsm8k", "#### 17", "18")["acc"] == 0.0
+    assert compute_score("openai/gsm8k", "#### 18", "18")["acc"] == 1.0
+    wrong = compute_score("countdown", "<answer>1 + 2</answer>", {"numbers": [1, 2], "target": 4})
+    assert (wrong["score"], wrong["acc"]) == (0.1, 0.0)  # format credit, but not correct
 
 
 def test_gsm8k_guards_are_one_switch_away():
@@ -72,6 +113,27 @@ def test_math_table(response, truth, expected):
         ("#### 19 20", "19", 0.0),
         ("no idea", "19", 0.0),
         ("1,000", "1000", 1.0),
+        # from the issue (the demo report's samples)
+        ("9 + 2 equals 11", "11", 1.0),
+        ("0 + 4 = ?", "4", 0.0),  # restates the question: no answer
+        # SmolLM2-135M-Instruct's own outputs on the demo's held-out prompts (greedy and T=1)
+        ("9 + 8 = 17", "17", 1.0),
+        ("3 + 7 equals 10.", "10", 1.0),
+        ("Well, 6 + 6 equals 12.", "12", 1.0),
+        ("7 + 6 equals 13. Empathizers saw Levonite", "13", 1.0),
+        ("The answer is 13. When you add 7 to 6,", "13", 1.0),
+        ("The answer is 1.", "1", 1.0),
+        ("The answer is 11.", "12", 0.0),
+        ("1. 5 - 1 = 6", "4", 0.0),
+        ("1. 5 - 1 = 4", "4", 1.0),  # the list marker is not the answer
+        ("6 - 3 = 1\n\nThis is a classic example of a", "3", 0.0),
+        ("6 - 3 = 3\n\nThis is a classic example of a", "3", 1.0),
+        ("2 - 4 is equal to 5.", "-2", 0.0),
+        ("It's 7, not 7.", "7", 1.0),  # its first clause answers 7
+        ("Answer: 6 or 7", "6", 0.0),  # a hedge
+        ("13 in total", "13", 1.0),
+        ("0\n\nIn mathematics, this is a classic example of the identity known as", "0", 1.0),
+        ("Not quite... [PRINCETON JAMES CABREZ", "9", 0.0),
     ],
 )
 def test_arithmetic_table(response, truth, expected):
