@@ -62,13 +62,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
     elif hasattr(model, "hidden_states"):  # our model: the built-in engine
         from hybridflow.engine import Engine, EngineConfig
+        from hybridflow.engine.engine import pool_tokens_for
 
         context = max(map(len, prompt_ids)) + args.max_tokens + 1
         sequences = min(len(prompt_ids) * args.n, 256)
+        page_size = 64 if device.type == "cuda" else 16
         config = EngineConfig(
             max_context_tokens=context,
-            page_size=64 if device.type == "cuda" else 16,
-            kv_cache_tokens=None if device.type == "cuda" else sequences * context,
+            page_size=page_size,
+            kv_cache_tokens=None if device.type == "cuda" else pool_tokens_for(sequences, context, page_size),
         )
         backend = Engine(model, eos_token_ids=eos, config=config, device=device)
     else:

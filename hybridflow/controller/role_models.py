@@ -115,6 +115,7 @@ def rollout_backend(
     transformers' generate on the transformers model (for a native actor, a copy synced by name
     after each update), or vLLM."""
     from hybridflow.engine import Engine, EngineConfig
+    from hybridflow.engine.engine import pool_tokens_for
 
     c, r = config, config.rollout
     backend = r.backend
@@ -148,8 +149,9 @@ def rollout_backend(
             "has none (or model.impl=hf); use rollout.backend=hf"
         )
     kv_tokens = r.kv_cache_tokens
+    page_size = 64 if device.type == "cuda" else 16
     if kv_tokens is None and device.type != "cuda":
-        kv_tokens = min(sequences_per_step(c), r.max_batch_sequences) * context
+        kv_tokens = pool_tokens_for(min(sequences_per_step(c), r.max_batch_sequences), context, page_size)
     compute = c.actor.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
@@ -157,7 +159,7 @@ def rollout_backend(
         max_batch_sequences=r.max_batch_sequences,
         max_prefill_tokens=r.max_prefill_tokens,
         max_context_tokens=context,
-        page_size=64 if device.type == "cuda" else 16,
+        page_size=page_size,
         kv_cache_tokens=kv_tokens,
         gpu_memory_utilization=r.gpu_memory_utilization,
         cuda_graphs=r.cuda_graphs,

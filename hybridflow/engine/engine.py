@@ -21,6 +21,12 @@ from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingPar
 from hybridflow.tracking.progress import bar
 
 
+def pool_tokens_for(sequences: int, context_tokens: int, page_size: int) -> int:
+    """A KV pool that holds `sequences` whole sequences of `context_tokens` at once (each in whole
+    pages), plus the one page the scheduler keeps spare: the CPU's pool, sized to a step."""
+    return (sequences * -(-context_tokens // page_size) + 1) * page_size
+
+
 @dataclass
 class EngineConfig:
     max_batch_sequences: int = 256

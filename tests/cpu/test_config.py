@@ -102,9 +102,7 @@ def test_yaml_round_trip(tmp_path):
 def test_docs_table_lists_every_alias():
     from pathlib import Path
 
-    from hybridflow.config.aliases import all_alias_keys
-
-    from hybridflow.config.aliases import markdown_table
+    from hybridflow.config.aliases import all_alias_keys, markdown_table
 
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     missing = [k for k in all_alias_keys() if f"`{k}`" not in doc]
