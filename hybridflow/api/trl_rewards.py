@@ -110,11 +110,12 @@ TRL_EXTRAS = ("prompts", "completions", "completion_ids", "trainer_state", "log_
 
 
 def is_trl_keyword_style(fn: Callable) -> bool:
-    """TRL's shape: called with keywords (it names `completions`, or takes only **kwargs)."""
+    """TRL's shape: called with keywords (it names `completions`, `completion_ids` or
+    `trainer_state`, or takes only **kwargs)."""
     params = inspect.signature(fn).parameters.values()
     names = {p.name for p in params}
     only_kwargs = all(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    return "completions" in names or (bool(names) and only_kwargs)
+    return bool(names & {"completions", "completion_ids", "trainer_state"}) or (bool(names) and only_kwargs)
 
 
 def keyword_callable(fn: Callable) -> Callable:
