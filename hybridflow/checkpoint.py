@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import UserError
+from hybridflow.permissions import as_user_files
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -176,6 +177,7 @@ def save_checkpoint(
         # the state file marks a complete checkpoint; the manifest covers every file
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state), encoding="utf-8")
         write_manifest(tmp)
+        as_user_files(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

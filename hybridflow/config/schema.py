@@ -354,7 +354,10 @@ class TrainerConfig:
     resume: str = "auto"
     """'auto' goes on from the run directory's latest checkpoint (refused when it was made with another
     model, data or algorithm), 'force' goes on from it even then, 'disable' never resumes."""
-    keep_last_checkpoints: int = 2
+    keep_last_checkpoints: int = 1
+    """Checkpoints kept (the latest N; resuming needs only the latest). Each holds the weights and
+    optimizer state for resuming and the policy as a transformers directory: the run prints what
+    one costs."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -37,11 +37,12 @@ from hybridflow.controller.setup import (
     step_plan,
     updates_per_step,
 )
+from hybridflow.controller.summary import run_summary
 from hybridflow.controller.validation import validate
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
-from hybridflow.devices import resolve_device
+from hybridflow.devices import resolve_device, use_free_cores
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
@@ -82,6 +83,8 @@ class RLTrainer:
             write_inputs(self.run_dir)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
+        if self.device.type == "cpu" and c.resources.num_workers == 1 and (note := use_free_cores()):
+            print(note, flush=True)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
@@ -131,6 +134,8 @@ class RLTrainer:
         self.step = 0
         self.bad_steps = 0
         self.last_checkpoint: Path | None = None
+        self.val_first: dict[str, float] = {}  # the first and latest validation, for the summary
+        self.val_last: dict[str, float] = {}
         self._resume()
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
@@ -149,10 +154,13 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         if self.step >= self.stop_at:
             print(
-                f"{self.run_dir} already finished {self.step} steps; pass --overwrite to start over",
+                f"{self.run_dir} already finished {self.step} steps: nothing to train. To start over pass "
+                "--overwrite (in Python: RLTrainer(config, overwrite=True)); to go on, raise "
+                "trainer.total_training_steps",
                 flush=True,
             )
         self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.step)
+        started, first_step = time.perf_counter(), self.step
         try:
             if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                 self._log(self._validate(), step=0)
@@ -175,6 +183,18 @@ class RLTrainer:
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
             self._write_report()
+        print(
+            run_summary(
+                self.run_dir,
+                steps=self.step - first_step,
+                seconds=time.perf_counter() - started,
+                first_val=self.val_first,
+                last_val=self.val_last,
+                checkpoint=self.last_checkpoint,
+                keep_last=c.trainer.keep_last_checkpoints,
+            ),
+            flush=True,
+        )
         if close:
             self.close()
         return metrics
@@ -448,6 +468,10 @@ class RLTrainer:
         )
 
     def _log(self, metrics: dict[str, float], *, step: int) -> None:
+        val = {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k}
+        if val:
+            self.val_first = self.val_first or val
+            self.val_last = val
         for sink in self.sinks:
             sink.log(metrics, step)
 

@@ -29,6 +29,7 @@ from hybridflow.models.lora import (
     sequence_logits,
 )
 from hybridflow.parallel.checkpoint import load_model_weights, saved_weight_names
+from hybridflow.permissions import as_user_files
 
 ADAPTER = "policy_adapter"  # a LoRA run's adapters in PEFT's format, beside the merged policy/
 PROBE = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
@@ -153,6 +154,7 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
         with torch.no_grad():
             diff = (sequence_logits(fresh, probe[0]) - sequence_logits(trained, probe[0])).abs().max().item()
     tokenizer.save_pretrained(out)
+    as_user_files(out)
     if diff > 1e-5:
         raise UserError(f"adapter check failed: {out} applied to the base gives logits {diff:.2e} away")
     count = sum(p.numel() for n, p in trained.named_parameters() if ".lora_" in n)

@@ -8,6 +8,7 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.errors import UserError
+from hybridflow.permissions import as_user_files
 
 
 def save_hf(
@@ -33,4 +34,5 @@ def save_hf(
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    as_user_files(out)
     return out
