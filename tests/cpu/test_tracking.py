@@ -7,6 +7,7 @@ import json
 import math
 import struct
 import sys
+import time
 
 import pytest
 from rl_run import config, read_metrics
@@ -38,6 +39,23 @@ def _wandb_records(path):
 
 
 @pytest.mark.slow
+def _complete_wandb_records(path, deadline_s: float = 60.0):
+    """The records of a finished offline run, once its writer has written them all. W&B's writer
+    (the wandb-core process) writes the history records just before the final `exit` record, when
+    the run finishes; a file read before that has no history at all (the KeyError this test once
+    hit on a fresh, loaded machine). So wait for the exit record, with a deadline, not a sleep."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            records = list(_wandb_records(path))
+        except Exception:  # a record still being written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < end, f"{path} has no exit record {deadline_s:.0f} s after the run finished"
+        time.sleep(0.2)
+
+
 def test_every_sink_receives_the_same_metrics_and_samples(setup, tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -65,7 +83,7 @@ def test_every_sink_receives_the_same_metrics_and_samples(setup, tmp_path, monke
 
     (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
     history, config_keys = {}, set()
-    for record in _wandb_records(wandb_file):
+    for record in _complete_wandb_records(wandb_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":  # a name with "/" comes as a one-part nested key; tables as several parts
             items = {i.key or i.nested_key[0]: json.loads(i.value_json) for i in record.history.item
