@@ -28,21 +28,25 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def use_free_cores() -> str | None:
-    """On the CPU, give torch as many threads as there are cores not already busy (a core shared
-    with another busy process makes every one of torch's threads wait for the slowest: 25-45x slower
-    steps were seen on a loaded 2-core machine). OMP_NUM_THREADS, when set, decides instead. Returns
-    a line saying what was chosen when it is fewer than the cores, else None."""
+    """On the CPU, give torch as many threads as there are cores not already busy: a core shared
+    with another busy process makes every one of torch's threads wait for the slowest (25-45x slower
+    steps were seen on a loaded 2-core machine). Busy is measured now, over a quarter second (a load
+    average lags by minutes). OMP_NUM_THREADS, when set, decides instead. Returns a line saying what
+    was chosen when it is fewer than the cores, else None."""
     import os
+
+    import psutil
 
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    threads = max(1, min(cores, cores - busy))
+    per_core = psutil.cpu_percent(interval=0.25, percpu=True)  # this process sleeps meanwhile
+    busy = sum(1 for load in per_core if load > 60)
+    threads = max(1, min(cores, len(per_core) - busy))
     torch.set_num_threads(threads)
     if threads < cores:
         return (
-            f"{cores - threads} of {cores} CPU cores are busy (load {os.getloadavg()[0]:.1f}): torch uses "
-            f"{threads} thread(s); set OMP_NUM_THREADS to choose"
+            f"{cores - threads} of {cores} CPU cores are busy with other work: torch uses {threads} "
+            "thread(s) (set OMP_NUM_THREADS to choose)"
         )
     return None

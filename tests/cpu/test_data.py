@@ -69,6 +69,25 @@ def test_overlong_prompts_are_filtered_with_a_count_or_rejected(tok, caplog):
         )
 
 
+def test_overlong_prompts_truncated_left_or_right_as_verls_truncation(tok):
+    rows = [{"prompt": "abcdefghij"}]
+    plain = DataConfig(max_prompt_tokens=4, apply_chat_template=False)
+    (left,) = rows_to_prompts(
+        rows, tok, DataConfig(**{**plain.__dict__, "overlong_prompts": "truncate_left"})
+    )
+    (right,) = rows_to_prompts(
+        rows, tok, DataConfig(**{**plain.__dict__, "overlong_prompts": "truncate_right"})
+    )
+    assert (left.token_ids, left.text) == ([103, 104, 105, 106], "ghij")  # the end of the prompt is kept
+    assert (right.token_ids, right.text) == ([97, 98, 99, 100], "abcd")
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if greet %}!{% endif %}"
+    (p,) = rows_to_prompts([{"prompt": "hi"}], tok, DataConfig(chat_template_kwargs={"greet": True}))
+    assert p.text == "hi!"
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [

@@ -182,7 +182,10 @@ def test_finished_run_resumes_to_nothing_and_overwrite_starts_over(setup, tmp_pa
     again = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1"))
     assert again.step == 1
     again.fit()
-    assert "already finished 1 steps; pass --overwrite" in capsys.readouterr().out
+    assert (
+        "already finished 1 steps: nothing to train. To start over pass --overwrite"
+        in capsys.readouterr().out
+    )
     fresh = RLTrainer(config(setup, tmp_path / "run", "trainer.total_training_steps=1"), overwrite=True)
     assert fresh.step == 0 and not (tmp_path / "run" / "checkpoints").exists()
     with pytest.raises(UserError, match="is not empty and trainer.resume=disable"):

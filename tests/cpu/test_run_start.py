@@ -1,0 +1,115 @@
+"""What a run checks and says at its start and end: resuming another run's checkpoint, a reward
+that always fails, GPUs this machine lacks, the LR schedule's unit (training steps, as verl's)."""
+
+import json
+import logging
+
+import pytest
+from rl_run import config, read_metrics
+
+from hybridflow.controller.trainer import RLTrainer
+from hybridflow.errors import UserError
+from hybridflow.roles.reward import RewardFunctionFailed
+
+ALWAYS_FAILS = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return [][0]
+"""
+
+
+def test_resume_refuses_another_runs_checkpoint_unless_forced(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()
+    other = tmp_path / "other.jsonl"
+    other.write_text((setup / "prompts.jsonl").read_text())
+    changed = (
+        "trainer.total_training_steps=2",
+        f"data.train_files=[{other}]",
+        "algorithm.adv_estimator=rloo",
+    )
+    with pytest.raises(UserError) as e:
+        RLTrainer(config(setup, run, *changed))
+    message = str(e.value)
+    assert "was made by another run" in message and "trainer.resume=force" in message
+    assert "data.train_files" in message and "algorithm.adv_estimator: 'grpo' there, 'rloo' now" in message
+    trainer = RLTrainer(config(setup, run, *changed, "trainer.resume=force"))
+    assert trainer.step == 1  # went on from the checkpoint, as asked
+    trainer.close()
+
+
+def test_a_reward_that_fails_on_every_response_stops_the_run(setup, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(ALWAYS_FAILS)
+    overrides = (f"reward.custom_function_path={reward}", "trainer.total_training_steps=2")
+    with pytest.raises(RewardFunctionFailed) as e:
+        RLTrainer(config(setup, tmp_path / "run", *overrides)).fit()
+    assert "failed on all 32 responses" in str(e.value) and "IndexError: list index out of range" in str(
+        e.value
+    )
+    assert "reward.on_all_errors=warn" in str(e.value)
+
+
+def test_on_all_errors_warn_goes_on_and_prints_the_first_traceback(setup, tmp_path, caplog):
+    reward = tmp_path / "reward.py"
+    reward.write_text(ALWAYS_FAILS)
+    run = tmp_path / "run"
+    overrides = (
+        f"reward.custom_function_path={reward}",
+        "trainer.total_training_steps=2",
+        "reward.on_all_errors=warn",
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridflow.roles.reward"):
+        RLTrainer(config(setup, run, *overrides)).fit()
+    warnings = [r.getMessage() for r in caplog.records if "reward function failed" in r.getMessage()]
+    assert warnings and "Traceback" in warnings[0] and "IndexError" in warnings[0]
+    assert [m["reward/errors"] for m in read_metrics(run)] == [32.0, 32.0]
+
+
+def test_the_console_line_counts_reward_errors():
+    from hybridflow.tracking.sinks import ConsoleSink
+
+    line = ConsoleSink(styled=False).line({"critic/score/mean": 0.0, "reward/errors": 3.0}, 1)
+    assert "reward mean 0 (3 errors)" in line
+
+
+def test_gpus_this_machine_lacks_are_refused_before_any_work(setup, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: the CPU case does not apply")
+    with pytest.raises(
+        UserError,
+        match=r"resources.n_gpus_per_node=8 \(verl: trainer.n_gpus_per_node\) but this machine has 0",
+    ):
+        RLTrainer(config(setup, tmp_path / "run", "resources.n_gpus_per_node=8"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_warmup_counts_training_steps_whatever_the_mini_batches(setup, tmp_path):
+    run = tmp_path / "run"
+    overrides = ("trainer.total_training_steps=3", "actor.optim.warmup_steps=2", "actor.sequences_per_update=8",
+                 "actor.optim.lr=1e-3")  # fmt: skip
+    RLTrainer(config(setup, run, *overrides)).fit()
+    rows = read_metrics(run)
+    # 4 mini-batches a step; the rate moves once a step: 1/2, then 2/2 of the peak
+    assert [r["actor/lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 1e-3])
+    assert json.loads((run / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_run_ends_with_a_summary(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    val = setup / "prompts.jsonl"
+    RLTrainer(
+        config(
+            setup, run, "trainer.total_training_steps=1", f"data.val_files=[{val}]", "data.max_val_prompts=4"
+        )
+    ).fit()
+    out = capsys.readouterr().out
+    summary = out[out.index("summary: 1 step(s)") :]
+    assert "validation synthetic/reward/mean@1:" in summary and " -> " in summary
+    assert f"policy (a transformers directory): {run / 'checkpoints' / 'global_step_1' / 'policy'}" in summary
+    assert (
+        "each checkpoint costs" in summary
+        and "resume state" in summary
+        and f"run directory {run}:" in summary
+    )
