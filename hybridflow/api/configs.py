@@ -10,10 +10,11 @@ Precedence, later wins: defaults <- `recipe` <- the class's preset <- the sectio
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from hybridflow.api.trl_config import trl_settings
+from hybridflow.api.trl_config import trl_settings, unknown_names
 from hybridflow.config import Config, load_config
 from hybridflow.errors import UserError
 
@@ -31,8 +32,20 @@ SECTIONS = (
 )
 
 
+class _NamesChecked(type):
+    """Keywords a config class does not take are refused in one message naming what to use instead
+    (TRL's names that mean something else here, or the closest field), not a bare TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in fields]
+        if unknown:
+            raise UserError(unknown_names(cls.__name__, unknown, fields))
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass
-class RLConfig:
+class RLConfig(metaclass=_NamesChecked):
     """What every algorithm shares. A flat field left at None keeps the preset's (or recipe's) value."""
 
     output_dir: str | None = None

@@ -31,6 +31,42 @@ NO_EFFECT = {
 }
 
 
+# TRL / transformers names with no field here: what to write instead (or why not)
+NOT_HERE = {
+    "num_generations_eval": "rollout={'val_samples_per_prompt': N}",
+    "eval_strategy": "eval_steps=N (validation every N steps)",
+    "save_strategy": "save_steps=N (a checkpoint every N steps; one is always written at the end)",
+    "logging_dir": "output_dir (metrics.jsonl, TensorBoard's files under output_dir/tensorboard)",
+    "run_name": "trainer={'experiment_name': NAME}",
+    "optim": "AdamW only (learning_rate, weight_decay, adam_beta1/2)",
+    "torch_compile": "model={'compile': True}",
+    "use_liger_kernel": "nothing: the native model's LM head already computes log-probs in fused chunks",
+    "use_liger_loss": "nothing: the native model's LM head already computes log-probs in fused chunks",
+    "vllm_mode": "use_vllm=True (vLLM runs in-process, colocated) or the built-in engine (the default)",
+    "vllm_gpu_memory_utilization": "rollout={'gpu_memory_utilization': F}",
+    "push_to_hub": "trainer.save(DIR) (a transformers directory), then push it yourself",
+    "per_device_eval_batch_size": "nothing: validation batches itself",
+    "model_init_kwargs": "model={'dtype': ..., 'trust_remote_code': ...}",
+    "sync_ref_model": "not supported: the reference stays the starting policy",
+    "top_entropy_quantile": "not supported",
+    "delta": "not supported (two-sided clipping); actor={'clip_ratio_c': C} is the dual-clip bound",
+}
+
+
+def unknown_names(cls_name: str, names: list[str], fields: list[str]) -> str:
+    """One line for every keyword this config class does not take."""
+    import difflib
+
+    parts = []
+    for name in names:
+        if name in NOT_HERE:
+            parts.append(f"{name}: {NOT_HERE[name]}")
+        else:
+            match = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+            parts.append(f"{name}: not a field{f' (did you mean {match[0]}?)' if match else ''}")
+    return f"{cls_name} does not take " + "; ".join(parts)
+
+
 def _whole(name: str, value: int, per_step: int) -> int:
     if value % per_step:
         raise UserError(

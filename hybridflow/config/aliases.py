@@ -196,7 +196,10 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.rollout.top_p": rename("rollout.top_p"),
     f"{_ARR}.rollout.top_k": rename("rollout.top_k"),
-    f"{_ARR}.rollout.gpu_memory_utilization": rename("rollout.gpu_memory_utilization"),
+    f"{_ARR}.rollout.gpu_memory_utilization": rename(
+        "rollout.gpu_memory_utilization",
+        "ours is the share of the GPU memory free when the engine starts that its KV pool may take (vLLM's: of the whole GPU, weights included); memory, not results",
+    ),
     f"{_ARR}.rollout.free_cache_engine": rename("rollout.free_cache_engine"),
     f"{_ARR}.rollout.name": by_value(
         _rollout_name,

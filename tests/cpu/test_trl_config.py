@@ -1,0 +1,88 @@
+"""TRL's GRPOConfig names (and the tutorials' PPOConfig) as our config, by hand-worked arithmetic."""
+
+import pytest
+
+from hybridflow import GRPOConfig, PPOConfig
+from hybridflow.errors import UserError
+
+
+def test_trl_grpo_names_mean_what_they_mean_in_trl():
+    c = GRPOConfig(
+        output_dir="runs/x", num_generations=4, max_completion_length=64, max_prompt_length=100, beta=0.04,
+        epsilon=0.2, epsilon_high=0.28, loss_type="grpo", scale_rewards="none", temperature=0.9, top_k=0,
+        learning_rate=2e-6, lr_scheduler_type="cosine", warmup_ratio=0.1, weight_decay=0.0, max_grad_norm=0.5,
+        num_train_epochs=2, report_to="none", importance_sampling_level="sequence",
+    ).to_config()  # fmt: skip
+    assert (c.rollout.samples_per_prompt, c.data.max_response_tokens, c.data.max_prompt_tokens) == (
+        4,
+        64,
+        100,
+    )
+    assert c.data.overlong_prompts == "truncate_left"  # TRL cuts long prompts from the left
+    assert (c.actor.use_kl_loss, c.actor.kl_loss_coef, c.actor.kl_loss_type) == (True, 0.04, "low_var_kl")
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high, c.actor.loss_agg_mode) == (
+        0.2,
+        0.28,
+        "seq-mean-token-mean",
+    )
+    assert (c.algorithm.norm_adv_by_std_in_grpo, c.rollout.temperature, c.rollout.top_k) == (False, 0.9, -1)
+    o = c.actor.optim
+    assert (o.lr, o.lr_scheduler, o.warmup_ratio, o.weight_decay, o.grad_clip) == (
+        2e-6,
+        "cosine",
+        0.1,
+        0.0,
+        0.5,
+    )
+    assert (c.trainer.total_epochs, c.trainer.logger, c.actor.policy_loss) == (
+        2,
+        ["console", "jsonl"],
+        "gspo",
+    )
+
+
+def test_trl_batch_fields_become_prompts_and_updates_per_step():
+    # 8 completions a device step x 4 accumulation = 32 per optimizer step; a generation of 8 x 8 = 64
+    # completions holds 64 / 8 = 8 prompts of 8 samples and makes 2 optimizer steps
+    c = GRPOConfig(num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                   steps_per_generation=8, max_steps=100, save_steps=50, warmup_steps=10).to_config()  # fmt: skip
+    assert (c.data.prompts_per_step, c.actor.sequences_per_update) == (8, 32)
+    assert (c.trainer.total_training_steps, c.trainer.save_freq, c.actor.optim.warmup_steps) == (50, 25, 5)
+    with pytest.raises(UserError, match="max_steps=101 counts optimizer updates and a step here makes 2"):
+        GRPOConfig(num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                   steps_per_generation=8, max_steps=101).to_config()  # fmt: skip
+    with pytest.raises(UserError, match="whole groups of num_generations=3"):
+        GRPOConfig(num_generations=3, per_device_train_batch_size=8).to_config()
+
+
+def test_tutorial_ppo_names():
+    c = PPOConfig(exp_name="tut", batch_size=16, mini_batch_size=4, ppo_epochs=2, kl_coef=0.05,
+                  cliprange=0.1, cliprange_value=0.3, max_new_tokens=32, save_freq=5, gamma=0.99, lam=0.9).to_config()  # fmt: skip
+    assert (c.data.prompts_per_step, c.actor.sequences_per_update, c.actor.ppo_epochs) == (16, 4, 2)
+    assert (c.algorithm.use_kl_in_reward, c.algorithm.kl_ctrl.kl_coef) == (
+        True,
+        0.05,
+    )  # PPO: KL in the reward
+    assert (c.actor.clip_ratio_low, c.critic.cliprange_value, c.data.max_response_tokens) == (0.1, 0.3, 32)
+    assert (c.trainer.experiment_name, c.trainer.run_dir, c.trainer.save_freq) == ("tut", "runs/tut", 5)
+    assert (c.algorithm.gamma, c.algorithm.lam) == (0.99, 0.9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"eval_strategy": "steps"}, "eval_strategy: eval_steps=N"),
+        ({"learnin_rate": 1e-6}, "learnin_rate: not a field (did you mean learning_rate?)"),
+        ({"loss_type": "sapo"}, "loss_type='sapo': supported are grpo, bnpo, dapo, dr_grpo"),
+        ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
+        ({"mask_truncated_completions": True}, "mask_truncated_completions=True is not supported"),
+        (
+            {"num_generations": 4, "samples_per_prompt": 4},
+            "samples_per_prompt= and TRL's num_generations= both given",
+        ),
+        ({"num_train_epochs": 1.5}, "num_train_epochs=1.5: give a whole number"),
+    ],
+)
+def test_names_that_do_not_apply_are_refused_naming_ours(kwargs, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        GRPOConfig(**kwargs).to_config()
