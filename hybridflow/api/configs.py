@@ -10,6 +10,7 @@ Precedence, later wins: defaults <- `recipe` <- the class's preset <- the sectio
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -203,8 +204,8 @@ def _merge(into: dict[str, Any], tree: dict[str, Any]) -> None:
     for k, v in tree.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
             _merge(into[k], v)
-        else:
-            into[k] = v
+        else:  # a copy: a later merge must never write into a preset or the caller's sections
+            into[k] = copy.deepcopy(v)
 
 
 @dataclass

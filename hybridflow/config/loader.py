@@ -18,43 +18,32 @@ from hybridflow.errors import UserError, closest
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the schema, e.g. 'actor.optim.lr'."""
-    keys = []
+def _leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, type hint) of every leaf field of the schema, e.g. ('actor.optim.lr', float)."""
+    leaves = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            keys += valid_keys(hint, f"{prefix}{f.name}.")
+            leaves += _leaves(hint, f"{prefix}{f.name}.")
         else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
+            leaves.append((f"{prefix}{f.name}", hint))
+    return leaves
 
 
-def mapping_keys(cls: type = Config, prefix: str = "") -> set[str]:
+def valid_keys() -> list[str]:
+    """Every dotted leaf key of the schema, e.g. 'actor.optim.lr'."""
+    return [key for key, _ in _leaves()]
+
+
+def mapping_keys() -> set[str]:
     """Dotted keys of fields that hold a free-form mapping (their contents are not schema keys)."""
-    keys = set()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys |= mapping_keys(hint, f"{prefix}{f.name}.")
-        elif typing.get_origin(hint) is dict:
-            keys.add(f"{prefix}{f.name}")
-    return keys
+    return {key for key, hint in _leaves() if typing.get_origin(hint) is dict}
 
 
-def list_valued_keys(cls: type = Config, prefix: str = "") -> set[str]:
+def list_valued_keys() -> set[str]:
     """Dotted keys of list fields (a string given for one becomes a one-item list)."""
-    keys = set()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys |= list_valued_keys(hint, f"{prefix}{f.name}.")
-        elif typing.get_origin(hint) is list:
-            keys.add(f"{prefix}{f.name}")
-    return keys
+    return {key for key, hint in _leaves() if typing.get_origin(hint) is list}
 
 
 def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -133,7 +122,7 @@ class Resolved:
 
 
 def _our_keys_only(items: list[tuple[str, Any]], known: set[str]) -> bool:
-    return all(key in known or key.split(".")[0] in ("sft", "preference") for key, _ in items)
+    return all(key in known for key, _ in items)
 
 
 def _as_list(key: str, value: Any, list_keys: set[str]) -> Any:

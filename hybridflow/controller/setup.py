@@ -45,6 +45,11 @@ def check_config(config: Config) -> None:
         raise UserError(
             "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"
         )
+    if config.reward.rule_weight == 0 and config.reward.model_path is None:
+        raise UserError(
+            "reward.rule_weight=0 (verl: reward_model.enable=True) leaves only a reward model, and none is "
+            "set: give reward.model_path (verl: reward_model.model.path)"
+        )
     if (
         config.reward.overlong_buffer.enable
         and config.reward.overlong_buffer.buffer_tokens >= config.data.max_response_tokens
@@ -102,6 +107,12 @@ def check_environment(config: Config) -> None:
         )
     if r.device == "cuda" and not gpus:
         raise UserError("resources.device=cuda but no CUDA GPU is available; use resources.device=cpu")
+    for sink, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if sink in config.trainer.logger and importlib.util.find_spec(package) is None:
+            raise UserError(
+                f"trainer.logger names {sink} but {package} is not installed: pip install {package} "
+                "(or pip install hybridflow[tracking]), or drop it from trainer.logger"
+            )
     if config.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.backend=vllm (verl: actor_rollout_ref.rollout.name=vllm) but vLLM is not installed: "

@@ -86,3 +86,9 @@ def test_tutorial_ppo_names():
 def test_names_that_do_not_apply_are_refused_naming_ours(kwargs, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         GRPOConfig(**kwargs).to_config()
+
+
+def test_building_a_config_never_changes_the_presets():
+    PPOConfig(batch_size=4, samples_per_prompt=2).to_config()
+    again = PPOConfig(batch_size=4).to_config()
+    assert (again.rollout.samples_per_prompt, again.data.prompts_per_step) == (1, 4)
