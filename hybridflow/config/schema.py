@@ -255,6 +255,9 @@ class RewardConfig:
     custom_function_path: str | None = None
     """A Python file defining the reward function (verl's custom_reward_function.path)."""
     custom_function_name: str = "compute_score"
+    max_abs: float = 1e6
+    """A score whose magnitude exceeds this is an error (counted in reward/errors, scored 0): 1e39
+    is a finite float64 and an infinite float32."""
     on_all_errors: str = "stop"
     """A step (or validation) in which the reward function failed on every response: 'stop' ends the
     run with the first error's traceback; 'warn' prints it and goes on (the responses score 0). The

@@ -48,7 +48,7 @@ def _alarm(signum, frame):
     raise _Timeout
 
 
-def _normalize(out: Any) -> Outcome:
+def _normalize(out: Any, max_abs: float) -> Outcome:
     extras, pred = {}, None
     if isinstance(out, dict):
         extras = {
@@ -59,8 +59,12 @@ def _normalize(out: Any) -> Outcome:
         value = float(out)
     except (TypeError, ValueError):
         return Outcome(error=True, pred=pred, message=f"the reward function returned {out!r}, not a number")
-    if not math.isfinite(value):
-        return Outcome(error=True, pred=pred, message=f"the reward function returned {value}")
+    if not math.isfinite(value) or abs(value) > max_abs:  # 1e39 is finite here, inf in float32
+        return Outcome(
+            error=True,
+            pred=pred,
+            message=f"the reward function returned {value} (|score| > reward.max_abs={max_abs:g}?)",
+        )
     return Outcome(value, None if pred is None else str(pred), extras)
 
 
@@ -74,7 +78,9 @@ def _call(fn: Callable, *args, **kwargs):
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
-def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict) -> list[Outcome]:
+def _run_items(
+    fn: Callable, items: list[Item], timeout_s: float, options: dict, max_abs: float = 1e6
+) -> list[Outcome]:
     """Score items here, each under a SIGALRM deadline (main thread of a pool worker)."""
     # alarms reach the main thread only: elsewhere (a trainer driven from a thread) no deadline
     use_alarm = (
@@ -90,7 +96,7 @@ def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict)
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, timeout_s * max(1, len(items)))
             outs = _call(fn, *(list(col) for col in zip(*items)), **options)
-            results = [_normalize(o) for o in outs]
+            results = [_normalize(o, max_abs) for o in outs]
             if len(results) != len(items):
                 message = (
                     f"the batched reward function returned {len(results)} scores for {len(items)} responses"
@@ -98,7 +104,7 @@ def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict)
                 results = [Outcome(error=True, message=message) for _ in items]
         except _Timeout:
             results = [Outcome(timeout=True) for _ in items]
-        except Exception:
+        except (Exception, SystemExit):  # sys.exit in a reward is its error, never the run's end
             message = traceback.format_exc()
             results = [Outcome(error=True, message=message) for _ in items]
         finally:
@@ -114,10 +120,10 @@ def _run_items(fn: Callable, items: list[Item], timeout_s: float, options: dict)
         try:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            result = _normalize(_call(fn, *item, **options))
+            result = _normalize(_call(fn, *item, **options), max_abs)
         except _Timeout:
             result = Outcome(timeout=True)
-        except Exception:
+        except (Exception, SystemExit):
             result = Outcome(error=True, message=traceback.format_exc())
         finally:
             if use_alarm:
@@ -136,9 +142,9 @@ def _init_worker(loader: Callable[[], Callable]) -> None:
     _WORKER_FN = loader()
 
 
-def _worker_run(items: list[Item], timeout_s: float, options: dict) -> list[Outcome]:
+def _worker_run(items: list[Item], timeout_s: float, options: dict, max_abs: float) -> list[Outcome]:
     assert _WORKER_FN is not None
-    return _run_items(_WORKER_FN, items, timeout_s, options)
+    return _run_items(_WORKER_FN, items, timeout_s, options, max_abs)
 
 
 class RewardExecutor:
@@ -153,9 +159,11 @@ class RewardExecutor:
         timeout_s: float,
         options: dict | None = None,
         start_timeout_s: float = 60.0,
+        max_abs: float = 1e6,
     ) -> None:
         self.loader = loader
         self.start_timeout_s = start_timeout_s
+        self.max_abs = max_abs
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.options = options or {}
@@ -172,7 +180,7 @@ class RewardExecutor:
     def submit(self, items: list[Item]) -> Future:
         future: Future = Future()
         if self.pool is None or not items:
-            future.set_result(_run_items(self.fn, items, self.timeout_s, self.options))
+            future.set_result(_run_items(self.fn, items, self.timeout_s, self.options, self.max_abs))
             return future
         if not self._workers_started:
             self._check_workers_start()
@@ -182,7 +190,8 @@ class RewardExecutor:
             size = max(1, math.ceil(len(items) / (self.num_workers * 4)))
             chunks = [items[i : i + size] for i in range(0, len(items), size)]
         pending = [
-            self.pool.apply_async(_worker_run, (chunk, self.timeout_s, self.options)) for chunk in chunks
+            self.pool.apply_async(_worker_run, (chunk, self.timeout_s, self.options, self.max_abs))
+            for chunk in chunks
         ]
         return self._collector.submit(self._collect, chunks, pending)
 

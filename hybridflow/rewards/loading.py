@@ -18,6 +18,8 @@ def load_custom_function(path: str, name: str) -> Callable:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a module that exits at import would end the run without a word
+        raise UserError(f"reward.custom_function_path: importing {file} called sys.exit({e.code!r})") from e
     except Exception as e:
         raise UserError(
             f"reward.custom_function_path: importing {file} failed: {type(e).__name__}: {e}"

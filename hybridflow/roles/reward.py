@@ -119,7 +119,11 @@ class Reward:
                 },
             }
         self.executor = RewardExecutor(
-            loader, num_workers=num_workers, timeout_s=config.timeout_s, options=options
+            loader,
+            num_workers=num_workers,
+            timeout_s=config.timeout_s,
+            options=options,
+            max_abs=config.max_abs,
         )
         self.model = None
         if config.model_path:

@@ -30,6 +30,10 @@ def flaky(data_source, solution_str, ground_truth, extra_info=None):
         return math.nan
     if solution_str == "text":
         return "not a number"
+    if solution_str == "exit":
+        raise SystemExit(3)
+    if solution_str == "huge":
+        return 1e39
     return {"score": float(solution_str == ground_truth), "pred": solution_str, "length": len(solution_str)}
 
 def batched(data_sources, solution_strs, ground_truths, extra_infos):
@@ -59,13 +63,16 @@ def test_errors_timeouts_and_non_numbers_score_zero(reward_file, workers):
     )
     try:
         start = time.monotonic()
-        out = executor.score(items("ok", "raise", "hang", "nan", "text", "no"))
+        out = executor.score(items("ok", "raise", "hang", "nan", "text", "no", "exit", "huge"))
         elapsed = time.monotonic() - start
     finally:
         executor.close()
-    assert [o.score for o in out] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert [o.error for o in out] == [False, True, False, True, True, False]
-    assert [o.timeout for o in out] == [False, False, True, False, False, False]
+    assert [o.score for o in out] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [o.error for o in out] == [False, True, False, True, True, False, True, True]
+    assert [o.timeout for o in out] == [False, False, True, False, False, False, False, False]
+    assert (
+        "SystemExit: 3" in out[6].message and "reward.max_abs=1e+06" in out[7].message
+    )  # sys.exit: its error
     assert out[0].pred == "ok" and out[0].extras == {"length": 2.0}
     assert elapsed < 10  # the hanging function did not hold the run for its 60 s
 
@@ -122,6 +129,9 @@ def test_custom_reward_loading_errors(tmp_path):
     (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")
     with pytest.raises(UserError, match="importing .*bad.py failed: RuntimeError: boom"):
         load_custom_function(str(tmp_path / "bad.py"), "f")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(UserError, match=r"importing .*exits.py called sys.exit\(0\)"):
+        load_custom_function(str(tmp_path / "exits.py"), "f")
 
 
 def _rollouts(tok, texts, truth="4", source="arithmetic"):
