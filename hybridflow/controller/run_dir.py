@@ -4,13 +4,26 @@ there is ever overwritten."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 from hybridflow.errors import UserError
 
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "step_plan.txt", "report.html", "wandb_run_id")
+LOCK = ".hybridflow.lock"
+RUN_FILES = (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.yaml",
+    "step_plan.txt",
+    "report.html",
+    "wandb_run_id",
+    LOCK,
+)
 RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 
 
@@ -21,7 +34,7 @@ def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:
         raise UserError(
             f"run directory {run_dir} holds files this trainer did not write; choose another trainer.run_dir"
         )
-    if resume == "disable" and not overwrite and any(run_dir.iterdir()):
+    if resume == "disable" and not overwrite and any(p.name != LOCK for p in run_dir.iterdir()):
         raise UserError(
             f"run directory {run_dir} is not empty and trainer.resume=disable; choose another trainer.run_dir"
         )
@@ -32,11 +45,44 @@ def clear_run_dir(run_dir: Path) -> None:
     for name in RUN_FOLDERS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+        if name != LOCK:  # held by this run
+            (run_dir / name).unlink(missing_ok=True)
 
 
-def prepare_run_dir(config, *, overwrite: bool) -> Path:
-    """trainer.run_dir, checked (and emptied of this run's files with `overwrite`)."""
+class RunLock:
+    """This process's exclusive hold on a run directory, from the start of a run to its close: a
+    second run into the same directory stops at once, naming the first. The kernel drops the lock
+    when the holder dies (flock), so a killed run never leaves the directory locked."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (run_dir / LOCK).open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UserError(
+                f"run directory {run_dir} is in use by {holder}; wait for that run to end, or choose "
+                "another trainer.run_dir"
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(
+            f"the run of pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        )
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def prepare_run_dir(config, *, overwrite: bool) -> tuple[Path, RunLock]:
+    """trainer.run_dir, checked, locked for this run (and emptied of this run's files with
+    `overwrite`)."""
     if getattr(sys.modules.get("__main__"), "__name__", None) == "__mp_main__":
         # a spawned worker (reward scoring) re-imports the user's script: a script that trains at
         # import would start a second run here, over the first one's directory
@@ -46,6 +92,7 @@ def prepare_run_dir(config, *, overwrite: bool) -> Path:
         )
     run_dir = Path(config.trainer.run_dir)
     check_run_dir(run_dir, resume=config.trainer.resume, overwrite=overwrite)
+    lock = RunLock(run_dir)
     if overwrite:
         clear_run_dir(run_dir)
-    return run_dir
+    return run_dir, lock

@@ -78,7 +78,16 @@ class RLTrainer:
         check_config(config)
         check_environment(config)
         self.config = c = config
-        self.run_dir = prepare_run_dir(c, overwrite=overwrite)
+        self.run_dir, self.run_lock = prepare_run_dir(c, overwrite=overwrite)
+        try:
+            self._set_up(reward_function, write_inputs)
+        except BaseException:  # the directory is free again for the run that fixes the cause
+            self.run_lock.release()
+            raise
+
+    def _set_up(self, reward_function: Callable | None, write_inputs: Callable[[Path], None] | None) -> None:
+        """The workers, data, reward and sinks of a run whose directory is checked and locked."""
+        c = self.config
         if write_inputs is not None:
             write_inputs(self.run_dir)
         torch.manual_seed(c.trainer.seed)
@@ -204,10 +213,13 @@ class RLTrainer:
         if self._closed:
             return
         self._closed = True
-        for sink in self.sinks:
-            sink.close()
-        self.reward.close()
-        self.placement.shutdown()
+        try:
+            for sink in self.sinks:
+                sink.close()
+            self.reward.close()
+            self.placement.shutdown()
+        finally:
+            self.run_lock.release()
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics (val-core/...) of the current policy on the configured val files."""

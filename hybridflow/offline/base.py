@@ -38,7 +38,7 @@ class OfflineTrainer:
 
     def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
         c = self.config = config
-        self.run_dir = prepare_run_dir(c, overwrite=overwrite)
+        self.run_dir, self.run_lock = prepare_run_dir(c, overwrite=overwrite)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_causal_lm(
@@ -119,6 +119,7 @@ class OfflineTrainer:
                 print(f"report: {write_report([self.run_dir])}", flush=True)
         for sink in self.sinks:
             sink.close()
+        self.run_lock.release()  # the directory is free for the next run
         return metrics
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:

@@ -113,3 +113,14 @@ def test_run_ends_with_a_summary(setup, tmp_path, capsys):
         and "resume state" in summary
         and f"run directory {run}:" in summary
     )
+
+
+def test_a_second_run_into_the_same_directory_stops_naming_the_first(setup, tmp_path):
+    import os
+
+    run = tmp_path / "run"
+    first = RLTrainer(config(setup, run, "trainer.total_training_steps=1"))
+    with pytest.raises(UserError, match=rf"run directory {run} is in use by the run of pid {os.getpid()}"):
+        RLTrainer(config(setup, run, "trainer.total_training_steps=1"))
+    first.fit()  # closes, and frees the directory
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1")).close()
