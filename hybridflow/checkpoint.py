@@ -56,21 +56,22 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint whose files match its manifest; a damaged one is skipped with a
-    warning (and kept on disk). None when there is none; an error when every one is damaged."""
+def latest_checkpoint(run_dir: Path, *, unverified: bool = False) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; a damaged or unverifiable one is
+    skipped with a warning (and kept on disk). None when there is none; an error when every one is
+    damaged. `unverified`: a checkpoint without a usable manifest is taken as it is."""
     found = list_checkpoints(run_dir)
     problems = []
     for _, path in reversed(found):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, unverified=unverified)
         if problem is None:
             return path
         problems.append(f"{path.name}: {problem}")
         log.warning("checkpoint %s is damaged (%s); skipping it", path, problem)
     if problems:
         raise UserError(
-            f"every checkpoint in {checkpoint_root(run_dir)} is damaged ({problems[0]}); move them away to "
-            "start over"
+            f"every checkpoint in {checkpoint_root(run_dir)} is damaged or unverifiable ({problems[0]}); move "
+            "them away to start over (a checkpoint written before manifests existed: trainer.resume_unverified=true)"
         )
     return None
 
@@ -105,16 +106,41 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST).write_text(json.dumps(entries, indent=0), encoding="utf-8")
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a checkpoint's files against its manifest, or None (also for a checkpoint
-    written before manifests existed)."""
+def _manifest_entries(path: Path) -> tuple[dict[str, dict] | None, str | None]:
+    """(entries, None) of a well-formed manifest, else (None, what is wrong with it)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return None
+        return None, f"it has no {MANIFEST}, so its files cannot be verified"
     try:
         entries = json.loads(manifest.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        return f"{MANIFEST} unreadable ({e})"
+        return None, f"{MANIFEST} unreadable ({e})"
+    well_formed = isinstance(entries, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+        for e in entries.values()
+    )
+    if not well_formed:
+        return None, f"{MANIFEST} is malformed (not a mapping of file -> bytes, sha256)"
+    if not entries:
+        return None, f"{MANIFEST} lists no files"
+    return entries, None
+
+
+def checkpoint_problem(path: Path, *, unverified: bool = False) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest, or None. A missing, empty or
+    malformed manifest is a problem too, unless `unverified` (trainer.resume_unverified: a checkpoint
+    written before manifests existed), and so is a file the manifest does not list."""
+    entries, problem = _manifest_entries(path)
+    if entries is None:
+        return None if unverified else problem
+    listed = set(entries) | {MANIFEST}
+    extra = sorted(
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.is_file() and str(p.relative_to(path)) not in listed
+    )
+    if extra:
+        return f"{extra[0]} is not in its {MANIFEST}"
     for name, entry in entries.items():  # sizes first: cheap, and they catch truncation
         file = path / name
         if not file.is_file():

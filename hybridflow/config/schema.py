@@ -357,6 +357,9 @@ class TrainerConfig:
     resume: str = "auto"
     """'auto' goes on from the run directory's latest checkpoint (refused when it was made with another
     model, data or algorithm), 'force' goes on from it even then, 'disable' never resumes."""
+    resume_unverified: bool = False
+    """Resume from a checkpoint whose manifest.json is missing, empty or malformed (one written before
+    manifests existed); by default such a checkpoint is skipped, named, like a damaged one."""
     keep_last_checkpoints: int = 1
     """Checkpoints kept (the latest N; resuming needs only the latest). Each holds the weights and
     optimizer state for resuming and the policy as a transformers directory: the run prints what

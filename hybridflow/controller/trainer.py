@@ -519,7 +519,8 @@ class RLTrainer:
 
     def _resume(self) -> None:
         resume = self.config.trainer.resume
-        path = latest_checkpoint(self.run_dir) if resume in ("auto", "force") else None
+        unverified = self.config.trainer.resume_unverified
+        path = latest_checkpoint(self.run_dir, unverified=unverified) if resume in ("auto", "force") else None
         if path is None:
             for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh start forgets an unsaved attempt
                 truncate_jsonl(self.run_dir / name, 0)

@@ -195,7 +195,8 @@ class OfflineTrainer:
 
     def _resume(self) -> None:
         resume = self.config.trainer.resume
-        path = latest_checkpoint(self.run_dir) if resume in ("auto", "force") else None
+        unverified = self.config.trainer.resume_unverified
+        path = latest_checkpoint(self.run_dir, unverified=unverified) if resume in ("auto", "force") else None
         self.last_checkpoint = path
         if path is None:
             truncate_jsonl(self.run_dir / "metrics.jsonl", 0)

@@ -53,6 +53,36 @@ def test_a_missing_or_truncated_file_is_named(tmp_path, caplog):
     assert "config.yaml is missing" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "manifest, problem",
+    [
+        (None, "it has no manifest.json, so its files cannot be verified"),
+        ("{}", "manifest.json lists no files"),
+        ("[1, 2]", "manifest.json is malformed"),
+        ('{"optim.pt": {"bytes": "many"}}', "manifest.json is malformed"),
+        ("{not json", "manifest.json unreadable"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_verified_is_skipped_unless_asked(tmp_path, caplog, manifest, problem):
+    first, second = _save(tmp_path, 1), _save(tmp_path, 2)
+    if manifest is None:
+        os.remove(second / "manifest.json")
+    else:
+        (second / "manifest.json").write_text(manifest)
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == first
+    assert problem in caplog.text
+    assert latest_checkpoint(tmp_path, unverified=True) == second  # trainer.resume_unverified=true
+
+
+def test_a_file_the_manifest_does_not_list_is_named(tmp_path, caplog):
+    first, second = _save(tmp_path, 1), _save(tmp_path, 2)
+    (second / "actor_state" / "extra.pt").write_bytes(b"planted")
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == first
+    assert "actor_state/extra.pt is not in its manifest.json" in caplog.text
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
