@@ -15,11 +15,22 @@ from hybridflow.errors import UserError
 log = logging.getLogger(__name__)
 
 
+def _check_unicode(text: str, where: str, key: str) -> None:
+    # JSON can spell a lone surrogate ("\ud800"); no tokenizer can encode it
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{where}: '{key}' is not valid Unicode text ({e.reason} at character {e.start})"
+        ) from None
+
+
 def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str:
     """Validate a prompt cell: a non-empty string or a list of {role, content} messages."""
     if isinstance(value, str):
         if not value.strip():
             raise UserError(f"{where}: '{key}' is an empty string")
+        _check_unicode(value, where, key)
         return value
     if hasattr(value, "tolist"):  # numpy arrays from parquet object columns
         value = value.tolist()
@@ -31,6 +42,8 @@ def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str
             for m in value
         )
     ):
+        for m in value:
+            _check_unicode(m["content"], where, key)
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise UserError(
         f"{where}: '{key}' must be a string or a list of {{role, content}} messages, got {type(value).__name__}"

@@ -69,6 +69,16 @@ def test_overlong_prompts_are_filtered_with_a_count_or_rejected(tok, caplog):
         )
 
 
+def test_a_lone_surrogate_is_named_not_a_tokenizer_traceback(tok, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "abc\\ud800def", "reward_model": {"ground_truth": "1"}}\n')
+    with pytest.raises(
+        UserError,
+        match=r"row 0: 'prompt' is not valid Unicode text \(surrogates not allowed at character 3\)",
+    ):
+        load_prompts([str(path)], tok, DataConfig(cache_tokenized=False))
+
+
 def test_overlong_prompts_truncated_left_or_right_as_verls_truncation(tok):
     rows = [{"prompt": "abcdefghij"}]
     plain = DataConfig(max_prompt_tokens=4, apply_chat_template=False)
