@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 import sys
@@ -27,12 +28,26 @@ RUN_FILES = (
 RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 
 
+# inside RUN_FOLDERS, what is ours by name (anything else there is the user's and stays)
+OURS_INSIDE = {
+    "checkpoints": re.compile(r"(global_step_\d+|\.tmp-global_step_\d+-.*)"),
+    "inputs": re.compile(r"(actor|ref|critic|train\.jsonl|eval\.jsonl)"),
+}
+
+
 def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:
     if not run_dir.exists():
         return
-    if any(p.name not in RUN_FILES + RUN_FOLDERS for p in run_dir.iterdir()):
+    names = {p.name for p in run_dir.iterdir()}
+    if names - set(RUN_FILES + RUN_FOLDERS):
         raise UserError(
             f"run directory {run_dir} holds files this trainer did not write; choose another trainer.run_dir"
+        )
+    if names - {LOCK} and LOCK not in names and not overwrite:
+        raise UserError(
+            f"run directory {run_dir} holds {', '.join(sorted(names))} but no {LOCK}: no hybridflow run was "
+            "started there (or one before lock files); choose another trainer.run_dir, or pass --overwrite "
+            "to replace them"
         )
     if resume == "disable" and not overwrite and any(p.name != LOCK for p in run_dir.iterdir()):
         raise UserError(
@@ -43,7 +58,15 @@ def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:
 def clear_run_dir(run_dir: Path) -> None:
     """Start over: this run's checkpoints, metrics, samples, report and tracker files go."""
     for name in RUN_FOLDERS:
-        shutil.rmtree(run_dir / name, ignore_errors=True)
+        folder = run_dir / name
+        if name not in OURS_INSIDE:  # written by us or by the tracker we started, whole
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        for entry in folder.iterdir() if folder.is_dir() else ():
+            if OURS_INSIDE[name].fullmatch(entry.name):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
     for name in RUN_FILES:
         if name != LOCK:  # held by this run
             (run_dir / name).unlink(missing_ok=True)

@@ -124,3 +124,26 @@ def test_a_second_run_into_the_same_directory_stops_naming_the_first(setup, tmp_
         RLTrainer(config(setup, run, "trainer.total_training_steps=1"))
     first.fit()  # closes, and frees the directory
     RLTrainer(config(setup, run, "trainer.total_training_steps=1")).close()
+
+
+def test_overwrite_deletes_only_what_hybridflow_wrote(setup, tmp_path):
+    run = tmp_path / "run"
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()
+    (run / "checkpoints" / "my_notes.txt").write_text("mine")
+    (run / "inputs").mkdir()
+    (run / "inputs" / "my_dataset.jsonl").write_text("{}\n")
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1"), overwrite=True).close()
+    assert not (run / "checkpoints" / "global_step_1").exists() and (run / "metrics.jsonl").read_text() == ""
+    assert (run / "checkpoints" / "my_notes.txt").read_text() == "mine"
+    assert (run / "inputs" / "my_dataset.jsonl").read_text() == "{}\n"
+
+
+def test_files_with_our_names_in_a_directory_no_run_started_are_not_replaced(setup, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("my: config\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "mine": 1}\n')
+    with pytest.raises(UserError, match="holds config.yaml, metrics.jsonl but no .hybridflow.lock"):
+        RLTrainer(config(setup, run, "trainer.total_training_steps=1"))
+    assert (run / "config.yaml").read_text() == "my: config\n"
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "mine": 1}\n'
