@@ -187,7 +187,10 @@ def load_prompts(
     `cache_root`, each file is tokenized once and read from CACHE/prompts after (data/packed.py).
     Malformed rows stop the load or, with data.on_bad_row=skip, are reported and dropped."""
     if not files:
-        raise UserError("no data files given (set data.train_files)")
+        raise UserError(
+            "no data files given: set data.train_files, data.task (arithmetic, countdown), or start from a "
+            "recipe that names data (e.g. hybridflow train demo_arithmetic_grpo KEY=VALUE ...)"
+        )
     prompts: list[Prompt] = []
     offset = 0
     for f in files:
