@@ -183,12 +183,16 @@ class RLTrainer:
                 if stop.requested:
                     self._stop_with_checkpoint(stop.requested)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
+            self.run_lock.release()  # the same command (in this process too) must find it free
             where = (
                 f"the latest complete checkpoint is {self.last_checkpoint}; the same command resumes from it"
                 if self.last_checkpoint is not None
                 else "no checkpoint was written yet: the same command starts over"
             )
             raise WorkerError(f"{e}\n{where}") from e
+        except BaseException:
+            self.run_lock.release()
+            raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
             self._write_report()

@@ -197,7 +197,9 @@ def test_a_long_run_keeps_memory_and_open_files_flat(setup, tmp_path):
 
     trainer = RLTrainer(config(setup, tmp_path, "trainer.total_training_steps=300", "data.prompts_per_step=2",
                                "rollout.samples_per_prompt=2", "data.max_response_tokens=4",
-                               "trainer.log_samples_freq=25", "trainer.progress=false"))  # fmt: skip
+                               "trainer.log_samples_freq=25", "trainer.progress=false",
+                               # the synthetic reward raises on 1 prompt in 16: a step can draw only those
+                               "reward.on_all_errors=warn"))  # fmt: skip
     trainer.fit(50, close=False)
     rss, fds = _rss_mb(), len(os.listdir("/proc/self/fd"))
     trainer.fit(300, close=False)
