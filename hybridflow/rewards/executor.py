@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import multiprocessing as mp
-import os
 import signal
 import threading
 import time
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.errors import UserError
+from hybridflow.rewards.worker_pool import ScoringPool, WorkerPoolFailed
 
 Item = tuple[str, str, Any, dict]  # (data_source, solution_str, ground_truth, extra_info)
 
@@ -133,20 +132,6 @@ def _run_items(
     return results
 
 
-_WORKER_FN: Callable | None = None
-
-
-def _init_worker(loader: Callable[[], Callable]) -> None:
-    global _WORKER_FN
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
-    _WORKER_FN = loader()
-
-
-def _worker_run(items: list[Item], timeout_s: float, options: dict, max_abs: float) -> list[Outcome]:
-    assert _WORKER_FN is not None
-    return _run_items(_WORKER_FN, items, timeout_s, options, max_abs)
-
-
 class RewardExecutor:
     """`submit(items)` returns a Future of Outcomes (scoring runs while the caller goes on);
     `score(items)` waits for it. `num_workers=0` scores in this process."""
@@ -168,14 +153,13 @@ class RewardExecutor:
         self.timeout_s = timeout_s
         self.options = options or {}
         self.fn = loader()
-        self.pool = self._new_pool() if num_workers > 0 else None
+        self.pool = (
+            ScoringPool(num_workers, loader, _run_items, start_timeout_s=start_timeout_s)
+            if num_workers > 0
+            else None
+        )
         self._workers_started = False
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-collector")
-
-    def _new_pool(self):
-        return mp.get_context("spawn").Pool(
-            self.num_workers, initializer=_init_worker, initargs=(self.loader,)
-        )
 
     def submit(self, items: list[Item]) -> Future:
         future: Future = Future()
@@ -189,45 +173,36 @@ class RewardExecutor:
         else:
             size = max(1, math.ceil(len(items) / (self.num_workers * 4)))
             chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        pending = [
-            self.pool.apply_async(_worker_run, (chunk, self.timeout_s, self.options, self.max_abs))
-            for chunk in chunks
-        ]
-        return self._collector.submit(self._collect, chunks, pending)
+        return self._collector.submit(self._collect, chunks)
+
+    def deadline_s(self, chunk: list[Item]) -> float:
+        """A hard deadline for one chunk, backing up the in-worker alarm (code stuck in C ignores
+        signals): past it the worker is killed and what it held counts as timed out."""
+        return self.timeout_s * len(chunk) + 5.0
 
     def _check_workers_start(self) -> None:
-        """Workers that die while starting are replaced forever, and every batch would then wait out
-        its deadline: stop with the likely cause instead. (By the first batch they have long started.)"""
+        """Workers that cannot load the function would fail every batch: stop with the likely cause."""
         try:
-            self.pool.apply_async(os.getpid).get(timeout=self.start_timeout_s)
-        except mp.TimeoutError:
+            self.pool.wait_ready()
+        except WorkerPoolFailed as e:
             self.close()
             raise UserError(
-                f"the reward workers did not start within {self.start_timeout_s:g} s (see their errors "
-                "above). A script that starts training when imported makes them fail: put that code under "
+                f"the reward workers did not start ({str(e).strip().splitlines()[-1]}). A script that starts "
+                "training when imported makes them fail: put that code under "
                 '`if __name__ == "__main__":`, or score in this process with reward.num_workers=0'
             ) from None
         self._workers_started = True
 
-    def _collect(self, chunks: list[list[Item]], pending: list) -> list[Outcome]:
-        # A hard deadline backs up the in-worker alarm (code stuck in C ignores signals): past it the
-        # pool is killed and rebuilt, and what did not finish counts as timed out.
-        rounds = math.ceil(len(chunks) / self.num_workers)
-        deadline = time.monotonic() + (self.timeout_s * max(len(c) for c in chunks) + 5.0) * rounds
+    def _collect(self, chunks: list[list[Item]]) -> list[Outcome]:
+        results = self.pool.run_chunks(chunks, (self.timeout_s, self.options, self.max_abs), self.deadline_s)
         outcomes: list[Outcome] = []
-        killed = False
-        for chunk, result in zip(chunks, pending):
-            try:
-                outcomes += result.get(timeout=max(0.0, deadline - time.monotonic()))
-            except mp.TimeoutError:
-                killed = True
+        for chunk, (kind, detail) in zip(chunks, results):
+            if kind == "done":
+                outcomes += detail
+            elif kind == "timeout":
                 outcomes += [Outcome(timeout=True, latency_ms=self.timeout_s * 1000) for _ in chunk]
-            except Exception:
-                message = traceback.format_exc()
-                outcomes += [Outcome(error=True, message=message) for _ in chunk]
-        if killed:
-            self.pool.terminate()
-            self.pool = self._new_pool()
+            else:
+                outcomes += [Outcome(error=True, message=detail) for _ in chunk]
         return outcomes
 
     def score(self, items: list[Item]) -> list[Outcome]:
@@ -236,5 +211,5 @@ class RewardExecutor:
     def close(self) -> None:
         self._collector.shutdown(wait=True)
         if self.pool is not None:
-            self.pool.terminate()
+            self.pool.close()
             self.pool = None

@@ -42,6 +42,24 @@ def _wait_for_steps(run, count, process, timeout=240):
     raise AssertionError("the run did not reach its steps")
 
 
+def _group_members(pgid: int, wait_s: float) -> list[str]:
+    """The command lines of processes still in process group `pgid`, after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        members = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) == pgid:
+                    members.append(
+                        Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+                    )
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                continue
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
+
+
 def _steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -91,3 +109,29 @@ def test_a_signal_the_process_ignores_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_to_the_whole_process_group_with_reward_workers(setup, tmp_path):
+    """What Slurm and systemd send: SIGTERM to every process of the group, the reward workers too.
+    They ignore it (the trainer decides); the step finishes, a checkpoint is saved, exit 0, and no
+    worker outlives the run."""
+    run = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text(
+        SCRIPT.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run)).replace(
+            '"trainer.total_training_steps=" + sys.argv[1])',
+            '"trainer.total_training_steps=" + sys.argv[1], "reward.num_workers=2")',
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    process = subprocess.Popen([sys.executable, str(script), "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)  # fmt: skip
+    _wait_for_steps(run, 2, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    stopped = _steps(run)[-1]
+    assert f"stopped by SIGTERM after step {stopped}" in out
+    assert (run / "checkpoints" / f"global_step_{stopped}" / "trainer_state.json").is_file()
+    left = _group_members(process.pid, wait_s=10)
+    assert not left, f"processes outlived the run: {left}"
