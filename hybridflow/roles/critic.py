@@ -52,12 +52,18 @@ def load_value_model(path: str, device: torch.device, cache_dir: str | None = No
     directory = resolve_model_path(path, cache_dir)
     if directory.is_file():
         raise UserError(f"critic.model_path={path}: a value model loads from an HF directory, not a file")
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its load report lists the new value head's keys: expected
     try:
         model = AutoModelForTokenClassification.from_pretrained(directory, num_labels=1)
     except (OSError, ValueError) as e:
         raise UserError(
             f"critic.model_path={path}: cannot load a value model ({str(e).splitlines()[0]})"
         ) from e
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     return model.to(device)
 
 
