@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 
 from hybridflow.rewards.sandbox import SandboxLimits, run_python
 
@@ -37,6 +38,18 @@ def _same_output(got: str, expected: str) -> bool:
     ]
 
 
+def _asserts_pass(code: str, asserts: str, limits: SandboxLimits | None, hide: tuple[str, ...]) -> bool:
+    """Exit status 0 alone would pass a program that leaves early (`os._exit(0)`, `sys.exit()`, an
+    atexit hook): the harness also prints a random marker after the last assert, which it read from
+    stdin before the program's code ran, and only a run that printed it passes."""
+    marker = f"hybridflow-tests-done-{secrets.token_hex(16)}"
+    program = f"import sys as _hf_sys\n_hf_marker = _hf_sys.stdin.readline().strip()\n{code}\n{asserts}\n" + (
+        "\n_hf_sys.stdout.write(_hf_marker + '\\n')\n_hf_sys.stdout.flush()\n"
+    )
+    result = run_python(program, marker + "\n", limits=limits, hide=hide)
+    return result.ok and marker in result.stdout.splitlines()
+
+
 def score(
     solution_str: str,
     ground_truth,
@@ -51,8 +64,11 @@ def score(
     cases = _cases(ground_truth)
     passed = 0
     for extra, stdin, expected in cases:
+        if expected is None:  # assert tests: passed only if the line after the last one runs
+            passed += _asserts_pass(code, extra, limits, hide)
+            continue
         result = run_python(code + extra, stdin, limits=limits, hide=hide)
-        passed += result.ok and (expected is None or _same_output(result.stdout, expected))
+        passed += result.ok and _same_output(result.stdout, expected)
     fraction = passed / max(len(cases), 1)
     value = float(passed == len(cases)) if all_or_nothing else fraction
     return {"score": value, "pred": None, "tests_passed": fraction}

@@ -104,6 +104,25 @@ def test_code_scorer_fraction_and_all_or_nothing():
 
 
 @pytest.mark.parametrize(
+    "cheat",
+    [
+        "import os\nos._exit(0)",
+        "import sys\nsys.exit(0)",
+        "raise SystemExit",
+        "import atexit, os\natexit.register(lambda: os._exit(0))",
+        "import sys\nsys.stdout.write('ok\\n')\nsys.exit(0)",
+    ],
+)
+def test_a_program_that_leaves_before_the_asserts_passes_none(cheat):
+    """Reward hacking through the harness: exit status 0 before the tests ran is no pass."""
+    response = f"```python\ndef add(a, b):\n    return 0\n{cheat}\n```"
+    tests = {"asserts": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+    assert compute_score("code", response, tests)["score"] == 0.0
+    honest = "```python\ndef add(a, b):\n    return a + b\nprint('hello')\n```"
+    assert compute_score("code", honest, tests)["score"] == 1.0  # its own output does not matter
+
+
+@pytest.mark.parametrize(
     "body",
     [
         "while True:\n    pass",
