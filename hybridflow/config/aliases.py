@@ -14,149 +14,13 @@ matters for prompts that `filter_overlong_prompts` kept.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.config import verl_rules as r
+from hybridflow.config.verl_rules import Entry, Translation, by_value, no_effect, refused, rename
+
 _ARR = "actor_rollout_ref"
-
-
-@dataclass(frozen=True)
-class Translation:
-    settings: dict[str, Any] = field(default_factory=dict)
-    note: str | None = None
-    refusal: str | None = None
-
-
-@dataclass(frozen=True)
-class Entry:
-    rule: Callable[[Any], Translation]
-    ours: str
-    """Our key(s), or '(no effect)' / '(refused)', for the docs table."""
-    doc: str = ""
-
-
-def _truthy(value: Any) -> bool:
-    return value in (True, "True", "true", 1, "1")
-
-
-def rename(ours: str, doc: str = "", convert: Callable[[Any], Any] | None = None) -> Entry:
-    return Entry(lambda v: Translation({ours: convert(v) if convert else v}), f"`{ours}`", doc)
-
-
-def no_effect(reason: str) -> Entry:
-    return Entry(lambda v: Translation(note=reason), "(no effect)", reason)
-
-
-def refused(reason: str) -> Entry:
-    return Entry(lambda v: Translation(refusal=reason), "(refused)", reason)
-
-
-def by_value(rule: Callable[[Any], Translation], ours: str, doc: str) -> Entry:
-    return Entry(rule, ours, doc)
-
-
-def _only(accepted: Callable[[Any], bool], note: str, refusal: str) -> Callable[[Any], Translation]:
-    return lambda v: Translation(note=note) if accepted(v) else Translation(refusal=refusal.format(v=v))
-
-
-_MICRO = "micro-batches are packed to a token budget (actor.max_tokens_per_microbatch), which changes memory, not results"
-_DYNAMIC = "micro-batches are always packed by tokens (verl's dynamic batch size)"
-_PROFILE = "profiling hooks of verl's workers; use torch.profiler around hybridflow's roles instead"
-SAME_SP = "hybridflow uses actor.sequence_parallel_size for actor, reference and critic alike"
-
-
-def _logger(value: Any) -> Translation:
-    names = [value] if isinstance(value, str) else list(value)
-    return Translation({"trainer.logger": ["jsonl" if n == "file" else n for n in names]})
-
-
-def _warmup_steps(value: Any) -> Translation:
-    # verl: -1 (its default) means "use lr_warmup_steps_ratio"
-    return Translation({} if int(value) < 0 else {"actor.optim.warmup_steps": int(value)})
-
-
-def _dtype(value: Any) -> str:
-    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-             "fp16": "float16", "float16": "float16"}  # fmt: skip
-    return names.get(str(value), str(value))
-
-
-def _rollout_name(value: Any) -> Translation:
-    if value in ("vllm", "hf", "native"):
-        return Translation({"rollout.backend": value})
-    return Translation(
-        refusal=f"rollout engine {value!r} is not available here; use native (the built-in engine), vllm or hf"
-    )
-
-
-def _strategy(role: str) -> Callable[[Any], Translation]:
-    return _only(
-        lambda v: v in ("fsdp", "fsdp2"),
-        "hybridflow always shards with FSDP2",
-        f"{role} strategy {{v!r}}: hybridflow trains with FSDP2 only (strategy fsdp or fsdp2)",
-    )
-
-
-def _reward_model_enable(value: Any) -> Translation:
-    # verl: with a reward model enabled, its score replaces the rule reward
-    if _truthy(value):
-        return Translation({"reward.rule_weight": 0.0, "reward.model_weight": 1.0})
-    return Translation()
-
-
-def _token_level_loss(value: Any) -> Translation:
-    return Translation({"actor.loss_agg_mode": "token-mean" if _truthy(value) else "seq-mean-token-mean"})
-
-
-def _max_gen_batches(value: Any) -> Translation:
-    if int(value) <= 0:
-        return Translation(
-            refusal="algorithm.filter_groups.max_num_gen_batches<=0 (no limit) could sample forever; give a positive limit"
-        )
-    return Translation({"algorithm.filter_groups.max_generation_rounds": int(value)})
-
-
-def _dropout(value: Any) -> Translation:
-    if float(value) == 0.0:
-        return Translation(note="the native model has no dropout")
-    return Translation(refusal=f"dropout {value}: the native model has no dropout; remove the key")
-
-
-def _pf_ppo(value: Any) -> Translation:
-    if _truthy(value):
-        return Translation(refusal="PF-PPO (reweighted replay of samples) is not implemented in hybridflow")
-    return Translation()
-
-
-def _resume_mode(value: Any) -> Translation:
-    if value in ("auto", "disable"):
-        return Translation({"trainer.resume": value})
-    return Translation(
-        refusal=f"trainer.resume_mode={value}: start a new run from a checkpoint's policy/ directory with "
-        "model.path=RUN_DIR/checkpoints/global_step_N/policy (or resume the run in its own trainer.run_dir)"
-    )
-
-
-_VAL_SAMPLING = (
-    "validation samples with rollout.val_temperature; top-p/top-k truncation is not applied to validation"
-)
-
-
-def _val_top_p(value: Any) -> Translation:
-    return Translation({"rollout.val_top_p": float(value)})
-
-
-def _val_top_k(value: Any) -> Translation:
-    return Translation({"rollout.val_top_k": int(value)})
-
-
-def _fsdp_size(value: Any) -> Translation:
-    if int(value) == -1:
-        return Translation(note="FSDP2 shards over all training workers")
-    return Translation(
-        refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)"
-    )
-
+SAME_SP = r.SAME_SP
 
 VERL: dict[str, Entry] = {
     # model
@@ -180,13 +44,15 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.model.use_shm": no_effect("models load from local files"),
     f"{_ARR}.model.override_config.attention_dropout": by_value(
-        _dropout, "(no effect at 0)", "the native model has no dropout: 0 is accepted, other values refused"
+        r.dropout,
+        "(no effect at 0)",
+        "the native model has no dropout: 0 is accepted, other values r.refused",
     ),
     f"{_ARR}.model.override_config.embd_pdrop": by_value(
-        _dropout, "(no effect at 0)", "as attention_dropout"
+        r.dropout, "(no effect at 0)", "as attention_dropout"
     ),
     f"{_ARR}.model.override_config.resid_pdrop": by_value(
-        _dropout, "(no effect at 0)", "as attention_dropout"
+        r.dropout, "(no effect at 0)", "as attention_dropout"
     ),
     # rollout
     f"{_ARR}.rollout.n": rename("rollout.samples_per_prompt"),
@@ -202,9 +68,9 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.rollout.free_cache_engine": rename("rollout.free_cache_engine"),
     f"{_ARR}.rollout.name": by_value(
-        _rollout_name,
+        r.rollout_name,
         "`rollout.backend`",
-        "`vllm`, `hf` and `native` (the built-in engine); sglang and trtllm are refused by name. vLLM must be installed: the start checks it before any work",
+        "`vllm`, `hf` and `native` (the built-in engine); sglang and trtllm are r.refused by name. vLLM must be installed: the start checks it before any work",
     ),
     f"{_ARR}.rollout.max_num_seqs": rename("rollout.max_batch_sequences"),
     f"{_ARR}.rollout.max_num_batched_tokens": rename(
@@ -216,8 +82,8 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.rollout.tensor_model_parallel_size": no_effect(
         "each GPU runs its own engine replica (tensor parallelism in the engine is issue #31); results are the same, memory per GPU is not: check with `hybridflow plan`"
     ),
-    f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(_MICRO),
-    f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(_DYNAMIC),
+    f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(r.MICRO),
+    f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(r.DYNAMIC),
     f"{_ARR}.rollout.log_prob_max_token_len_per_gpu": no_effect(
         "the old-policy log-probs use actor.max_tokens_per_microbatch"
     ),
@@ -238,8 +104,8 @@ VERL: dict[str, Entry] = {
         "rollout.val_temperature",
         "greedy unless `val_kwargs.do_sample=True` (verl's rule, applied whatever the order of keys)",
     ),
-    f"{_ARR}.rollout.val_kwargs.top_p": by_value(_val_top_p, "`rollout.val_top_p`", ""),
-    f"{_ARR}.rollout.val_kwargs.top_k": by_value(_val_top_k, "`rollout.val_top_k`", ""),
+    f"{_ARR}.rollout.val_kwargs.top_p": rename("rollout.val_top_p", convert=float),
+    f"{_ARR}.rollout.val_kwargs.top_k": rename("rollout.val_top_k", convert=int),
     f"{_ARR}.rollout.val_kwargs.do_sample": by_value(
         lambda v: Translation(),
         "(see note)",
@@ -247,12 +113,12 @@ VERL: dict[str, Entry] = {
     ),
     # actor
     f"{_ARR}.actor.strategy": by_value(
-        _strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron refused"
+        r.strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron r.refused"
     ),
     f"{_ARR}.actor.optim.lr": rename("actor.optim.lr"),
     f"{_ARR}.actor.optim.weight_decay": rename("actor.optim.weight_decay"),
     f"{_ARR}.actor.optim.lr_warmup_steps": by_value(
-        _warmup_steps,
+        r.warmup_steps,
         "`actor.optim.warmup_steps`",
         "training steps, as in verl (the schedule moves once per step, not per mini-batch); -1 (verl's default) leaves `lr_warmup_steps_ratio` in charge",
     ),
@@ -264,7 +130,7 @@ VERL: dict[str, Entry] = {
         "actor.sequences_per_microbatch", "a cap on sequences per micro-batch; changes memory, not results"
     ),
     f"{_ARR}.actor.ppo_max_token_len_per_gpu": rename("actor.max_tokens_per_microbatch"),
-    f"{_ARR}.actor.use_dynamic_bsz": no_effect(_DYNAMIC),
+    f"{_ARR}.actor.use_dynamic_bsz": no_effect(r.DYNAMIC),
     f"{_ARR}.actor.ppo_epochs": rename("actor.ppo_epochs"),
     f"{_ARR}.actor.clip_ratio_low": rename("actor.clip_ratio_low"),
     f"{_ARR}.actor.clip_ratio_high": rename("actor.clip_ratio_high"),
@@ -276,7 +142,7 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.actor.loss_agg_mode": rename("actor.loss_agg_mode"),
     f"{_ARR}.actor.use_token_level_loss": by_value(
-        _token_level_loss,
+        r.token_level_loss,
         "`actor.loss_agg_mode`",
         "older verl: True is token-mean, False seq-mean-token-mean",
     ),
@@ -295,26 +161,26 @@ VERL: dict[str, Entry] = {
         "actor.offload_optimizer", "Adam's state in CPU memory outside the update"
     ),
     f"{_ARR}.actor.fsdp_config.model_dtype": rename(
-        "model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=_dtype
+        "model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=r.dtype
     ),
     f"{_ARR}.actor.fsdp_config.fsdp_size": by_value(
-        _fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes refused"
+        r.fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes r.refused"
     ),
     f"{_ARR}.actor.policy_loss.loss_mode": rename("actor.policy_loss"),
-    f"{_ARR}.actor.profiler.enable": no_effect(_PROFILE),
-    f"{_ARR}.actor.profiler.ranks": no_effect(_PROFILE),
-    f"{_ARR}.actor.profiler.all_ranks": no_effect(_PROFILE),
+    f"{_ARR}.actor.profiler.enable": no_effect(r.PROFILE),
+    f"{_ARR}.actor.profiler.ranks": no_effect(r.PROFILE),
+    f"{_ARR}.actor.profiler.all_ranks": no_effect(r.PROFILE),
     # reference
-    f"{_ARR}.ref.strategy": by_value(_strategy("reference"), "(no effect)", "as actor.strategy"),
+    f"{_ARR}.ref.strategy": by_value(r.strategy("reference"), "(no effect)", "as actor.strategy"),
     f"{_ARR}.ref.fsdp_config.param_offload": rename("ref.offload_params"),
-    f"{_ARR}.ref.log_prob_micro_batch_size_per_gpu": no_effect(_MICRO),
-    f"{_ARR}.ref.log_prob_use_dynamic_bsz": no_effect(_DYNAMIC),
+    f"{_ARR}.ref.log_prob_micro_batch_size_per_gpu": no_effect(r.MICRO),
+    f"{_ARR}.ref.log_prob_use_dynamic_bsz": no_effect(r.DYNAMIC),
     f"{_ARR}.ref.log_prob_max_token_len_per_gpu": rename("ref.max_tokens_per_microbatch"),
     f"{_ARR}.ref.ulysses_sequence_parallel_size": by_value(
-        lambda v: Translation({"_sp.ref": int(v)}), "(must equal the actor's)", SAME_SP
+        lambda v: Translation({"_sp.ref": int(v)}), "(must equal the actor's)", r.SAME_SP
     ),
     # critic
-    "critic.strategy": by_value(_strategy("critic"), "(no effect)", "as actor.strategy"),
+    "critic.strategy": by_value(r.strategy("critic"), "(no effect)", "as actor.strategy"),
     "critic.model.path": rename("critic.model_path", "`default` is the embedded model, as for model.path"),
     "critic.model.use_remove_padding": no_effect("the native model is always padding-free"),
     "critic.model.enable_gradient_checkpointing": no_effect(
@@ -334,14 +200,14 @@ VERL: dict[str, Entry] = {
         "the critic's micro-batches are packed to critic.max_tokens_per_microbatch, which changes memory, not results"
     ),
     "critic.ppo_max_token_len_per_gpu": rename("critic.max_tokens_per_microbatch"),
-    "critic.use_dynamic_bsz": no_effect(_DYNAMIC),
+    "critic.use_dynamic_bsz": no_effect(r.DYNAMIC),
     "critic.cliprange_value": rename("critic.cliprange_value"),
     "critic.ulysses_sequence_parallel_size": by_value(
-        lambda v: Translation({"_sp.critic": int(v)}), "(must equal the actor's)", SAME_SP
+        lambda v: Translation({"_sp.critic": int(v)}), "(must equal the actor's)", r.SAME_SP
     ),
-    "critic.profiler.enable": no_effect(_PROFILE),
-    "critic.profiler.ranks": no_effect(_PROFILE),
-    "critic.profiler.all_ranks": no_effect(_PROFILE),
+    "critic.profiler.enable": no_effect(r.PROFILE),
+    "critic.profiler.ranks": no_effect(r.PROFILE),
+    "critic.profiler.all_ranks": no_effect(r.PROFILE),
     # data
     "data.train_batch_size": rename("data.prompts_per_step"),
     "data.max_prompt_length": rename("data.max_prompt_tokens"),
@@ -357,7 +223,7 @@ VERL: dict[str, Entry] = {
     "data.truncation": by_value(
         lambda v: Translation(),
         "`data.overlong_prompts`",
-        "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` refused",
+        "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` r.refused",
     ),
     "data.return_raw_chat": no_effect("prompts keep their chat messages"),
     "data.apply_chat_template_kwargs.reasoning_effort": rename(
@@ -373,11 +239,11 @@ VERL: dict[str, Entry] = {
         "acc (the function's `acc`, else its score), score, seq_reward (score after shaping), seq_final_reward (after a KL penalty in the reward too)",
     ),
     "algorithm.filter_groups.max_num_gen_batches": by_value(
-        _max_gen_batches,
+        r.max_gen_batches,
         "`algorithm.filter_groups.max_generation_rounds`",
         "positive limits; at the limit hybridflow trains on the groups it kept (verl raises)",
     ),
-    "algorithm.use_pf_ppo": by_value(_pf_ppo, "(refused when True)", "PF-PPO is not implemented"),
+    "algorithm.use_pf_ppo": by_value(r.pf_ppo, "(r.refused when True)", "PF-PPO is not implemented"),
     "algorithm.pf_ppo.reweight_method": refused("PF-PPO is not implemented in hybridflow"),
     "algorithm.pf_ppo.weight_pow": refused("PF-PPO is not implemented in hybridflow"),
     # reward
@@ -390,7 +256,7 @@ VERL: dict[str, Entry] = {
     "reward_model.overlong_buffer.len": rename("reward.overlong_buffer.buffer_tokens"),
     "reward_model.overlong_buffer.penalty_factor": rename("reward.overlong_buffer.penalty_factor"),
     "reward_model.reward_manager": by_value(
-        _only(
+        r.only(
             lambda v: v in ("naive", "batch", "prime", "dapo"),
             "rule rewards always score in hybridflow's process pool (reward.num_workers) with timeouts; DAPO's overlong shaping follows reward_model.overlong_buffer",
             "reward_model.reward_manager={v!r}: hybridflow scores in its process pool (naive, batch, prime, dapo accepted)",
@@ -399,7 +265,7 @@ VERL: dict[str, Entry] = {
         "naive / batch / prime / dapo: scoring always runs in the process pool",
     ),  # fmt: skip
     "reward_model.enable": by_value(
-        _reward_model_enable,
+        r.reward_model_enable,
         "`reward.rule_weight=0`",
         "True: the reward model's score replaces the rule reward, as in verl",
     ),
@@ -440,21 +306,21 @@ VERL: dict[str, Entry] = {
     "train.total_training_steps": rename("trainer.total_training_steps"),
     "trainer.default_local_dir": rename("trainer.run_dir"),
     "trainer.resume_mode": by_value(
-        _resume_mode,
+        r.resume_mode,
         "`trainer.resume`",
-        "auto / disable; resume_path refused with the way to start from a checkpoint",
+        "auto / disable; resume_path r.refused with the way to start from a checkpoint",
     ),
     "trainer.n_gpus_per_node": rename(
         "resources.n_gpus_per_node", "must be GPUs this machine has: the start checks"
     ),
     "trainer.nnodes": rename("resources.nnodes"),
     "trainer.critic_warmup": rename("critic.warmup_steps"),
-    "trainer.logger": by_value(_logger, "`trainer.logger`", "verl's `file` sink is our `jsonl`"),
+    "trainer.logger": by_value(r.logger, "`trainer.logger`", "verl's `file` sink is our `jsonl`"),
     "trainer.use_legacy_worker_impl": no_effect("hybridflow has one worker implementation"),
-    "global_profiler.tool": no_effect(_PROFILE),
-    "global_profiler.steps": no_effect(_PROFILE),
-    "global_profiler.profile_continuous_steps": no_effect(_PROFILE),
-    "global_profiler.global_tool_config.nsys.discrete": no_effect(_PROFILE),
+    "global_profiler.tool": no_effect(r.PROFILE),
+    "global_profiler.steps": no_effect(r.PROFILE),
+    "global_profiler.profile_continuous_steps": no_effect(r.PROFILE),
+    "global_profiler.global_tool_config.nsys.discrete": no_effect(r.PROFILE),
 }
 
 
@@ -464,11 +330,11 @@ def _mini_batch(value: Any, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _do_sample(value: Any, config: dict[str, Any]) -> dict[str, Any]:
-    return {} if _truthy(value) else {"rollout.val_temperature": 0.0}
+    return {} if r.truthy(value) else {"rollout.val_temperature": 0.0}
 
 
 def overlong_setting(filter_value: Any, truncation: Any) -> tuple[dict[str, Any], str | None]:
-    if _truthy(filter_value):
+    if r.truthy(filter_value):
         return {"data.overlong_prompts": "filter"}, None
     modes = {"error": "error", "left": "truncate_left", "right": "truncate_right"}
     if truncation not in modes:

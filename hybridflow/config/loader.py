@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ from hybridflow.errors import UserError, closest
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def _leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
+@functools.cache
+def _leaves(cls: type = Config, prefix: str = "") -> tuple[tuple[str, Any], ...]:
     """(dotted key, type hint) of every leaf field of the schema, e.g. ('actor.optim.lr', float)."""
     leaves = []
     hints = typing.get_type_hints(cls)
@@ -28,7 +30,7 @@ def _leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
             leaves += _leaves(hint, f"{prefix}{f.name}.")
         else:
             leaves.append((f"{prefix}{f.name}", hint))
-    return leaves
+    return tuple(leaves)
 
 
 def valid_keys() -> list[str]:

@@ -45,6 +45,15 @@ def check_config(config: Config) -> None:
         raise UserError(
             "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"
         )
+    if (
+        algo.filter_groups.enable
+        and algo.filter_groups.metric == "seq_final_reward"
+        and algo.use_kl_in_reward
+    ):
+        raise UserError(
+            "algorithm.filter_groups.metric=seq_final_reward with a KL penalty in the reward is not supported "
+            "(the penalty is known only after the reference pass); use seq_reward"
+        )
     if config.reward.rule_weight == 0 and config.reward.model_path is None:
         raise UserError(
             "reward.rule_weight=0 (verl: reward_model.enable=True) leaves only a reward model, and none is "

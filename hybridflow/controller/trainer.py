@@ -422,12 +422,7 @@ class RLTrainer:
 
     def _filter_values(self, result: RewardResult) -> torch.Tensor:
         """[B] what must differ within a group for DAPO to keep it (algorithm.filter_groups.metric)."""
-        metric = self.config.algorithm.filter_groups.metric
-        if metric == "seq_final_reward" and self.config.algorithm.use_kl_in_reward:
-            raise UserError(
-                "algorithm.filter_groups.metric=seq_final_reward with a KL penalty in the reward is not "
-                "supported (the penalty is known only after the reference pass); use seq_reward"
-            )
+        metric = self.config.algorithm.filter_groups.metric  # seq_final_reward = seq_reward (start checks)
         return {"acc": result.accs, "score": result.raw_scores}.get(metric, result.scores)
 
     def _greedy_baselines(self, rollouts: Rollouts) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""The pieces verl's key table (config/aliases.py) is made of: what a key's value becomes
+(`Translation`), the entry kinds (rename, no effect, refused, by value) and the rules that read a
+value before deciding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Translation:
+    settings: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    rule: Callable[[Any], Translation]
+    ours: str
+    """Our key(s), or '(no effect)' / '(refused)', for the docs table."""
+    doc: str = ""
+
+
+def truthy(value: Any) -> bool:
+    return value in (True, "True", "true", 1, "1")
+
+
+def rename(ours: str, doc: str = "", convert: Callable[[Any], Any] | None = None) -> Entry:
+    return Entry(lambda v: Translation({ours: convert(v) if convert else v}), f"`{ours}`", doc)
+
+
+def no_effect(reason: str) -> Entry:
+    return Entry(lambda v: Translation(note=reason), "(no effect)", reason)
+
+
+def refused(reason: str) -> Entry:
+    return Entry(lambda v: Translation(refusal=reason), "(refused)", reason)
+
+
+def by_value(rule: Callable[[Any], Translation], ours: str, doc: str) -> Entry:
+    return Entry(rule, ours, doc)
+
+
+def only(accepted: Callable[[Any], bool], note: str, refusal: str) -> Callable[[Any], Translation]:
+    return lambda v: Translation(note=note) if accepted(v) else Translation(refusal=refusal.format(v=v))
+
+
+MICRO = "micro-batches are packed to a token budget (actor.max_tokens_per_microbatch), which changes memory, not results"
+DYNAMIC = "micro-batches are always packed by tokens (verl's dynamic batch size)"
+PROFILE = "profiling hooks of verl's workers; use torch.profiler around hybridflow's roles instead"
+SAME_SP = "hybridflow uses actor.sequence_parallel_size for actor, reference and critic alike"
+
+
+def logger(value: Any) -> Translation:
+    names = [value] if isinstance(value, str) else list(value)
+    return Translation({"trainer.logger": ["jsonl" if n == "file" else n for n in names]})
+
+
+def warmup_steps(value: Any) -> Translation:
+    # verl: -1 (its default) means "use lr_warmup_steps_ratio"
+    return Translation({} if int(value) < 0 else {"actor.optim.warmup_steps": int(value)})
+
+
+def dtype(value: Any) -> str:
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp16": "float16", "float16": "float16"}  # fmt: skip
+    return names.get(str(value), str(value))
+
+
+def rollout_name(value: Any) -> Translation:
+    if value in ("vllm", "hf", "native"):
+        return Translation({"rollout.backend": value})
+    return Translation(
+        refusal=f"rollout engine {value!r} is not available here; use native (the built-in engine), vllm or hf"
+    )
+
+
+def strategy(role: str) -> Callable[[Any], Translation]:
+    return only(
+        lambda v: v in ("fsdp", "fsdp2"),
+        "hybridflow always shards with FSDP2",
+        f"{role} strategy {{v!r}}: hybridflow trains with FSDP2 only (strategy fsdp or fsdp2)",
+    )
+
+
+def reward_model_enable(value: Any) -> Translation:
+    # verl: with a reward model enabled, its score replaces the rule reward
+    if truthy(value):
+        return Translation({"reward.rule_weight": 0.0, "reward.model_weight": 1.0})
+    return Translation()
+
+
+def token_level_loss(value: Any) -> Translation:
+    return Translation({"actor.loss_agg_mode": "token-mean" if truthy(value) else "seq-mean-token-mean"})
+
+
+def max_gen_batches(value: Any) -> Translation:
+    if int(value) <= 0:
+        return Translation(
+            refusal="algorithm.filter_groups.max_num_gen_batches<=0 (no limit) could sample forever; give a positive limit"
+        )
+    return Translation({"algorithm.filter_groups.max_generation_rounds": int(value)})
+
+
+def dropout(value: Any) -> Translation:
+    if float(value) == 0.0:
+        return Translation(note="the native model has no dropout")
+    return Translation(refusal=f"dropout {value}: the native model has no dropout; remove the key")
+
+
+def pf_ppo(value: Any) -> Translation:
+    if truthy(value):
+        return Translation(refusal="PF-PPO (reweighted replay of samples) is not implemented in hybridflow")
+    return Translation()
+
+
+def resume_mode(value: Any) -> Translation:
+    if value in ("auto", "disable"):
+        return Translation({"trainer.resume": value})
+    return Translation(
+        refusal=f"trainer.resume_mode={value}: start a new run from a checkpoint's policy/ directory with "
+        "model.path=RUN_DIR/checkpoints/global_step_N/policy (or resume the run in its own trainer.run_dir)"
+    )
+
+
+def fsdp_size(value: Any) -> Translation:
+    if int(value) == -1:
+        return Translation(note="FSDP2 shards over all training workers")
+    return Translation(
+        refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)"
+    )
