@@ -120,7 +120,12 @@ class RLTrainer:
             self.tokenizer,
             c.reward,
             max_response_tokens=c.data.max_response_tokens,
-            hide=(str(self.run_dir.resolve()),),  # model-written code never sees the run's files
+            # model-written code never sees the run's files, nor the data with its answers
+            hide=(
+                str(self.run_dir.resolve()),
+                *(str(f) for f in [*c.data.train_files, *c.data.val_files]),
+                *([str(cache)] if cache else []),
+            ),
             device=self.device,
             function=reward_function,
         )

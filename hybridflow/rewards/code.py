@@ -41,10 +41,17 @@ def _same_output(got: str, expected: str) -> bool:
 def _asserts_pass(code: str, asserts: str, limits: SandboxLimits | None, hide: tuple[str, ...]) -> bool:
     """Exit status 0 alone would pass a program that leaves early (`os._exit(0)`, `sys.exit()`, an
     atexit hook): the harness also prints a random marker after the last assert, which it read from
-    stdin before the program's code ran, and only a run that printed it passes."""
+    stdin before the program's code ran, and only a run that printed it passes. The code and its
+    tests run in their own namespace, so the marker is not one of the program's globals."""
     marker = f"hybridflow-tests-done-{secrets.token_hex(16)}"
-    program = f"import sys as _hf_sys\n_hf_marker = _hf_sys.stdin.readline().strip()\n{code}\n{asserts}\n" + (
-        "\n_hf_sys.stdout.write(_hf_marker + '\\n')\n_hf_sys.stdout.flush()\n"
+    program = (
+        "def _hybridflow_harness(source):\n"
+        "    import sys\n"
+        "    done = sys.stdin.readline().strip()\n"
+        "    exec(compile(source, '<solution>', 'exec'), {'__name__': '__main__', '__builtins__': __builtins__})\n"
+        "    sys.stdout.write(done + '\\n')\n"
+        "    sys.stdout.flush()\n"
+        f"_hybridflow_harness({code + chr(10) + asserts + chr(10)!r})\n"
     )
     result = run_python(program, marker + "\n", limits=limits, hide=hide)
     return result.ok and marker in result.stdout.splitlines()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.errors import UserError
+from hybridflow.rewards.deadline import scoring_deadline
 from hybridflow.rewards.worker_pool import ScoringPool, WorkerPoolFailed
 
 Item = tuple[str, str, Any, dict]  # (data_source, solution_str, ground_truth, extra_info)
@@ -94,7 +95,8 @@ def _run_items(
         try:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, timeout_s * max(1, len(items)))
-            outs = _call(fn, *(list(col) for col in zip(*items)), **options)
+            with scoring_deadline(timeout_s * max(1, len(items))):
+                outs = _call(fn, *(list(col) for col in zip(*items)), **options)
             results = [_normalize(o, max_abs) for o in outs]
             if len(results) != len(items):
                 message = (
@@ -119,7 +121,8 @@ def _run_items(
         try:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            result = _normalize(_call(fn, *item, **options), max_abs)
+            with scoring_deadline(timeout_s):
+                result = _normalize(_call(fn, *item, **options), max_abs)
         except _Timeout:
             result = Outcome(timeout=True)
         except (Exception, SystemExit):

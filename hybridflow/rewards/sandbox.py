@@ -1,15 +1,25 @@
-"""Run model-written Python in a sandbox: its own process, resource limits, no network, a private
-scratch directory, a minimal environment, read-only everything else, and the run's files hidden.
+"""Run model-written Python in a sandbox; nothing it does is seen outside it, and it ends at the deadline.
 
-Isolation uses Linux namespaces through util-linux (`unshare`, `mount`, `setpriv`): a new mount,
-network and PID namespace (with its own /proc); every mount is remounted read-only, /dev/shm and the
-directories named in `hide` are replaced by empty read-only tmpfs, and the program runs in a
-size-limited tmpfs scratch directory, the only writable place. As root it then drops to the `nobody` user (so the
-process-count limit applies); as a normal user the namespaces come from a user namespace instead.
+Isolation uses Linux namespaces through util-linux (`unshare`, `mount`, `setpriv`): new mount, PID
+(with its own /proc), network, IPC and UTS namespaces. Inside, the first process (root there: really
+root, or a user namespace's root for an ordinary user) makes the mounts: every mount read-only,
+private tmpfs on /tmp, /var/tmp and /dev/shm, the directories and files named in `hide` (the run
+directory, the data files) and /run replaced by empty read-only ones, and a size-limited scratch
+directory, the only other writable place. Then `lockdown.py` installs a seccomp filter (no mount,
+unshare, ptrace, keyctl, bpf, io_uring, Unix sockets, ...) and `setpriv` drops every capability, the
+bounding set and (as root) the user, with no_new_privs; only then does the program start.
+
+Limits: a cgroup for the whole program (memory, process count; see cgroup.py) where one can be made,
+rlimits per process always (CPU time, address space, file size, and the process count where no
+cgroup caps it). The first process stays as the namespace's init: killing it (at the deadline, or
+when the scorer that started it dies) kills every process in the namespace, `setsid()` or not.
+The wall limit is the smaller of the sandbox's own and what is left of the reward's deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import resource
 import shutil
@@ -20,20 +30,37 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridflow.rewards import deadline
+from hybridflow.rewards.cgroup import ProgramCgroup
+
 NOBODY = 65534
+PR_SET_PDEATHSIG = 1
+LOCKDOWN = Path(__file__).with_name("lockdown.py")
 _INNER = r"""
 set -e
 mount --make-rprivate /
-[ -d /dev/shm ] && mount -t tmpfs -o size=1k,mode=0555 tmpfs /dev/shm
-for d in $HF_SANDBOX_HIDE; do [ -d "$d" ] && mount -t tmpfs -o size=1k,mode=0555 tmpfs "$d"; done
-mount -t tmpfs -o size=${HF_SANDBOX_DISK},mode=1777 tmpfs "$HF_SANDBOX_WORK"
-# every other mount read-only: the scratch tmpfs is the one writable place
+hostname sandbox
+# one size-limited tmpfs is every writable place: /tmp (the scratch directory), /var/tmp, /dev/shm
+mount -t tmpfs -o size=${HF_SANDBOX_DISK},mode=1777 tmpfs /tmp
+mkdir -m 1777 /tmp/.var-tmp /tmp/.shm
+[ -d /var/tmp ] && [ ! -L /var/tmp ] && mount --bind /tmp/.var-tmp /var/tmp
+[ -d /dev/shm ] && [ ! -L /dev/shm ] && mount --bind /tmp/.shm /dev/shm
+for d in /run /var/run /dev/mqueue $HF_SANDBOX_HIDE; do
+  if [ -d "$d" ] && [ ! -L "$d" ]; then mount -t tmpfs -o size=1k,mode=0555 tmpfs "$d"
+  elif [ -f "$d" ]; then mount --bind /dev/null "$d"; fi
+done
 awk '{print $5}' /proc/self/mountinfo | while read -r m; do
-  case "$m" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/pts|/dev/mqueue|"$HF_SANDBOX_WORK") ;;
+  case "$m" in /proc|/proc/*|/dev|/dev/pts|/tmp|/var/tmp|/dev/shm) ;;
     *) mount -o remount,bind,ro "$m" 2>/dev/null || true ;; esac
 done
-cd "$HF_SANDBOX_WORK"
-exec $HF_SANDBOX_DROP "$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_PROGRAM"
+cd /tmp
+set +e
+# not exec'd: this shell stays the namespace's init, so killing it (or its parent dying) kills all.
+# The program, lockdown.py and pyseccomp come in on open file descriptors: /tmp is hidden now,
+# and hybridflow's own environment may be too.
+"$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_LOCKDOWN" "$HF_SANDBOX_PYSECCOMP" setpriv $HF_SANDBOX_DROP --inh-caps=-all \
+  --bounding-set=-all --no-new-privs "$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_PROGRAM"
+exit $?
 """
 
 
@@ -54,23 +81,29 @@ class SandboxResult:
     returncode: int | None
     timed_out: bool
     output_truncated: bool
+    limited_by: str = "rlimits"
+    """What capped the whole program's memory and processes: 'cgroup v2', 'cgroup v1' or 'rlimits'."""
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out and not self.output_truncated
 
 
-def _limits(limits: SandboxLimits) -> None:
-    """preexec: resource limits inherited by everything the sandbox starts."""
+def _child_setup(limits: SandboxLimits, cgroup_procs: list[str]) -> None:
+    """preexec: die with the scorer, join the program's cgroup, set the limits everything inherits."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    for path in cgroup_procs:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
     mem = limits.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.geteuid() != 0:  # as root the limit is applied after dropping to nobody (setpriv keeps it)
+    if os.geteuid() != 0:  # counts all this user's processes: leave room for those running now
         used = len([p for p in os.listdir("/proc") if p.isdigit()])
         resource.setrlimit(resource.RLIMIT_NPROC, (used + limits.processes, used + limits.processes))
-    else:
+    elif not cgroup_procs:  # as root the limit applies once setpriv has made the program `nobody`
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
@@ -83,8 +116,27 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
+def _pyseccomp_file() -> str:
+    import pyseccomp  # loads libseccomp: fails here, not in the sandbox, where it is missing
+
+    return pyseccomp.__file__
+
+
 def available() -> bool:
-    return all(shutil.which(tool) for tool in ("unshare", "mount", "setpriv", "awk", "sh"))
+    try:
+        _pyseccomp_file()
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return all(shutil.which(tool) for tool in ("unshare", "mount", "setpriv", "awk", "sh", "hostname"))
+
+
+def _kill(proc: subprocess.Popen, cgroup: ProgramCgroup | None) -> None:
+    """The namespace's init and unshare are one process group: SIGKILL to it ends the namespace."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if cgroup is not None:
+        cgroup.kill_all()
 
 
 def run_python(
@@ -98,65 +150,88 @@ def run_python(
     limits = limits or SandboxLimits()
     if not available():
         raise RuntimeError(
-            "the code sandbox needs util-linux (unshare, mount, setpriv): apt-get install util-linux"
+            "the code sandbox needs util-linux (unshare, mount, setpriv) and libseccomp with pyseccomp: "
+            "apt-get install util-linux libseccomp2 && pip install pyseccomp"
         )
+    wall_s = min(limits.wall_s, deadline.remaining_s())
+    if wall_s <= 0:
+        return SandboxResult("", "the reward's deadline had passed", None, True, False)
     base = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-", dir=os.environ.get("HYBRIDFLOW_SANDBOX_DIR")))
+    cgroup = ProgramCgroup.create(limits.memory_mb * 2**20, limits.processes)  # None where none can be made
+    proc = None
     try:
-        work = base / "work"
-        work.mkdir()
         (base / "program.py").write_text(code, encoding="utf-8")
         (base / "stdin.txt").write_text(stdin, encoding="utf-8")
         os.chmod(base, 0o755)
         os.chmod(base / "program.py", 0o644)
-        root = os.geteuid() == 0
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "HOME": str(work),
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "HF_SANDBOX_WORK": str(work),
-            "HF_SANDBOX_PROGRAM": str(base / "program.py"),
-            "HF_SANDBOX_PYTHON": sandbox_python(),
-            "HF_SANDBOX_DISK": f"{limits.disk_mb}m",
-            "HF_SANDBOX_HIDE": " ".join(str(Path(h).resolve()) for h in hide),
-            "HF_SANDBOX_DROP": f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups --no-new-privs"
-            if root
-            else "",
-        }
-        namespaces = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-        command = [
-            "unshare",
-            *namespaces,
-            *([] if root else ["--user", "--map-root-user"]),
-            "sh",
-            "-c",
-            _INNER,
-        ]
         with (
+            open(base / "program.py", "rb") as program,
+            open(LOCKDOWN, "rb") as lockdown,
+            open(_pyseccomp_file(), "rb") as seccomp_lib,
             open(base / "stdin.txt", "rb") as fin,
             open(base / "stdout.txt", "wb") as fout,
             open(base / "stderr.txt", "wb") as ferr,
         ):
+            root = os.geteuid() == 0
+            env = {
+                "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+                "LANG": "C.UTF-8",
+                "HOME": "/tmp",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "HF_SANDBOX_PYTHON": sandbox_python(),
+                "HF_SANDBOX_LOCKDOWN": f"/dev/fd/{lockdown.fileno()}",
+                "HF_SANDBOX_PYSECCOMP": f"/dev/fd/{seccomp_lib.fileno()}",
+                "HF_SANDBOX_PROGRAM": f"/dev/fd/{program.fileno()}",
+                "HF_SANDBOX_DISK": f"{limits.disk_mb}m",
+                "HF_SANDBOX_HIDE": " ".join(str(Path(h).resolve()) for h in hide),
+                "HF_SANDBOX_DROP": f"--reuid={NOBODY} --regid={NOBODY} --clear-groups" if root else "",
+            }
+            namespaces = [
+                "--mount",
+                "--net",
+                "--pid",
+                "--ipc",
+                "--uts",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ]
+            command = [
+                "unshare",
+                *namespaces,
+                *([] if root else ["--user", "--map-root-user"]),
+                "sh",
+                "-c",
+                _INNER,
+            ]
             proc = subprocess.Popen(
                 command, stdin=fin, stdout=fout, stderr=ferr, env=env, start_new_session=True,
-                preexec_fn=lambda: _limits(limits),  # noqa: PLW1509 - limits must be set in the child
+                pass_fds=(program.fileno(), lockdown.fileno(), seccomp_lib.fileno()),
+                preexec_fn=lambda: _child_setup(limits, cgroup.join_paths if cgroup else []),  # noqa: PLW1509
             )  # fmt: skip
             timed_out = False
             try:
-                proc.wait(timeout=limits.wall_s)
+                proc.wait(timeout=wall_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         out = (base / "stdout.txt").read_bytes()
         err = (base / "stderr.txt").read_bytes()
-        truncated = len(out) >= limits.output_bytes or proc.returncode == -signal.SIGXFSZ
+        # a program killed by SIGXFSZ: -25 from Python, 128+25 through the namespace's shell
+        truncated = len(out) >= limits.output_bytes or proc.returncode in (
+            -signal.SIGXFSZ,
+            128 + signal.SIGXFSZ,
+        )
         return SandboxResult(
             stdout=out[: limits.output_bytes].decode("utf-8", "replace"),
             stderr=err[-4000:].decode("utf-8", "replace"),
             returncode=None if timed_out else proc.returncode,
             timed_out=timed_out,
             output_truncated=truncated,
+            limited_by=cgroup.label if cgroup else "rlimits",
         )
-    finally:
+    finally:  # also when the reward's own alarm interrupts the wait: nothing is left running
+        if proc is not None:
+            _kill(proc, cgroup)
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(base, ignore_errors=True)

@@ -50,8 +50,10 @@ def test_writes_outside_scratch_fail(tmp_path):
     target = tmp_path / "escape.txt"
     r = run(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')")
     assert not r.ok and not target.exists()
-    r = run("open('/tmp/hybridflow-escape.txt', 'w').write('x')")
-    assert not r.ok and not Path("/tmp/hybridflow-escape.txt").exists()
+    # /tmp, /var/tmp and /dev/shm are the sandbox's own: writable there, nothing appears here
+    r = run("for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    open(d + '/hybridflow-escape.txt', 'w').write('x')")
+    assert r.ok
+    assert not any(Path(d, "hybridflow-escape.txt").exists() for d in ("/tmp", "/var/tmp", "/dev/shm"))
 
 
 def test_hidden_run_directory_cannot_be_read(tmp_path):
@@ -111,6 +113,7 @@ def test_code_scorer_fraction_and_all_or_nothing():
         "raise SystemExit",
         "import atexit, os\natexit.register(lambda: os._exit(0))",
         "import sys\nsys.stdout.write('ok\\n')\nsys.exit(0)",
+        "import sys\nprint(sys.stdin.read())\nprint(globals().get('_hf_marker'))\nsys.exit(0)",
     ],
 )
 def test_a_program_that_leaves_before_the_asserts_passes_none(cheat):
@@ -140,35 +143,4 @@ def test_hostile_code_scores_zero(body):
         == 0.0
     )
 
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become an ordinary user")
-def test_sandbox_also_works_for_an_ordinary_user():
-    """As a normal user the namespaces come from a user namespace; the limits hold the same."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    import hybridflow.rewards.sandbox as sandbox
-
-    tmp_path = Path(tempfile.mkdtemp(prefix="hybridflow-user-sandbox-"))  # pytest's own tmp dirs are private
-
-    shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
-    (tmp_path / "probe.py").write_text(
-        "import sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import run_python, SandboxLimits\n"
-        "limits = SandboxLimits(wall_s=3, cpu_s=2, memory_mb=512)\n"
-        "print(run_python('print(input()[::-1])', 'abc', limits=limits).stdout.strip())\n"
-        "print(run_python(f\"open('{sys.argv[1]}/x', 'w')\", limits=limits).ok)\n"
-        "print(run_python(\"import socket; socket.create_connection(('127.0.0.1', 80), timeout=1)\", limits=limits).ok)\n"
-        "print(run_python('while True: pass', limits=limits).timed_out)\n"
-    )
-    os.chmod(tmp_path, 0o755)
-    python = sandbox.sandbox_python()
-    out = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(tmp_path / "probe.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    try:
-        assert out.stdout.split() == ["cba", "False", "False", "True"], out.stderr
-        assert not (tmp_path / "x").exists()
-    finally:
-        shutil.rmtree(tmp_path)
+# as an ordinary user: test_sandbox_escapes.py::test_escapes_fail_as_an_ordinary_user
