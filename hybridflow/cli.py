@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from hybridflow import __version__
+from hybridflow.controller.watchdog import EXIT_STUCK, PhaseStuck
 from hybridflow.errors import UserError
 
 log = logging.getLogger("hybridflow")
@@ -359,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hybridflow: interrupted", file=sys.stderr)
         return 130
+    except PhaseStuck as e:
+        if args.debug:
+            raise
+        print(f"hybridflow: error: {e}", file=sys.stderr)
+        return EXIT_STUCK
     return 0
 
 

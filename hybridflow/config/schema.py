@@ -365,6 +365,10 @@ class TrainerConfig:
     optimizer state for resuming and the policy as a transformers directory: the run prints what
     one costs."""
     seed: int = 0
+    watchdog_s: float = 3600.0
+    """A phase of a step (generation, reward, an update, the weight sync, validation, a checkpoint)
+    running longer than this is stuck: every thread's stack goes to RUN_DIR/stacks-stepN.txt and the
+    run stops with a line naming the phase (exit status 3). 0 turns the watchdog off."""
 
     def __post_init__(self) -> None:
         _check_choice("trainer", "resume", self.resume, ("auto", "disable", "force"))

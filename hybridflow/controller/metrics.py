@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -70,10 +70,12 @@ def probs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -
 class Timer:
     """Collects timing_s/{name} for the phases of one step."""
 
-    def __init__(self, on_start=None) -> None:
-        """`on_start(name)` hears of each phase as it begins (the progress bar shows it)."""
+    def __init__(self, on_start=None, around=None) -> None:
+        """`on_start(name)` hears of each phase as it begins (the progress bar shows it); each phase
+        runs inside `around(name)` (the watchdog's)."""
         self.times: dict[str, float] = defaultdict(float)
         self.on_start = on_start
+        self.around = around
 
     @contextmanager
     def __call__(self, name: str):
@@ -81,7 +83,8 @@ class Timer:
             self.on_start(name)
         start = time.perf_counter()
         try:
-            yield
+            with self.around(name) if self.around is not None else nullcontext():
+                yield
         finally:
             self.times[name] += time.perf_counter() - start
 

@@ -39,6 +39,7 @@ from hybridflow.controller.setup import (
 )
 from hybridflow.controller.summary import run_summary
 from hybridflow.controller.validation import validate
+from hybridflow.controller.watchdog import Watchdog
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
@@ -116,6 +117,7 @@ class RLTrainer:
         )
         self.stop_at = self.total_steps  # fit(max_steps) may stop sooner or go on
         self._closed = False
+        self.watchdog = Watchdog(0, self.run_dir)  # fit() runs one that is on
         self.reward = Reward(
             self.tokenizer,
             c.reward,
@@ -176,17 +178,19 @@ class RLTrainer:
         self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.step)
         started, first_step = time.perf_counter(), self.step
         try:
-            if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
-                self._log(self._validate(), step=0)
-            with GracefulStop() as stop:
+            with Watchdog(c.trainer.watchdog_s, self.run_dir) as self.watchdog, GracefulStop() as stop:
+                if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
+                    self._log(self._validate(), step=0)
                 while self.step < self.stop_at and not stop.requested:
                     self.step += 1
+                    self.watchdog.step = self.step
                     self.reward.set_step(self.step, self.stop_at)
                     metrics = self.train_step()
                     self._after_step(metrics)
                     self.progress.update()
                 if stop.requested:
                     self._stop_with_checkpoint(stop.requested)
+            self.watchdog = Watchdog(0, self.run_dir)  # off between fits (evaluate, save)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
             self.run_lock.release()  # the same command (in this process too) must find it free
             where = (
@@ -268,7 +272,7 @@ class RLTrainer:
             print(f"report not written ({type(e).__name__}: {e})", flush=True)
 
     def train_step(self) -> dict[str, float]:
-        c, timer = self.config, Timer(on_start=self._show_phase)
+        c, timer = self.config, Timer(on_start=self._show_phase, around=self.watchdog.phase)
         with timer("step"):
             with timer("gen"):
                 try:
@@ -395,7 +399,8 @@ class RLTrainer:
             rounds += 1
             prompts = self.sampler.next(dapo.prompts_per_round if dapo.enable else None)
             rollouts = self.roles.rollouts(prompts, self._sampling(rounds), first_group=groups)
-            result: RewardResult = self.reward.score(rollouts)
+            with self.watchdog.phase("reward"):
+                result: RewardResult = self.reward.score(rollouts)
             metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
             reward_time = result.metrics["timing_s/reward"] + (reward_time if rounds > 1 else 0.0)
             metrics["timing_s/reward"] = reward_time
@@ -435,7 +440,8 @@ class RLTrainer:
         firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
         prompts = [rollouts.prompts[i] for i in firsts.values()]
         greedy = self.roles.rollouts(prompts, self._sampling(0, n=1, temperature=0.0))
-        scores = self.reward.score(greedy).scores
+        with self.watchdog.phase("reward"):
+            scores = self.reward.score(greedy).scores
         by_group = dict(zip(firsts, scores.tolist()))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
 
@@ -448,7 +454,8 @@ class RLTrainer:
             top_p=r.val_top_p,
             top_k=r.val_top_k,
         )
-        metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
+        with self.watchdog.phase("validation"):
+            metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
         self.placement.sleep_rollout()
         return metrics
 
@@ -509,16 +516,17 @@ class RLTrainer:
             "bad_steps": self.bad_steps,
             "metrics_row": jsonl_row(metrics, self.step) if metrics is not None else None,
         }
-        self.last_checkpoint = save_checkpoint(
-            self.run_dir,
-            self.step,
-            write_models=write_models,
-            optim_state=schedulers,
-            trainer_state=state,
-            config_yaml=to_yaml(self.config),
-            keep_last=self.config.trainer.keep_last_checkpoints,
-            needed_bytes=sum(self.workers.call("checkpoint_bytes")),
-        )
+        with self.watchdog.phase("save_checkpoint"):
+            self.last_checkpoint = save_checkpoint(
+                self.run_dir,
+                self.step,
+                write_models=write_models,
+                optim_state=schedulers,
+                trainer_state=state,
+                config_yaml=to_yaml(self.config),
+                keep_last=self.config.trainer.keep_last_checkpoints,
+                needed_bytes=sum(self.workers.call("checkpoint_bytes")),
+            )
         return self.last_checkpoint
 
     def _resume(self) -> None:

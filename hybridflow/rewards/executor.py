@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,8 +208,23 @@ class RewardExecutor:
                 outcomes += [Outcome(error=True, message=detail) for _ in chunk]
         return outcomes
 
+    def wait_limit_s(self, n_items: int) -> float:
+        """The longest scoring `n_items` can take: every chunk past its deadline, one after another,
+        each on a replacement worker that had to start. A wait beyond it is a bug, not a slow reward."""
+        chunks = n_items if self.pool is None else max(1, min(n_items, self.num_workers * 4))
+        return self.timeout_s * n_items + (5.0 + self.start_timeout_s) * chunks + 60.0
+
+    def result(self, future: Future, n_items: int) -> list[Outcome]:
+        try:
+            return future.result(timeout=self.wait_limit_s(n_items))
+        except TimeoutError:
+            raise RuntimeError(
+                f"scoring {n_items} responses did not end within {self.wait_limit_s(n_items):.0f} s although "
+                "every reward call has a deadline: the scoring pool is stuck (a bug; please report it)"
+            ) from None
+
     def score(self, items: list[Item]) -> list[Outcome]:
-        return self.submit(items).result()
+        return self.result(self.submit(items), len(items))
 
     def close(self) -> None:
         self._collector.shutdown(wait=True)

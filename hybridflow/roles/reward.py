@@ -163,7 +163,9 @@ class Reward:
 
     def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
         future, start = pending
-        outcomes: list[Outcome] = future.result() or [Outcome() for _ in rollouts.response_ids]
+        outcomes = self.executor.result(future, len(rollouts.response_ids)) or [
+            Outcome() for _ in rollouts.response_ids
+        ]
         self._report_errors(outcomes)
         raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
         scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
