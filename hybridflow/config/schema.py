@@ -335,6 +335,23 @@ class AlgorithmConfig:
 
 
 @dataclass
+class GuardsConfig:
+    """Checks against training on wrong numbers, each on by default (controller/guards.py)."""
+
+    max_probs_gap: float = 0.05
+    """At an on-policy step, the largest mean |p_rollout - p_trainer| over response tokens; above it
+    the run stops (the two sides are not running one policy). 0: off."""
+    max_first_ppo_kl: float = 0.01
+    """Where old log-probs are recomputed, the largest |ppo_kl| of a step's first mini-batch (the
+    policy has not moved yet); above it the run stops. 0: off."""
+    weight_sync_check: bool = True
+    """After every weight sync, sampled elements of a few tensors must be equal in the trainer and in
+    every engine (LoRA: the merged adapted layers)."""
+    gap_growth_warning: bool = True
+    """Warn once when the rollout/trainer probability gap keeps growing, naming the step it began."""
+
+
+@dataclass
 class TrainerConfig:
     total_training_steps: int | None = None
     """None: run `total_epochs` passes over the training prompts."""
@@ -365,6 +382,7 @@ class TrainerConfig:
     optimizer state for resuming and the policy as a transformers directory: the run prints what
     one costs."""
     seed: int = 0
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
     watchdog_s: float = 3600.0
     """A phase of a step (generation, reward, an update, the weight sync, validation, a checkpoint)
     running longer than this is stuck: every thread's stack goes to RUN_DIR/stacks-stepN.txt and the

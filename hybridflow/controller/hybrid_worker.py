@@ -22,6 +22,7 @@ from hybridflow.controller.role_models import (
     rollout_backend,
     value_model,
 )
+from hybridflow.controller.weight_check import Plan, make_plan, sample, trainer_tensors
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
@@ -253,6 +254,15 @@ class HybridWorker:
                         self.weight_sync.broadcast(pack([t for _, t in unit]))
         if self.device.type == "cuda":  # the controller times this call: include the copies
             torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def weight_samples(self, step: int) -> tuple[Plan, dict, dict | None]:
+        """The weight-sync check's plan for `step`, the trainer's sampled values and (colocated) the
+        engine's; every rank calls it (a sharded parameter is gathered)."""
+        tensors = trainer_tensors(self.actor.model)
+        plan = make_plan(tensors, step)
+        trainer = sample(tensors, plan)
+        return plan, trainer, self.rollout.sampled_weights(plan) if self.rollout is not None else None
 
     def _gathered_units(self):
         """(name, full tensor) pairs of the actor, one FSDP unit at a time."""

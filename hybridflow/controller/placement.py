@@ -10,6 +10,7 @@ import functools
 
 from hybridflow.config.schema import Config
 from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.weight_check import compare
 from hybridflow.controller.worker_group import WorkerGroup, worker_count, worker_group
 from hybridflow.errors import UserError
 
@@ -85,6 +86,22 @@ class Placement:
         receiving = self.rollout.submit_each("receive_weights", [self.manifest] * self.rollout.world_size)
         self.train.call("sync_weights")
         self.rollout.wait(receiving)
+
+    def check_weight_sync(self, step: int) -> bool:
+        """Sampled weights of the trainer and of every engine agree (WeightSyncMismatch otherwise);
+        False where a backend does not expose its weights (vLLM): not checked."""
+        results = self.train.call("weight_samples", step)
+        plan, trainer, _ = results[0]
+        if self.rollout is None:
+            engines = [(f"rank {r}'s rollout engine", engine) for r, (_, _, engine) in enumerate(results)]
+        else:
+            samples = self.rollout.call("sampled_weights", plan)
+            engines = [(f"rollout worker {r}", engine) for r, engine in enumerate(samples)]
+        if any(engine is None for _, engine in engines):
+            return False
+        for where, engine in engines:
+            compare(trainer, engine, step=step, where=where)
+        return True
 
     def memory_metrics(self) -> list[dict[str, float]]:
         """Every worker's peak memory per phase."""

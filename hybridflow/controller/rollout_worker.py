@@ -62,6 +62,9 @@ class RolloutWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def sampled_weights(self, plan) -> dict | None:
+        return self.rollout.sampled_weights(plan)
+
     def take_memory_metrics(self) -> dict[str, float]:
         peak, self.peak = self.peak, 0.0
         return {"perf/max_memory_allocated_gb/gen": peak} if peak else {}

@@ -23,6 +23,7 @@ from hybridflow.checkpoint import (
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.graceful_stop import GracefulStop
+from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
 from hybridflow.controller.perf import peak_flops, perf_metrics
@@ -118,6 +119,8 @@ class RLTrainer:
         self.stop_at = self.total_steps  # fit(max_steps) may stop sooner or go on
         self._closed = False
         self.watchdog = Watchdog(0, self.run_dir)  # fit() runs one that is on
+        self.guards = TrainingGuards(c.trainer.guards)
+        self._weight_check_unavailable_said = False
         self.reward = Reward(
             self.tokenizer,
             c.reward,
@@ -340,6 +343,10 @@ class RLTrainer:
                 self._check_finite(metrics)
             with timer("update_weights"):
                 self.placement.sync_weights()
+            if c.trainer.guards.weight_sync_check:
+                with timer("weight_check"):
+                    self._check_weight_sync()
+            self.guards.check(self.step, metrics)
         metrics |= self.roles.memory_metrics()
         metrics |= data_metrics(
             rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
@@ -458,6 +465,12 @@ class RLTrainer:
             metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
         self.placement.sleep_rollout()
         return metrics
+
+    def _check_weight_sync(self) -> None:
+        if not self.placement.check_weight_sync(self.step) and not self._weight_check_unavailable_said:
+            self._weight_check_unavailable_said = True
+            print(f"weight-sync check: rollout.name={self.config.rollout.name} does not expose its weights; "
+                  "not checked", flush=True)  # fmt: skip
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         if metrics.get("actor/skipped_updates", 0) >= updates_per_step(self.config):

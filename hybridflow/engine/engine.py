@@ -273,6 +273,10 @@ class Engine:
         returns the bytes written (0 when the engine runs the trainer's own module)."""
         return self._update(named_tensors)
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's weights under the trainer's parameter names (for the weight-sync check)."""
+        return {name: tensors[0] for name, tensors in self._update.targets.items()}
+
     def sleep(self) -> None:
         """Free the KV pool and the captured graphs so that training gets the memory."""
         self.runner.drop_graphs()

@@ -165,9 +165,12 @@ class Actor:
                                         prompt_ids=self._grouping(mb))
                      for mb in minibatches)  # fmt: skip
             self._bar.total = cfg.ppo_epochs * sum(len(plan) for plan in plans)
+        first_kl = None  # the step's first mini-batch, before any update: ppo_kl ~0 (a guard's check)
         for _ in range(self.config.ppo_epochs):
             for mb in minibatches:
                 metrics = self._update_minibatch(mb)
+                if first_kl is None and mb.old_logprobs is not None:
+                    first_kl = float("nan") if metrics is None else metrics.get("ppo_kl", 0.0)
                 if metrics is None:
                     skipped += 1
                     continue
@@ -180,6 +183,8 @@ class Actor:
         out["actor/lr"] = self.scheduler.get_last_lr()[0]  # the step's rate; the next step's after
         self.scheduler.step()
         out["actor/skipped_updates"] = float(skipped)
+        if first_kl is not None and first_kl == first_kl:  # not NaN: a skipped update says nothing
+            out["training/first_minibatch_ppo_kl"] = first_kl
         if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
             out |= self._rollout_gap_metrics()
         return out

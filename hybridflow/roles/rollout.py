@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from hybridflow.batch import Prompt, Rollouts
+from hybridflow.controller.weight_check import sample
 from hybridflow.rollout.sampling import Generation, SamplingParams
 
 
@@ -40,6 +41,12 @@ class Rollout:
         """Copy trainer weights into the backend's model in place (nothing to copy when the backend
         runs the actor's own module)."""
         self.backend.update_weights(named_tensors)
+
+    def sampled_weights(self, plan) -> dict[str, torch.Tensor] | None:
+        """The planned elements of the backend's weights; None where it does not expose them (vLLM)."""
+        if not hasattr(self.backend, "weight_tensors"):
+            return None
+        return sample(self.backend.weight_tensors(), plan)
 
     def sleep(self) -> None:
         """Free generation-only memory (the engine's KV cache) while the trainer runs."""

@@ -58,6 +58,9 @@ class HFBackend:
             if params[name].data_ptr() != tensor.data_ptr():
                 params[name].copy_(tensor)
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
     def sleep(self) -> None:
         """Nothing to free: transformers' generate holds no memory between calls."""
 
