@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.models.lora import lora_modules
+from hybridflow.models.lora import is_peft, lora_modules
 
 TENSORS_PER_CHECK = 4
 ELEMENTS_PER_TENSOR = 4096
@@ -32,7 +32,14 @@ def trainer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     adapted = lora_modules(model)
     if adapted:
         return {f"{name}.weight": m for name, m in adapted.items()}  # merged lazily in `sample`
-    return {name: p for name, p in model.named_parameters() if p.numel() <= MAX_GATHERED_ELEMENTS}
+    # PEFT injects its layers into the transformers model's own modules, which the backend runs:
+    # the same tensors under the wrapper's prefix
+    prefix = "base_model.model." if is_peft(model) else ""
+    return {
+        name.removeprefix(prefix): p
+        for name, p in model.named_parameters()
+        if p.numel() <= MAX_GATHERED_ELEMENTS
+    }
 
 
 def make_plan(tensors: dict[str, torch.Tensor], step: int) -> Plan:
