@@ -79,6 +79,8 @@ def _read_jsonl(p: Path, bad_lines: list[str] | None = None) -> list[dict]:
                 )
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 problem = f"not valid UTF-8 JSON ({e})"
+            except RecursionError:
+                problem = "JSON nested too deeply to read"
             if problem is None:
                 rows.append(row)
             elif bad_lines is None:
@@ -93,6 +95,8 @@ def _read_json(p: Path) -> list[dict]:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{p}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise UserError(f"{p}: JSON nested too deeply to read") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):

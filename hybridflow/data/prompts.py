@@ -50,12 +50,34 @@ def check_prompt(value: Any, where: str, key: str) -> list[dict[str, str]] | str
     )
 
 
+MAX_NESTING = 100
+
+
+def _depth(value: Any, limit: int = MAX_NESTING + 1) -> int:
+    """How deeply lists and dicts nest in `value`, counted up to `limit` (iteratively: a value
+    nested 100,000 deep must not overflow the stack here either)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth >= limit:
+            return depth
+        if isinstance(item, dict):
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += [(v, depth + 1) for v in item]
+    return deepest
+
+
 def _checked_content(row: dict, config: DataConfig, where: str, truth_sources: frozenset[str]):
     """The row's prompt, checked; a UserError naming the row and the reason otherwise."""
     if config.prompt_key not in row:
         keys = ", ".join(sorted(row)) or "none"
         raise UserError(f"{where} has no '{config.prompt_key}' key (keys: {keys}); set data.prompt_key")
     content = check_prompt(row[config.prompt_key], where, config.prompt_key)
+    for key, value in row.items():
+        if _depth(value) > MAX_NESTING:  # it could not be sent to a reward worker (pickle recursion)
+            raise UserError(f"{where}: '{key}' is nested more than {MAX_NESTING} levels deep")
     source = str(row.get("data_source") or config.data_source or "unknown")
     if source in truth_sources and _ground_truth(row, config.answer_key) is None:
         raise UserError(

@@ -231,3 +231,29 @@ def test_preprocess_gsm8k_and_math(tmp_path):
         )
     with pytest.raises(UserError, match="exists"):
         preprocess("gsm8k", str(gsm), str(out))
+
+
+def test_deeply_nested_rows_are_named_not_a_recursion_traceback(tok, tmp_path):
+    """A line nested 100,000 deep cannot be parsed; one nested 900 deep in extra_info parses but
+    could not reach a reward worker (pickling recurses): both are one line naming the row."""
+    deep_line = tmp_path / "deep.jsonl"
+    deep_line.write_text('{"prompt": "ok"}\n{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(UserError, match=r"deep\.jsonl:2: JSON nested too deeply to read"):
+        load_prompts([str(deep_line)], tok, DataConfig(cache_tokenized=False))
+    nested = 1
+    for _ in range(900):
+        nested = [nested]
+    deep_info = tmp_path / "info.jsonl"
+    deep_info.write_text(json.dumps({"prompt": "hi", "extra_info": {"x": nested}}) + "\n")
+    with pytest.raises(UserError, match=r"row 0: 'extra_info' is nested more than 100 levels deep"):
+        load_prompts([str(deep_info)], tok, DataConfig(cache_tokenized=False))
+    ok = [{"prompt": "hi", "extra_info": {"x": [[[[1]]]]}}]  # ordinary nesting is fine
+    assert len(rows_to_prompts(ok, tok, DataConfig())) == 1
+
+
+def test_fewer_prompts_than_one_step_needs_is_one_line(tok):
+    from hybridflow.data.sampler import PromptSampler
+
+    prompts = rows_to_prompts([{"prompt": f"q{i}"} for i in range(3)], tok, DataConfig())
+    with pytest.raises(UserError, match=r"data.prompts_per_step=8 .* exceeds the 3 training prompts"):
+        PromptSampler(prompts, 8, seed=0, shuffle=True)
