@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from rl_run import config, read_metrics
 
 from hybridflow.config.schema import GuardsConfig
 from hybridflow.controller.guards import GuardTripped, TrainingGuards
@@ -13,11 +14,12 @@ from hybridflow.engine import Engine, EngineConfig
 from hybridflow.models import tiny_model
 from hybridflow.models.lora import apply_lora, lora_modules, merged_updates
 from hybridflow.models.native import from_hf_model
-from rl_run import config, read_metrics
 
 
 def engine_for(model, dtype="bfloat16"):
-    return Engine(model, eos_token_ids=[0], config=EngineConfig(page_size=4, compute_dtype=dtype, max_context_tokens=64))
+    return Engine(
+        model, eos_token_ids=[0], config=EngineConfig(page_size=4, compute_dtype=dtype, max_context_tokens=64)
+    )
 
 
 def test_weights_synced_agree_and_a_stale_tensor_is_named():
@@ -30,7 +32,9 @@ def test_weights_synced_agree_and_a_stale_tensor_is_named():
     tensors = trainer_tensors(model)
     plan = make_plan(tensors, step=3)
     assert len(plan) == 4 and len({n for n, _ in plan}) == 4
-    with pytest.raises(WeightSyncMismatch, match=r"step 3: after the weight sync engine's .* differs from the trainer's"):
+    with pytest.raises(
+        WeightSyncMismatch, match=r"step 3: after the weight sync engine's .* differs from the trainer's"
+    ):
         compare(sample(tensors, plan), sample(engine.weight_tensors(), plan), step=3, where="engine")
     engine.update_weights(model.named_parameters())
     for step in range(1, 40):  # every tensor is sampled at some step; each agrees exactly after a sync
@@ -62,7 +66,9 @@ def test_lora_checks_the_merged_adapted_layers_in_the_engine():
 def test_a_probability_gap_above_the_bound_stops_naming_it():
     guards = TrainingGuards(GuardsConfig())
     guards.check(1, {"training/rollout_probs_diff_mean": 0.004, "training/rollout_probs_diff_max": 0.2})
-    with pytest.raises(GuardTripped, match=r"step 2: .* differ from the trainer's by 0\.2100 on average.*max_probs_gap=0\.05"):
+    with pytest.raises(
+        GuardTripped, match=r"step 2: .* differ from the trainer's by 0\.2100 on average.*max_probs_gap=0\.05"
+    ):
         guards.check(2, {"training/rollout_probs_diff_mean": 0.21, "training/rollout_probs_diff_max": 0.9})
     TrainingGuards(GuardsConfig(max_probs_gap=0)).check(2, {"training/rollout_probs_diff_mean": 0.21})  # off
 
@@ -98,6 +104,8 @@ def test_a_run_checks_every_sync_and_a_tripped_guard_ends_it_with_the_line(setup
     trainer.fit()
     metrics = read_metrics(tmp_path / "ok")
     assert all(m["timing_s/weight_check"] > 0 for m in metrics if m["step"] > 0)
-    strict = config(setup, tmp_path / "strict", "trainer.total_training_steps=3", "trainer.guards.max_probs_gap=1e-12")
+    strict = config(
+        setup, tmp_path / "strict", "trainer.total_training_steps=3", "trainer.guards.max_probs_gap=1e-12"
+    )
     with pytest.raises(GuardTripped, match=r"^step 1: the rollout engine's token probabilities"):
         RLTrainer(strict).fit()

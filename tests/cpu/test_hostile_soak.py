@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rl_run import config
 
-HOSTILE_REWARD = r'''
+HOSTILE_REWARD = r"""
 import ctypes, os, random, sys, time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -40,7 +39,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if kind == 9:
         return {"score": "high"}
     return solution_str.count("a") / max(len(solution_str), 1)
-'''
+"""
 
 
 @pytest.mark.trials

@@ -51,7 +51,9 @@ def test_writes_outside_scratch_fail(tmp_path):
     r = run(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')")
     assert not r.ok and not target.exists()
     # /tmp, /var/tmp and /dev/shm are the sandbox's own: writable there, nothing appears here
-    r = run("for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    open(d + '/hybridflow-escape.txt', 'w').write('x')")
+    r = run(
+        "for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    open(d + '/hybridflow-escape.txt', 'w').write('x')"
+    )
     assert r.ok
     assert not any(Path(d, "hybridflow-escape.txt").exists() for d in ("/tmp", "/var/tmp", "/dev/shm"))
 
@@ -142,5 +144,6 @@ def test_hostile_code_scores_zero(body):
         compute_score("code", response, {"inputs": ["1"], "outputs": ["2"]}, code_options=limits)["score"]
         == 0.0
     )
+
 
 # as an ordinary user: test_sandbox_escapes.py::test_escapes_fail_as_an_ordinary_user

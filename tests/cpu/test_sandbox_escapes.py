@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from hybridflow.rewards import sandbox
-from hybridflow.rewards.sandbox import SandboxLimits, available, run_python
+from hybridflow.rewards.sandbox import SandboxLimits, available
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sandbox_probes  # noqa: E402 (a sibling helper module)
 
-pytestmark = pytest.mark.skipif(not available(), reason="needs util-linux and libseccomp")  # noqa: see .ci/run
+pytestmark = pytest.mark.skipif(not available(), reason="needs util-linux and libseccomp")  # Debian has both; the Makefile installs them
 ROOT = os.geteuid() == 0
 
 
