@@ -1,81 +1,44 @@
-"""The sandbox's last step before the program: install a seccomp filter, then exec the rest of the
+"""The sandbox's last step before the program: load the seccomp filter, then exec the rest of the
 command line (setpriv, which drops the user, every capability and the bounding set).
 
-Run as a script (`python -I -S lockdown.py PYSECCOMP_FILE CMD...`) inside the sandbox's namespaces after its mounts are
-made: the filter refuses (EPERM) what could undo them or reach outside: mounting, new namespaces,
-tracing other processes, the kernel keyring, BPF, io_uring, loading kernel modules, Unix-domain
-sockets (they reach servers through the read-only filesystem), and injecting terminal input. The
-filter survives exec, so the program inherits it; no_new_privs is set with it.
-
-The sandbox passes this file and pyseccomp's (a one-file ctypes binding of libseccomp) as open file
-descriptors and runs them with the sandbox's Python: hybridflow's own environment may live under a
-directory the sandbox hides (/tmp, the run directory), so nothing here may need it by path.
+Run inside the sandbox's namespaces once its mounts are made, with the sandbox's Python and only
+the standard library (`python -I -S lockdown.py BPF_FILE CMD...`): the filter (seccomp_filter.py,
+compiled by libseccomp in the scorer) arrives as a file of BPF instructions on an open descriptor,
+since hybridflow's own environment may live under a directory the sandbox hides. The filter
+survives exec, so the program inherits it; no_new_privs, which an unprivileged filter needs, is
+set first and is kept by everything after.
 """
 
-from __future__ import annotations
-
-import contextlib
-import errno
-import importlib.machinery
-import importlib.util
+import ctypes
 import os
-import socket
 import sys
 
-REFUSED = (
-    # filesystem views: the sandbox's read-only mounts and hidden directories stay as they are
-    "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount",
-    "open_tree", "mount_setattr", "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff",
-    # namespaces and other processes
-    "unshare", "setns", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    # kernel objects that outlive or reach outside the sandbox
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-    # the machine itself
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
-    "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-)  # fmt: skip
-NAMESPACE_FLAGS = (
-    0x00020000,  # CLONE_NEWNS
-    0x02000000,  # CLONE_NEWCGROUP
-    0x04000000,  # CLONE_NEWUTS
-    0x08000000,  # CLONE_NEWIPC
-    0x10000000,  # CLONE_NEWUSER
-    0x20000000,  # CLONE_NEWPID
-    0x40000000,  # CLONE_NEWNET
-    0x00000080,  # CLONE_NEWTIME
-)
-TIOCSTI = 0x5412
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+INSTRUCTION_BYTES = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 
 
-def build_filter(seccomp):
-    f = seccomp.SyscallFilter(
-        seccomp.ALLOW
-    )  # other architectures' syscalls are killed (libseccomp's default)
-    deny = seccomp.ERRNO(errno.EPERM)
-    for name in REFUSED:
-        with contextlib.suppress(OSError, ValueError, RuntimeError):  # a syscall unknown here
-            f.add_rule(deny, name)
-    for flag in NAMESPACE_FLAGS:  # clone() making a namespace; clone3 passes flags in memory: refused
-        f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")  # glibc falls back to clone()
-    f.add_rule(deny, "socket", seccomp.Arg(0, seccomp.EQ, socket.AF_UNIX))
-    f.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.EQ, TIOCSTI))
-    return f
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def load_pyseccomp(path: str):
-    spec = importlib.util.spec_from_loader(
-        "pyseccomp", importlib.machinery.SourceFileLoader("pyseccomp", path)
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load(bpf: bytes) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    program = ctypes.create_string_buffer(bpf, len(bpf))
+    fprog = SockFprog(len(bpf) // INSTRUCTION_BYTES, ctypes.cast(program, ctypes.c_void_p))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
 def main(argv: list[str]) -> None:
-    seccomp = load_pyseccomp(argv[0])
-    build_filter(seccomp).load()
+    with open(argv[0], "rb") as f:
+        bpf = f.read()
+    if not bpf or len(bpf) % INSTRUCTION_BYTES:
+        sys.exit(f"lockdown: {argv[0]} is not a BPF program ({len(bpf)} bytes)")
+    load(bpf)
     os.execvp(argv[1], argv[1:])
 
 

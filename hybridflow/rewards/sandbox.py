@@ -2,12 +2,13 @@
 
 Isolation uses Linux namespaces through util-linux (`unshare`, `mount`, `setpriv`): new mount, PID
 (with its own /proc), network, IPC and UTS namespaces. Inside, the first process (root there: really
-root, or a user namespace's root for an ordinary user) makes the mounts: every mount read-only,
-private tmpfs on /tmp, /var/tmp and /dev/shm, the directories and files named in `hide` (the run
-directory, the data files) and /run replaced by empty read-only ones, and a size-limited scratch
-directory, the only other writable place. Then `lockdown.py` installs a seccomp filter (no mount,
-unshare, ptrace, keyctl, bpf, io_uring, Unix sockets, ...) and `setpriv` drops every capability, the
-bounding set and (as root) the user, with no_new_privs; only then does the program start.
+root, or a user namespace's root for an ordinary user) makes the mounts: every mount read-only, one
+private size-limited tmpfs on /tmp (bound at /var/tmp and /dev/shm too, the only writable place),
+and the directories and files named in `hide` (the run directory, the data files), /run and
+/dev/mqueue replaced by empty read-only ones. Then `lockdown.py` loads the seccomp filter of
+seccomp_filter.py (no mount, unshare, ptrace, keyctl, bpf, io_uring, Unix sockets, ...) and
+`setpriv` drops every capability, the bounding set and (as root) the user, with no_new_privs; only
+then does the program start.
 
 Limits: a cgroup for the whole program (memory, process count; see cgroup.py) where one can be made,
 rlimits per process always (CPU time, address space, file size, and the process count where no
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from hybridflow.rewards import deadline
 from hybridflow.rewards.cgroup import ProgramCgroup
+from hybridflow.rewards.seccomp_filter import filter_bpf
 
 NOBODY = 65534
 PR_SET_PDEATHSIG = 1
@@ -56,9 +58,9 @@ done
 cd /tmp
 set +e
 # not exec'd: this shell stays the namespace's init, so killing it (or its parent dying) kills all.
-# The program, lockdown.py and pyseccomp come in on open file descriptors: /tmp is hidden now,
-# and hybridflow's own environment may be too.
-"$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_LOCKDOWN" "$HF_SANDBOX_PYSECCOMP" setpriv $HF_SANDBOX_DROP --inh-caps=-all \
+# The program, lockdown.py and the seccomp filter come in on open file descriptors: /tmp is
+# hidden now, and hybridflow's own environment may be too.
+"$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_LOCKDOWN" "$HF_SANDBOX_FILTER" setpriv $HF_SANDBOX_DROP --inh-caps=-all \
   --bounding-set=-all --no-new-privs "$HF_SANDBOX_PYTHON" -I -S "$HF_SANDBOX_PROGRAM"
 exit $?
 """
@@ -116,15 +118,9 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _pyseccomp_file() -> str:
-    import pyseccomp  # loads libseccomp: fails here, not in the sandbox, where it is missing
-
-    return pyseccomp.__file__
-
-
 def available() -> bool:
     try:
-        _pyseccomp_file()
+        filter_bpf()  # pyseccomp and libseccomp are here
     except (ImportError, RuntimeError, OSError):
         return False
     return all(shutil.which(tool) for tool in ("unshare", "mount", "setpriv", "awk", "sh", "hostname"))
@@ -162,12 +158,13 @@ def run_python(
     try:
         (base / "program.py").write_text(code, encoding="utf-8")
         (base / "stdin.txt").write_text(stdin, encoding="utf-8")
+        (base / "filter.bpf").write_bytes(filter_bpf())
         os.chmod(base, 0o755)
         os.chmod(base / "program.py", 0o644)
         with (
             open(base / "program.py", "rb") as program,
             open(LOCKDOWN, "rb") as lockdown,
-            open(_pyseccomp_file(), "rb") as seccomp_lib,
+            open(base / "filter.bpf", "rb") as seccomp_filter,
             open(base / "stdin.txt", "rb") as fin,
             open(base / "stdout.txt", "wb") as fout,
             open(base / "stderr.txt", "wb") as ferr,
@@ -180,7 +177,7 @@ def run_python(
                 "PYTHONDONTWRITEBYTECODE": "1",
                 "HF_SANDBOX_PYTHON": sandbox_python(),
                 "HF_SANDBOX_LOCKDOWN": f"/dev/fd/{lockdown.fileno()}",
-                "HF_SANDBOX_PYSECCOMP": f"/dev/fd/{seccomp_lib.fileno()}",
+                "HF_SANDBOX_FILTER": f"/dev/fd/{seccomp_filter.fileno()}",
                 "HF_SANDBOX_PROGRAM": f"/dev/fd/{program.fileno()}",
                 "HF_SANDBOX_DISK": f"{limits.disk_mb}m",
                 "HF_SANDBOX_HIDE": " ".join(str(Path(h).resolve()) for h in hide),
@@ -206,7 +203,7 @@ def run_python(
             ]
             proc = subprocess.Popen(
                 command, stdin=fin, stdout=fout, stderr=ferr, env=env, start_new_session=True,
-                pass_fds=(program.fileno(), lockdown.fileno(), seccomp_lib.fileno()),
+                pass_fds=(program.fileno(), lockdown.fileno(), seccomp_filter.fileno()),
                 preexec_fn=lambda: _child_setup(limits, cgroup.join_paths if cgroup else []),  # noqa: PLW1509
             )  # fmt: skip
             timed_out = False
