@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridflow import run_manifest
 from hybridflow.errors import UserError
 from hybridflow.permissions import as_user_files
 
@@ -186,8 +187,10 @@ def save_checkpoint(
             f"cannot create {root} for checkpoints: {e.strerror or e}; check trainer.run_dir"
         ) from e
     target = root / f"global_step_{step}"
-    for stale in root.glob(".tmp-global_step_*"):  # what a killed save left (this run's own name pattern)
-        shutil.rmtree(stale, ignore_errors=True)
+    stale = [p for p in root.glob(".tmp-global_step_*") if run_manifest.is_ours(run_dir, p)]
+    for leftover in stale:  # what a killed save of ours left
+        shutil.rmtree(leftover, ignore_errors=True)
+    run_manifest.forget(run_dir, stale)
     free = shutil.disk_usage(root).free
     if free < needed_bytes:  # a disk that fills up half-way leaves an obscure writer error
         raise UserError(
@@ -197,6 +200,7 @@ def save_checkpoint(
         )
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
     try:
+        run_manifest.record(run_dir, tmp)
         write_models(tmp)
         torch.save(optim_state, tmp / "optim.pt")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
@@ -204,9 +208,15 @@ def save_checkpoint(
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state), encoding="utf-8")
         write_manifest(tmp)
         as_user_files(tmp)
+        if target.exists() and not run_manifest.is_ours(run_dir, target):
+            raise UserError(
+                f"{target} exists and hybridflow did not write it; move it away or choose another trainer.run_dir"
+            )
         if target.exists():
             shutil.rmtree(target)
+        run_manifest.record(run_dir, target)
         os.replace(tmp, target)
+        run_manifest.forget(run_dir, [tmp])
     except OSError as e:  # disk full, quota, read-only or unwritable folder, ...
         shutil.rmtree(tmp, ignore_errors=True)
         earlier = latest_checkpoint_name(run_dir)
@@ -218,8 +228,10 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old)
+    old = [p for _, p in list_checkpoints(run_dir)[:-keep_last]] if keep_last > 0 else []
+    for path in (p for p in old if run_manifest.is_ours(run_dir, p)):
+        shutil.rmtree(path)
+        run_manifest.forget(run_dir, [path])
     return target
 
 

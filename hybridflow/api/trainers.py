@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridflow import run_manifest
 from hybridflow.api.configs import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLConfig, RLOOConfig
 from hybridflow.api.inputs import INPUTS, dataset_rows, is_path, is_verl_reward, with_rows_kept, write_model
 from hybridflow.api.trl_rewards import TRLRewards, keyword_callable
@@ -85,7 +86,9 @@ class Trainer:
 
         if not is_path(actor_model) or tokenizer is not None:
             tokenizer = _tokenizer_of(actor_model) if tokenizer is None else _load_tokenizer(tokenizer)
-            self._write(lambda m=actor_model, t=tokenizer: write_model(m, t, inputs / "actor"))
+            self._write(
+                inputs / "actor", lambda m=actor_model, t=tokenizer: write_model(m, t, inputs / "actor")
+            )
             c.model.path = str(inputs / "actor")
         else:
             c.model.path = str(actor_model)
@@ -95,7 +98,10 @@ class Trainer:
             raise UserError(f"critic_model is for PPO (GAE); {type(self).__name__} trains no critic")
         for role, model, section in (("ref", ref_model, c.ref), ("critic", critic_model, c.critic)):
             if model is not None and not is_path(model):
-                self._write(lambda m=model, r=role: m.save_pretrained(inputs / r, safe_serialization=True))
+                self._write(
+                    inputs / role,
+                    lambda m=model, r=role: m.save_pretrained(inputs / r, safe_serialization=True),
+                )
                 section.model_path = str(inputs / role)
             elif model is not None:
                 section.model_path = str(model)
@@ -131,18 +137,19 @@ class Trainer:
             rows = dataset_rows(dataset, name)
             rows = with_rows_kept(rows) if trl_style else rows
             path = inputs / f"{name.split('_')[0]}.jsonl"
-            self._write(lambda r=rows, p=path: write_rows(r, p))
+            self._write(path, lambda r=rows, p=path: write_rows(r, p))
             setattr(c.data, attr, [str(path)])
         if trl_style and train_dataset is None:
             raise UserError(
                 "a TRL-style reward_fn(prompts, responses, **columns) needs train_dataset (its columns)"
             )
 
-    def _write(self, write: Callable[[], None]) -> None:
-        self._writes.append(write)
+    def _write(self, target: Path, write: Callable[[], None]) -> None:
+        self._writes.append((target, write))
 
     def _write_inputs(self, run_dir: Path) -> None:
-        for write in self._writes:
+        for target, write in self._writes:
+            run_manifest.record(run_dir, target)  # before writing: a kill half-way leaves it ours
             write()
 
     def _trainer(self, max_steps: int | None = None):

@@ -338,7 +338,7 @@ class AlgorithmConfig:
 class GuardsConfig:
     """Checks against training on wrong numbers, each on by default (controller/guards.py)."""
 
-    max_probs_gap: float = 0.05
+    max_probs_gap: float = 0.1
     """At an on-policy step, the largest mean |p_rollout - p_trainer| over response tokens; above it
     the run stops (the two sides are not running one policy). 0: off."""
     max_first_ppo_kl: float = 0.01

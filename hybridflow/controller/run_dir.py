@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from hybridflow.errors import UserError
+from hybridflow.run_manifest import WRITTEN, adopt_by_name, is_ours
 
 LOCK = ".hybridflow.lock"
 RUN_FILES = (
@@ -24,11 +25,13 @@ RUN_FILES = (
     "report.html",
     "wandb_run_id",
     LOCK,
+    WRITTEN,
 )
 RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 
 
-# inside RUN_FOLDERS, what is ours by name (anything else there is the user's and stays)
+# inside these RUN_FOLDERS an entry is ours only if run_manifest lists it (anything else there is
+# the user's and stays); the names are what a directory from before that list is trusted by
 OURS_INSIDE = {
     "checkpoints": re.compile(r"(global_step_\d+|\.tmp-global_step_\d+-.*)"),
     "inputs": re.compile(r"(actor|ref|critic|train\.jsonl|eval\.jsonl)"),
@@ -63,13 +66,13 @@ def clear_run_dir(run_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
             continue
         for entry in folder.iterdir() if folder.is_dir() else ():
-            if OURS_INSIDE[name].fullmatch(entry.name):
+            if is_ours(run_dir, entry):
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
     for name in RUN_FILES:
         if name != LOCK:  # held by this run
-            (run_dir / name).unlink(missing_ok=True)
+            (run_dir / name).unlink(missing_ok=True)  # the list of what we wrote too: all of it is gone
 
 
 class RunLock:
@@ -116,6 +119,7 @@ def prepare_run_dir(config, *, overwrite: bool) -> tuple[Path, RunLock]:
     run_dir = Path(config.trainer.run_dir)
     check_run_dir(run_dir, resume=config.trainer.resume, overwrite=overwrite)
     lock = RunLock(run_dir)
+    adopt_by_name(run_dir, OURS_INSIDE)
     if overwrite:
         clear_run_dir(run_dir)
     return run_dir, lock

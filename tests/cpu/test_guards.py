@@ -67,7 +67,7 @@ def test_a_probability_gap_above_the_bound_stops_naming_it():
     guards = TrainingGuards(GuardsConfig())
     guards.check(1, {"training/rollout_probs_diff_mean": 0.004, "training/rollout_probs_diff_max": 0.2})
     with pytest.raises(
-        GuardTripped, match=r"step 2: .* differ from the trainer's by 0\.2100 on average.*max_probs_gap=0\.05"
+        GuardTripped, match=r"step 2: .* differ from the trainer's by 0\.2100 on average.*max_probs_gap=0\.1"
     ):
         guards.check(2, {"training/rollout_probs_diff_mean": 0.21, "training/rollout_probs_diff_max": 0.9})
     TrainingGuards(GuardsConfig(max_probs_gap=0)).check(2, {"training/rollout_probs_diff_mean": 0.21})  # off

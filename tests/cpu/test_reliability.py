@@ -263,11 +263,15 @@ def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
     notes = tmp_path / "checkpoints" / "my-notes"
     notes.mkdir(parents=True)
     (notes / "keep.txt").write_text("mine")
+    theirs = tmp_path / "checkpoints" / "global_step_0"  # named like ours, complete-looking, not ours
+    theirs.mkdir()
+    (theirs / "trainer_state.json").write_text("{}")
     for step in (1, 2, 3, 4, 5):
         _save(tmp_path, step)  # keep_last=3
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["global_step_3", "global_step_4", "global_step_5", "my-notes"]
-    assert (notes / "keep.txt").read_text() == "mine"
+    assert names == ["global_step_0", "global_step_3", "global_step_4", "global_step_5", "my-notes"]
+    assert (notes / "keep.txt").read_text() == "mine" and (theirs / "trainer_state.json").read_text() == "{}"
+    assert (tmp_path / ".hybridflow-written").read_text().split() == [f"checkpoints/global_step_{s}" for s in (3, 4, 5)]
 
 
 KILLED_SCRIPT = """

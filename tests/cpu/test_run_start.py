@@ -130,12 +130,18 @@ def test_overwrite_deletes_only_what_hybridflow_wrote(setup, tmp_path):
     run = tmp_path / "run"
     RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()
     (run / "checkpoints" / "my_notes.txt").write_text("mine")
+    (run / "checkpoints" / "global_step_7").mkdir()  # the user's, named like ours: not in the list
+    (run / "checkpoints" / "global_step_7" / "notes.txt").write_text("mine too")
     (run / "inputs").mkdir()
     (run / "inputs" / "my_dataset.jsonl").write_text("{}\n")
+    (run / "inputs" / "train.jsonl").write_text("my own train.jsonl\n")
+    assert (run / ".hybridflow-written").read_text() == "checkpoints/global_step_1\n"
     RLTrainer(config(setup, run, "trainer.total_training_steps=1"), overwrite=True).close()
     assert not (run / "checkpoints" / "global_step_1").exists() and (run / "metrics.jsonl").read_text() == ""
     assert (run / "checkpoints" / "my_notes.txt").read_text() == "mine"
+    assert (run / "checkpoints" / "global_step_7" / "notes.txt").read_text() == "mine too"
     assert (run / "inputs" / "my_dataset.jsonl").read_text() == "{}\n"
+    assert (run / "inputs" / "train.jsonl").read_text() == "my own train.jsonl\n"
 
 
 def test_files_with_our_names_in_a_directory_no_run_started_are_not_replaced(setup, tmp_path):
@@ -147,3 +153,16 @@ def test_files_with_our_names_in_a_directory_no_run_started_are_not_replaced(set
         RLTrainer(config(setup, run, "trainer.total_training_steps=1"))
     assert (run / "config.yaml").read_text() == "my: config\n"
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "mine": 1}\n'
+
+
+def test_a_run_directory_from_before_the_written_list_is_trusted_by_name_once(setup, tmp_path):
+    """A directory an older hybridflow ran in (lock file, checkpoints, no .hybridflow-written): its
+    entries with our names are listed when a run first starts there, so pruning and --overwrite
+    still reach them; the user's files beside them stay."""
+    run = tmp_path / "run"
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()
+    (run / ".hybridflow-written").unlink()
+    (run / "checkpoints" / "notes.txt").write_text("mine")
+    RLTrainer(config(setup, run, "trainer.total_training_steps=1"), overwrite=True).close()
+    assert not (run / "checkpoints" / "global_step_1").exists()
+    assert (run / "checkpoints" / "notes.txt").read_text() == "mine"
