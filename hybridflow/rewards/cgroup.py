@@ -17,12 +17,13 @@ import uuid
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
+SELF = Path("/proc/self/cgroup")
 
 
-def _own_path(controller: str) -> str | None:
+def _own_path(controller: str, self_cgroup: Path) -> str | None:
     """This process's cgroup in hierarchy `controller` ('' for v2) from /proc/self/cgroup."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = self_cgroup.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
@@ -48,11 +49,15 @@ class ProgramCgroup:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
     @classmethod
-    def create(cls, memory_bytes: int, processes: int) -> ProgramCgroup | None:
+    def create(
+        cls, memory_bytes: int, processes: int, *, root: Path = ROOT, self_cgroup: Path = SELF
+    ) -> ProgramCgroup | None:
+        """A new group under this process's own, or None where none can be made (`root` and
+        `self_cgroup` are the cgroup filesystem and /proc/self/cgroup; tests give others)."""
         name = f"hybridflow-sandbox-{uuid.uuid4().hex[:12]}"
         for make in (cls._v2, cls._v1):
             try:
-                group = make(name, memory_bytes, processes)
+                group = make(name, memory_bytes, processes, root, self_cgroup)
             except OSError:
                 group = None
             if group is not None:
@@ -60,11 +65,11 @@ class ProgramCgroup:
         return None
 
     @classmethod
-    def _v2(cls, name: str, memory_bytes: int, processes: int) -> ProgramCgroup | None:
-        own = _own_path("")
-        if own is None or not (ROOT / "cgroup.controllers").exists():
+    def _v2(cls, name: str, memory_bytes: int, processes: int, root: Path, self_cgroup: Path):
+        own = _own_path("", self_cgroup)
+        if own is None or not (root / "cgroup.controllers").exists():
             return None
-        parent = ROOT / own.lstrip("/")
+        parent = root / own.lstrip("/")
         if not {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()):
             return None  # the controllers are not delegated to our children (or live in v1)
         group = parent / name
@@ -79,7 +84,7 @@ class ProgramCgroup:
         return cls(2, [group])
 
     @classmethod
-    def _v1(cls, name: str, memory_bytes: int, processes: int) -> ProgramCgroup | None:
+    def _v1(cls, name: str, memory_bytes: int, processes: int, root: Path, self_cgroup: Path):
         dirs = []
         try:
             for controller, limits in (
@@ -89,15 +94,15 @@ class ProgramCgroup:
                 ),
                 ("pids", {"pids.max": processes}),
             ):
-                own = _own_path(controller)
-                mount = ROOT / controller
+                own = _own_path(controller, self_cgroup)
+                mount = root / controller
                 if own is None or not (mount / "cgroup.procs").exists():
                     raise OSError(f"no v1 {controller} hierarchy")
                 group = mount / own.lstrip("/") / name
                 group.mkdir()
                 dirs.append(group)
-                for key, value in limits.items():
-                    if (group / key).exists():
+                for key, value in limits.items():  # swap accounting may be off: memsw alone is optional
+                    if "memsw" not in key or (group / key).exists():
                         (group / key).write_text(str(value))
         except OSError:
             cls(1, dirs).remove()

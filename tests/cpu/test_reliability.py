@@ -271,7 +271,9 @@ def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["global_step_0", "global_step_3", "global_step_4", "global_step_5", "my-notes"]
     assert (notes / "keep.txt").read_text() == "mine" and (theirs / "trainer_state.json").read_text() == "{}"
-    assert (tmp_path / ".hybridflow-written").read_text().split() == [f"checkpoints/global_step_{s}" for s in (3, 4, 5)]
+    assert (tmp_path / ".hybridflow-written").read_text().split() == [
+        f"checkpoints/global_step_{s}" for s in (3, 4, 5)
+    ]
 
 
 KILLED_SCRIPT = """

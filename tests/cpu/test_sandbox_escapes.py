@@ -235,3 +235,49 @@ def test_the_reward_deadline_is_the_sandboxs_deadline():
     assert outcome.timeout and 1.4 < elapsed < 3.0, (outcome, elapsed)
     time.sleep(0.3)
     assert subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True).returncode == 1
+
+
+def _fake_cgroupfs(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_cgroup_v2_layout_is_written_where_the_kernel_reads_it(tmp_path):
+    """This machine offers v1 only, so v2's files are checked on a copy of the layout: a group under
+    our own with memory.max, memory.swap.max and pids.max, joined through its cgroup.procs; none when
+    our cgroup does not delegate both controllers."""
+    from hybridflow.rewards.cgroup import ProgramCgroup
+
+    own = tmp_path / "proc-self-cgroup"
+    own.write_text("0::/user.slice/job\n")
+    _fake_cgroupfs(tmp_path / "fs", {"cgroup.controllers": "memory pids", "user.slice/job/cgroup.subtree_control": "memory",
+                                     "user.slice/job/cgroup.procs": ""})  # fmt: skip
+    assert (
+        ProgramCgroup.create(2**29, 16, root=tmp_path / "fs", self_cgroup=own) is None
+    )  # no pids: v1 then, absent
+    (tmp_path / "fs" / "user.slice/job/cgroup.subtree_control").write_text("memory pids\n")
+    group = ProgramCgroup.create(2**29, 16, root=tmp_path / "fs", self_cgroup=own)
+    assert group is not None and group.label == "cgroup v2"
+    (d,) = group.dirs
+    assert d.parent == tmp_path / "fs" / "user.slice" / "job" and d.name.startswith("hybridflow-sandbox-")
+    assert (d / "memory.max").read_text() == str(2**29) and (d / "pids.max").read_text() == "16"
+    assert group.join_paths == [str(d / "cgroup.procs")]
+
+
+def test_the_cgroup_v1_layout_caps_memory_and_processes(tmp_path):
+    from hybridflow.rewards.cgroup import ProgramCgroup
+
+    own = tmp_path / "proc-self-cgroup"
+    own.write_text("4:memory:/job\n8:pids:/job\n0::/\n")
+    _fake_cgroupfs(tmp_path / "fs", {"memory/cgroup.procs": "", "memory/job/cgroup.procs": "",
+                                     "pids/cgroup.procs": "", "pids/job/cgroup.procs": ""})  # fmt: skip
+    group = ProgramCgroup.create(2**29, 16, root=tmp_path / "fs", self_cgroup=own)
+    assert group is not None and group.label == "cgroup v1"
+    memory, pids = group.dirs
+    assert (
+        memory.parent == tmp_path / "fs" / "memory" / "job"
+        and pids.parent == tmp_path / "fs" / "pids" / "job"
+    )
+    assert (memory / "memory.limit_in_bytes").read_text() == str(2**29) and (pids / "pids.max").read_text() == "16"
+    assert not (memory / "memory.memsw.limit_in_bytes").exists()  # swap accounting off: not made up
