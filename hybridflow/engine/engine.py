@@ -1,17 +1,20 @@
-"""The rollout engine: `generate`, `update_weights`, `sleep`, `wake` — nothing else is public."""
+"""The rollout engine. Requests: `add_request`, `step` (each sample's new tokens), `abort`;
+`generate` is a loop over them. And `update_weights`, `sleep`, `wake`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.requests import RequestOutput
 from hybridflow.engine.runner import Runner
-from hybridflow.engine.sampler import sample, step_keys
+from hybridflow.engine.sampled import SampledRun
+from hybridflow.engine.sampler import step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
@@ -110,6 +113,19 @@ class Engine:
         )
         self.asleep = False
         self.stats: dict[str, float] = {}
+        self.scheduler = self._new_scheduler()
+        self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
+        self._next_seq_id = 0
+        self._stops: dict[tuple, torch.Tensor] = {}
+
+    def _new_scheduler(self) -> Scheduler:
+        c = self.config
+        return Scheduler(
+            self.cache,
+            max_sequences=c.max_batch_sequences,
+            max_prefill_tokens=c.max_prefill_tokens,
+            max_pages_per_sequence=self.runner.max_pages,
+        )
 
     def resize_pool(self) -> None:
         """Size the KV pool again from the GPU memory free now (gpu_memory_utilization of it), e.g.
@@ -121,6 +137,7 @@ class Engine:
         self.sleep()
         self.cache.resize(self._pool_pages())
         self.num_pages = self.cache.num_pages
+        self.scheduler = self._new_scheduler()  # over the new pool (no request runs: sleep checked)
         if awake:
             self.wake()
 
@@ -145,58 +162,110 @@ class Engine:
         return pages + 1  # page 0 is reserved
 
     # ----------------------------------------------------------------------------------- public
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i."""
-        if self.asleep:
-            raise RuntimeError("the engine is asleep; call wake() first")
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue `params.n` samples of one prompt; they share continuous batching with every other
+        request. Sample j draws from the stream (params.seed, params.first_sequence + j), so a
+        request samples the same tokens whatever else runs beside it (a random seed when None)."""
         c = self.config
-        for i, prompt in enumerate(prompt_token_ids):
-            if not prompt or len(prompt) >= c.max_context_tokens:
-                raise UserError(
-                    f"prompt {i} has {len(prompt)} tokens; the engine takes 1 to "
-                    f"{c.max_context_tokens - 1} (max_context_tokens={c.max_context_tokens})"
-                )
-        total = len(prompt_token_ids) * params.n
+        if request_id in self._requests:
+            raise UserError(f"request {request_id!r} is already running")
+        if not prompt_token_ids or len(prompt_token_ids) >= c.max_context_tokens:
+            raise UserError(
+                f"prompt {request_id} has {len(prompt_token_ids)} tokens; the engine takes 1 to "
+                f"{c.max_context_tokens - 1} (max_context_tokens={c.max_context_tokens})"
+            )
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         first = params.first_sequence
         seeds = step_keys(
-            torch.full((total,), base, dtype=torch.int64), torch.arange(first, first + total)
-        ).tolist()
-        scheduler = Scheduler(
-            self.cache,
-            max_sequences=c.max_batch_sequences,
-            max_prefill_tokens=c.max_prefill_tokens,
-            max_pages_per_sequence=self.runner.max_pages,
+            torch.full((params.n,), base, dtype=torch.int64), torch.arange(first, first + params.n)
         )
-        seqs: list[Sequence] = []
+        group = []
+        for j, seed in enumerate(seeds.tolist()):
+            group.append(
+                Sequence(self._next_seq_id, 0, list(prompt_token_ids), len(prompt_token_ids), seed,
+                         request_id=request_id, sample=j, params=params)
+            )  # fmt: skip
+            self._next_seq_id += 1
+        self._requests[request_id] = group
+        for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
+            self.scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now: its pages are freed; its unfinished samples end with 'abort'."""
+        group = self._requests.pop(request_id, None)
+        if group is None:
+            return []
+        aborted = {id(s) for s in group}
+        self.scheduler.waiting = type(self.scheduler.waiting)(
+            job for job in self.scheduler.waiting if id(job.seqs[0]) not in aborted
+        )
+        outputs = []
+        for s in group:
+            if s.finished:
+                continue
+            if s.seq_id in self.scheduler.running:
+                self.scheduler.finish(s)
+            s.finish_reason = "abort"
+            outputs.append(RequestOutput(request_id, s.sample, finish_reason="abort"))
+        return outputs
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: a prefill of newly admitted prompts, else a run of decode steps.
+        Returns each sample that advanced: its new tokens, and its finish reason on the last."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep; call wake() first")
+        if not self.scheduler.has_work:
+            return []
+        jobs = self.scheduler.schedule_prefill()
+        batch = self._prefill(jobs) if jobs else self._decode()
+        outputs = []
+        for s in batch:
+            new = slice(s.prompt_len + s.reported, len(s.tokens))
+            done = s.reported
+            s.reported = s.num_generated
+            outputs.append(
+                RequestOutput(s.request_id, s.sample, s.tokens[new], s.logprobs[done:],
+                              s.unscaled_logprobs[done:], s.finish_reason)
+            )  # fmt: skip
+            group = self._requests.get(s.request_id)
+            if s.finished and group is not None and all(x.finished for x in group):
+                del self._requests[s.request_id]
+        return outputs
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i. A loop
+        over the request API: sequence i*n + j draws from (seed, first_sequence + i*n + j), as before."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep; call wake() first")
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
-            group = [
-                Sequence(len(seqs) + j, i, list(prompt), len(prompt), seeds[len(seqs) + j])
-                for j in range(params.n)
-            ]
-            seqs += group
-            for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
-                scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
-        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.int64)
-        stops = stops.to(self.device)  # once per generate, not once per run
-        start, steps = time.perf_counter(), 0
-        finished = bar(total, "generate", enabled=c.progress, inner=True)
-        while scheduler.has_work:
-            jobs = scheduler.schedule_prefill()
-            if jobs:
-                finished.update(self._prefill(jobs, params, stops, scheduler))
-            else:
-                finished.update(self._decode(scheduler, params, stops))
+            if not prompt or len(prompt) >= self.config.max_context_tokens:
+                self.add_request(str(i), prompt, params)  # raises, naming prompt i
+        for i, (request_id, prompt) in enumerate(zip(ids, prompt_token_ids)):
+            first = params.first_sequence + i * params.n
+            self.add_request(request_id, prompt, replace(params, seed=base, first_sequence=first))
+        seqs = [s for request_id in ids for s in self._requests[request_id]]
+        for s, i in zip(seqs, (i for i in range(len(ids)) for _ in range(params.n))):
+            s.prompt_index = i
+        preempted, start, steps = self.scheduler.preemptions, time.perf_counter(), 0
+        finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
+        mine = set(ids)
+        while any(request_id in self._requests for request_id in mine):
+            finished.update(sum(o.finished for o in self.step() if o.request_id in mine))
             steps += 1
         finished.close()
-        assert self.cache.pool.num_free == self.cache.pool.num_pages, "pages leaked"
-        seconds = time.perf_counter() - start
-        new_tokens = sum(s.num_generated for s in seqs)
+        if not self.scheduler.has_work:
+            assert self.cache.pool.num_free == self.cache.pool.num_pages, "pages leaked"
         self.stats = {
             "steps": steps,
-            "preemptions": scheduler.preemptions,
-            "tokens": new_tokens,
-            "seconds": seconds,
+            "preemptions": self.scheduler.preemptions - preempted,
+            "tokens": sum(s.num_generated for s in seqs),
+            "seconds": time.perf_counter() - start,
         }
         return [
             Generation(
@@ -205,45 +274,51 @@ class Engine:
             for s in seqs
         ]
 
-    def _prefill(self, jobs: list[PrefillJob], params, stops, scheduler: Scheduler) -> int:
-        """Prefill the jobs' prompts and sample every sequence's next token (returns those finished)."""
+    def _stops_for(self, params: SamplingParams) -> torch.Tensor:
+        """The stop tokens of sequences sampled with `params`, on the device (made once per set)."""
+        key = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
+        if key not in self._stops:
+            self._stops[key] = torch.tensor(key, dtype=torch.int64).to(self.device)
+        return self._stops[key]
+
+    def _prefill(self, jobs: list[PrefillJob]) -> list[Sequence]:
+        """Prefill the jobs' prompts and sample every sequence's next token."""
         logits = self.runner.prefill(jobs)  # [J, V]
         batch = [s for job in jobs for s in job.seqs]
         rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
         logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
         for s in batch:
             s.cached = len(s.tokens)
-        sampled = _Sampled(batch, params, stops, steps=1, device=logits.device)
+        sampled = SampledRun(batch, self._stops_for, steps=1, device=logits.device)
         sampled.draw(logits, 0)
-        return self._record(batch, sampled.fetch(), [1] * len(batch), params, scheduler)
+        self._record(batch, sampled.fetch(), [1] * len(batch))
+        return batch
 
-    def _decode(self, scheduler: Scheduler, params, stops) -> int:
-        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
-        (returns the sequences finished)."""
-        c, ps, k = self.config, self.cache.page_size, self.config.decode_steps
-        cap = params.max_tokens  # a sequence's token count never passes prompt + max_tokens or the context
+    def _decode(self) -> list[Sequence]:
+        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end."""
+        c, ps, k, scheduler = self.config, self.cache.page_size, self.config.decode_steps, self.scheduler
 
-        def wanted(s: Sequence) -> int:
-            return min(k, min(s.prompt_len + cap, c.max_context_tokens) - len(s.tokens))
+        def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
+            return min(k, min(s.prompt_len + s.params.max_tokens, c.max_context_tokens) - len(s.tokens))
 
         batch = scheduler.schedule_decode(wanted)
         if not batch:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
         limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
-        sampled = _Sampled(batch, params, stops, steps=max(limits), device=self.device)
+        sampled = SampledRun(batch, self._stops_for, steps=max(limits), device=self.device)
         self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled.draw)
-        return self._record(batch, sampled.fetch(), limits, params, scheduler)
+        self._record(batch, sampled.fetch(), limits)
+        return batch
 
-    def _record(self, batch, run: np.ndarray, limits: list[int], params, scheduler: Scheduler) -> int:
+    def _record(self, batch, run: np.ndarray, limits: list[int]) -> None:
         """Append each sequence's tokens of the run (run [steps, 4, B]: token, log-prob, unscaled
-        log-prob, stop flag) up to its limit, its stop or its length; retire the finished sequences
-        and return how many."""
+        log-prob, stop flag) up to its limit, its stop or its length; retire the finished sequences."""
         steps = run.shape[0]
         limit = np.array(limits)[:, None]  # [B, 1]
         k = np.arange(steps)[None, :]  # [1, steps]
-        before = np.array([[s.num_generated, len(s.tokens)] for s in batch])  # [B, 2]
-        length = (before[:, :1] + k + 1 >= params.max_tokens) | (
-            before[:, 1:] + k + 1 >= self.config.max_context_tokens
+        before = np.array([[s.num_generated, len(s.tokens), s.params.max_tokens] for s in batch])  # [B, 3]
+        length = (before[:, :1] + k + 1 >= before[:, 2:]) | (
+            before[:, 1:2] + k + 1 >= self.config.max_context_tokens
         )  # [B, steps]: the token of step k reaches a limit
         stop = run[:, 3].T > 0  # [B, steps]
         ends = (stop | length) & (k < limit)
@@ -263,10 +338,9 @@ class Engine:
             s.unscaled_logprobs += un[:n]
             if end:
                 s.finish_reason = "stop" if st[n - 1] else "length"
-                scheduler.finish(s)
+                self.scheduler.finish(s)
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
-        return int(ended.sum())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
@@ -288,27 +362,3 @@ class Engine:
     def wake(self) -> None:
         self.cache.allocate()
         self.asleep = False
-
-
-class _Sampled:
-    """Tokens drawn on the device during a run of steps, kept there until the run ends: one copy to
-    the host per run instead of one per token."""
-
-    def __init__(self, batch: list[Sequence], params: SamplingParams, stops: torch.Tensor, *, steps, device):
-        self.params = params
-        self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
-        generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
-        self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
-        self.stops = stops  # [S] on the device
-        self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
-
-    def draw(self, logits: torch.Tensor, k: int) -> torch.Tensor:
-        """logits [B, V] of step k -> the sampled tokens [B] (recorded with their log-probs)."""
-        tokens, logp, unscaled = sample(logits, self.params, self.seeds, self.generated + k)
-        stopped = torch.isin(tokens, self.stops) if self.stops.numel() else torch.zeros_like(tokens)
-        self.out[k] = torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()])
-        return tokens
-
-    def fetch(self) -> np.ndarray:
-        """[steps, 4, B] on the host (the run's one sync)."""
-        return self.out.cpu().numpy()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.rollout.sampling import SamplingParams
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -24,6 +26,10 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     unscaled_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    request_id: str = ""
+    sample: int = 0  # which of its request's n samples
+    params: SamplingParams = field(default_factory=SamplingParams)
+    reported: int = 0  # generated tokens already handed out by Engine.step()
 
     @property
     def num_generated(self) -> int:

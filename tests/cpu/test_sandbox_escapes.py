@@ -279,5 +279,7 @@ def test_the_cgroup_v1_layout_caps_memory_and_processes(tmp_path):
         memory.parent == tmp_path / "fs" / "memory" / "job"
         and pids.parent == tmp_path / "fs" / "pids" / "job"
     )
-    assert (memory / "memory.limit_in_bytes").read_text() == str(2**29) and (pids / "pids.max").read_text() == "16"
+    assert (memory / "memory.limit_in_bytes").read_text() == str(2**29) and (
+        pids / "pids.max"
+    ).read_text() == "16"
     assert not (memory / "memory.memsw.limit_in_bytes").exists()  # swap accounting off: not made up

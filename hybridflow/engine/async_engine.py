@@ -1,0 +1,112 @@
+"""An asyncio front over the request API: thousands of coroutines share one engine.
+
+`await AsyncEngine(engine).generate(prompt_ids, params)` returns the request's generations;
+`async for out in async_engine.stream(...)` yields each step's new tokens. Cancelling either aborts
+the request (its pages are freed). One task drives the engine: requests added or aborted meanwhile
+are applied between two steps, and each step runs in a worker thread, so the event loop keeps
+serving while the device works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+from hybridflow.engine.engine import Engine
+from hybridflow.engine.requests import RequestOutput
+from hybridflow.rollout.sampling import Generation, SamplingParams
+
+
+class _Failed:
+    """Put on a request's queue: its prompt was refused (`fatal` False), or the engine stopped."""
+
+    def __init__(self, error: BaseException, fatal: bool) -> None:
+        self.error, self.fatal = error, fatal
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+
+    def _ensure_running(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error!r}") from self.error
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._drive(), name="hybridflow-engine")
+        self._wake.set()
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Each step's new tokens of every sample, until all `params.n` have finished."""
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._adds.append((request_id, list(prompt_ids), params))
+        self._ensure_running()
+        left = params.n
+        try:
+            while left:
+                out = await queue.get()
+                if isinstance(out, _Failed):
+                    if out.fatal:
+                        raise RuntimeError(f"the engine stopped: {out.error!r}") from out.error
+                    raise out.error
+                left -= out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if left and self.error is None:  # cancelled, or the reader stopped: nothing more is computed
+                self._adds = [a for a in self._adds if a[0] != request_id]
+                self._aborts.append(request_id)
+                self._ensure_running()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[Generation]:
+        samples = [Generation(0, [], [], "", []) for _ in range(params.n)]
+        async for out in self.stream(prompt_ids, params, request_id):
+            g = samples[out.sample]
+            g.token_ids += out.token_ids
+            g.logprobs += out.logprobs
+            g.unscaled_logprobs += out.unscaled_logprobs
+            g.finish_reason = out.finish_reason or g.finish_reason
+        return samples
+
+    async def _drive(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                for request_id in self._aborts:
+                    engine.abort(request_id)
+                self._aborts.clear()
+                for args in self._adds:
+                    try:
+                        engine.add_request(*args)
+                    except Exception as e:  # a bad prompt fails its own request, not the others
+                        if (queue := self._streams.get(args[0])) is not None:
+                            queue.put_nowait(_Failed(e, fatal=False))
+                self._adds.clear()
+                if not engine.has_unfinished_requests:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                for out in await asyncio.to_thread(engine.step):
+                    if (queue := self._streams.get(out.request_id)) is not None:
+                        queue.put_nowait(out)
+        except BaseException as e:  # the device failed: every waiting request hears of it
+            self.error = e
+            for queue in self._streams.values():
+                queue.put_nowait(_Failed(e, fatal=True))
+            raise

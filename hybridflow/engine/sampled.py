@@ -1,0 +1,59 @@
+"""Tokens drawn on the device during a run of decode steps, kept there until the run ends: one copy
+to the host per run instead of one per token. Each sequence samples with its own request's
+parameters: the batch is drawn in groups of equal parameters (one group, the usual case, is one call)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridflow.engine.sampler import sample
+from hybridflow.engine.sequence import Sequence
+from hybridflow.rollout.sampling import SamplingParams
+
+
+def params_key(p: SamplingParams) -> tuple:
+    """What decides how a sequence samples and stops (seeds are per sequence)."""
+    return (p.temperature, p.top_p, p.top_k, tuple(sorted(p.stop_token_ids)))
+
+
+class SampledRun:
+    def __init__(self, batch: list[Sequence], stops_for, *, steps: int, device) -> None:
+        """`stops_for(params)` -> the stop token ids [S] on the device for sequences of those params."""
+        self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
+        generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
+        self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
+        rows: dict[tuple, list[int]] = {}
+        for i, s in enumerate(batch):
+            rows.setdefault(params_key(s.params), []).append(i)
+        self.groups = [
+            (batch[r[0]].params, torch.tensor(r, device=device) if len(rows) > 1 else None, stops_for(batch[r[0]].params))
+            for r in rows.values()
+        ]  # fmt: skip
+        self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
+
+    @staticmethod
+    def _draw(logits, params, stops, seeds, generated, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> tokens [b], and [4, b]: token, log-prob, unscaled log-prob, stop flag."""
+        tokens, logp, unscaled = sample(logits, params, seeds, generated + k)
+        stopped = torch.isin(tokens, stops) if stops.numel() else torch.zeros_like(tokens)
+        return tokens, torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()])
+
+    def draw(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """logits [B, V] of step k -> the sampled tokens [B] (recorded with their log-probs)."""
+        if len(self.groups) == 1:
+            params, _, stops = self.groups[0]
+            tokens, self.out[k] = self._draw(logits, params, stops, self.seeds, self.generated, k)
+            return tokens
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        for params, rows, stops in self.groups:
+            part, drawn = self._draw(
+                logits.index_select(0, rows), params, stops, self.seeds[rows], self.generated[rows], k
+            )
+            tokens[rows] = part
+            self.out[k][:, rows] = drawn
+        return tokens
+
+    def fetch(self) -> np.ndarray:
+        """[steps, 4, B] on the host (the run's one sync)."""
+        return self.out.cpu().numpy()

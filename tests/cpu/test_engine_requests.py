@@ -1,0 +1,158 @@
+"""The engine's request API: add_request / step / abort give what generate gives, token for token,
+whatever else runs beside a request, with each request's own sampling parameters."""
+
+import pytest
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 60)), [250]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return from_hf_model(tiny_model("qwen2", seed=3))
+
+
+def engine_for(model, **config):
+    return Engine(
+        model, eos_token_ids=[1], config=EngineConfig(**({"page_size": 4, "max_context_tokens": 96} | config))
+    )
+
+
+def run_to_end(engine) -> dict[tuple[str, int], dict]:
+    """Every output streamed by step(), joined per (request, sample)."""
+    joined: dict[tuple[str, int], dict] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            got = joined.setdefault(
+                (out.request_id, out.sample), {"tokens": [], "logprobs": [], "finish": None}
+            )
+            assert got["finish"] is None, "an output after the last"
+            got["tokens"] += out.token_ids
+            got["logprobs"] += out.logprobs
+            got["finish"] = out.finish_reason
+    return joined
+
+
+def alone(model, prompt, params):
+    return engine_for(model).generate([prompt], params)
+
+
+PARAMS = [
+    SamplingParams(n=2, temperature=0, max_tokens=20),
+    SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=7),
+    SamplingParams(n=1, temperature=0.7, top_k=5, max_tokens=16, seed=3, stop_token_ids=[17]),
+    SamplingParams(n=2, temperature=1.2, top_p=0.8, max_tokens=30, seed=99),
+]
+
+
+def test_requests_with_their_own_parameters_equal_generate_token_for_token(model):
+    """Four requests of different lengths, sample counts and sampling parameters in one engine: each
+    sample streams exactly what generate gives that request alone (greedy and seeded sampling)."""
+    engine = engine_for(model)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        engine.add_request(f"r{i}", prompt, params)
+    joined = run_to_end(engine)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        for j, ref in enumerate(alone(model, prompt, params)):
+            got = joined[(f"r{i}", j)]
+            assert got["tokens"] == ref.token_ids and got["finish"] == ref.finish_reason
+            assert got["logprobs"] == pytest.approx(ref.logprobs, abs=1e-5)
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages  # every page back
+
+
+def test_a_request_added_mid_run_changes_nothing_for_either(model):
+    engine = engine_for(model)
+    engine.add_request("first", PROMPTS[2], PARAMS[3])
+    early = [engine.step() for _ in range(3)]  # a prefill, then decode runs
+    engine.add_request("late", PROMPTS[0], PARAMS[1])
+    joined = run_to_end(engine)
+    before: dict[int, list[int]] = {}
+    for out in (o for outs in early for o in outs):  # the first request's early tokens, in order
+        before.setdefault(out.sample, []).extend(out.token_ids)
+    for sample, tokens in before.items():
+        joined[("first", sample)]["tokens"][:0] = tokens
+    for request_id, prompt, params in (("first", PROMPTS[2], PARAMS[3]), ("late", PROMPTS[0], PARAMS[1])):
+        refs = alone(model, prompt, params)
+        assert [joined[(request_id, j)]["tokens"] for j in range(params.n)] == [r.token_ids for r in refs]
+
+
+def test_abort_ends_a_request_at_once_and_frees_its_pages(model):
+    """Four sequences at most run at once: 'drop' runs, 'keep' and 'queued' wait; aborting a running
+    request and a waiting one leaves 'keep' to run as it would alone."""
+    engine = engine_for(model, max_batch_sequences=4)
+    engine.add_request("drop", PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=60, seed=1))
+    engine.add_request("keep", PROMPTS[1], PARAMS[0])
+    engine.add_request("queued", PROMPTS[0], PARAMS[1])
+    early = engine.step() + engine.step()
+    assert {o.request_id for o in early} == {"drop"}  # the others wait for room
+    aborted = engine.abort("drop") + engine.abort("queued")
+    assert sorted((o.request_id, o.sample, o.finish_reason) for o in aborted) == [
+        ("drop", 0, "abort"), ("drop", 1, "abort"), ("drop", 2, "abort"),
+        ("queued", 0, "abort"), ("queued", 1, "abort"), ("queued", 2, "abort"),
+    ]  # fmt: skip
+    assert engine.abort("drop") == []  # gone
+    joined = run_to_end(engine)
+    assert {k[0] for k in joined} == {"keep"}
+    for j in range(2):
+        joined[("keep", j)]["tokens"][:0] = [
+            t for o in early if (o.request_id, o.sample) == ("keep", j) for t in o.token_ids
+        ]
+    assert [joined[("keep", j)]["tokens"] for j in range(2)] == [
+        g.token_ids for g in alone(model, PROMPTS[1], PARAMS[0])
+    ]
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+    assert not engine.has_unfinished_requests and engine.step() == []
+
+
+def test_request_ids_and_prompts_are_checked(model):
+    engine = engine_for(model)
+    engine.add_request("a", [3, 4], PARAMS[0])
+    with pytest.raises(UserError, match="request 'a' is already running"):
+        engine.add_request("a", [3, 4], PARAMS[0])
+    with pytest.raises(UserError, match="prompt b has 0 tokens"):
+        engine.add_request("b", [], PARAMS[0])
+    run_to_end(engine)
+    engine.add_request("a", [3, 4], PARAMS[0])  # a finished request's id is free again
+    assert run_to_end(engine)[("a", 1)]["finish"] in ("stop", "length")
+
+
+def test_two_hundred_coroutines_share_one_engine_and_a_cancelled_one_is_aborted(model):
+    """200 concurrent requests through AsyncEngine: each gets what generate gives it alone; one
+    cancelled mid-way is aborted (its pages freed), a bad prompt fails only its own request."""
+    import asyncio
+
+    from hybridflow.engine.async_engine import AsyncEngine
+
+    engine = engine_for(model, max_batch_sequences=64)
+    front = AsyncEngine(engine)
+    params = [SamplingParams(n=1, temperature=1.0, max_tokens=8 + i % 9, seed=i) for i in range(200)]
+    prompts = [PROMPTS[i % 4] for i in range(200)]
+
+    async def main():
+        slow = asyncio.create_task(
+            front.generate(PROMPTS[2], SamplingParams(n=2, temperature=1.0, max_tokens=80, seed=5))
+        )
+        results = await asyncio.gather(*(front.generate(p, q) for p, q in zip(prompts, params)))
+        assert not slow.done()
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        with pytest.raises(UserError, match="has 0 tokens"):
+            await front.generate([], params[0])
+        for _ in range(50):  # the abort is applied between two steps
+            if not engine.has_unfinished_requests:
+                break
+            await asyncio.sleep(0.01)
+        return results
+
+    results = asyncio.run(main())
+    reference = engine_for(model)
+    for i in range(0, 200, 17):
+        assert results[i][0].token_ids == reference.generate([prompts[i]], params[i])[0].token_ids
+    assert not engine.has_unfinished_requests
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
