@@ -13,7 +13,7 @@ import torch
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.requests import RequestOutput
 from hybridflow.engine.runner import Runner
-from hybridflow.engine.sampled import SampledRun
+from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
@@ -117,6 +117,7 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
         self._next_seq_id = 0
         self._stops: dict[tuple, torch.Tensor] = {}
+        self._sampling_groups: dict[tuple, int] = {}  # params_key -> Sequence.sampling_group
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -179,11 +180,13 @@ class Engine:
         seeds = step_keys(
             torch.full((params.n,), base, dtype=torch.int64), torch.arange(first, first + params.n)
         )
+        sampling_group = self._sampling_groups.setdefault(params_key(params), len(self._sampling_groups))
+        end = min(len(prompt_token_ids) + params.max_tokens, c.max_context_tokens)
         group = []
         for j, seed in enumerate(seeds.tolist()):
             group.append(
                 Sequence(self._next_seq_id, 0, list(prompt_token_ids), len(prompt_token_ids), seed,
-                         request_id=request_id, sample=j, params=params)
+                         request_id=request_id, sample=j, params=params, sampling_group=sampling_group, end=end)
             )  # fmt: skip
             self._next_seq_id += 1
         self._requests[request_id] = group
@@ -216,25 +219,28 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step: a prefill of newly admitted prompts, else a run of decode steps.
         Returns each sample that advanced: its new tokens, and its finish reason on the last."""
+        outputs = []
+        for s in self._step():
+            done, s.reported = s.reported, s.num_generated
+            outputs.append(
+                RequestOutput(s.request_id, s.sample, s.tokens[s.prompt_len + done :], s.logprobs[done:],
+                              s.unscaled_logprobs[done:], s.finish_reason)
+            )  # fmt: skip
+        return outputs
+
+    def _step(self) -> list[Sequence]:
+        """The step itself; returns the sequences that advanced (a finished request is forgotten)."""
         if self.asleep:
             raise RuntimeError("the engine is asleep; call wake() first")
         if not self.scheduler.has_work:
             return []
         jobs = self.scheduler.schedule_prefill()
         batch = self._prefill(jobs) if jobs else self._decode()
-        outputs = []
         for s in batch:
-            new = slice(s.prompt_len + s.reported, len(s.tokens))
-            done = s.reported
-            s.reported = s.num_generated
-            outputs.append(
-                RequestOutput(s.request_id, s.sample, s.tokens[new], s.logprobs[done:],
-                              s.unscaled_logprobs[done:], s.finish_reason)
-            )  # fmt: skip
-            group = self._requests.get(s.request_id)
-            if s.finished and group is not None and all(x.finished for x in group):
+            group = self._requests.get(s.request_id) if s.finished else None
+            if group is not None and all(x.finished for x in group):
                 del self._requests[s.request_id]
-        return outputs
+        return batch
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i. A loop
@@ -254,9 +260,11 @@ class Engine:
             s.prompt_index = i
         preempted, start, steps = self.scheduler.preemptions, time.perf_counter(), 0
         finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
-        mine = set(ids)
-        while any(request_id in self._requests for request_id in mine):
-            finished.update(sum(o.finished for o in self.step() if o.request_id in mine))
+        mine, left = set(ids), len(seqs)
+        while left:  # straight on the sequences: the trainer's path builds no per-step outputs
+            ended = sum(s.finished for s in self._step() if s.request_id in mine)
+            left -= ended
+            finished.update(ended)
             steps += 1
         finished.close()
         if not self.scheduler.has_work:
@@ -296,10 +304,10 @@ class Engine:
 
     def _decode(self) -> list[Sequence]:
         """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end."""
-        c, ps, k, scheduler = self.config, self.cache.page_size, self.config.decode_steps, self.scheduler
+        ps, k, scheduler = self.cache.page_size, self.config.decode_steps, self.scheduler
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
-            return min(k, min(s.prompt_len + s.params.max_tokens, c.max_context_tokens) - len(s.tokens))
+            return min(k, s.end - len(s.tokens))
 
         batch = scheduler.schedule_decode(wanted)
         if not batch:
@@ -316,10 +324,8 @@ class Engine:
         steps = run.shape[0]
         limit = np.array(limits)[:, None]  # [B, 1]
         k = np.arange(steps)[None, :]  # [1, steps]
-        before = np.array([[s.num_generated, len(s.tokens), s.params.max_tokens] for s in batch])  # [B, 3]
-        length = (before[:, :1] + k + 1 >= before[:, 2:]) | (
-            before[:, 1:2] + k + 1 >= self.config.max_context_tokens
-        )  # [B, steps]: the token of step k reaches a limit
+        before = np.array([len(s.tokens) - s.end for s in batch])[:, None]  # [B, 1]: <= -1 while running
+        length = before + k + 1 >= 0  # [B, steps]: the token of step k reaches max_tokens or the context
         stop = run[:, 3].T > 0  # [B, steps]
         ends = (stop | length) & (k < limit)
         ended = ends.any(1)  # [B]

@@ -23,9 +23,9 @@ class SampledRun:
         self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
         generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
         self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
-        rows: dict[tuple, list[int]] = {}
+        rows: dict[int, list[int]] = {}
         for i, s in enumerate(batch):
-            rows.setdefault(params_key(s.params), []).append(i)
+            rows.setdefault(s.sampling_group, []).append(i)
         self.groups = [
             (batch[r[0]].params, torch.tensor(r, device=device) if len(rows) > 1 else None, stops_for(batch[r[0]].params))
             for r in rows.values()

@@ -29,6 +29,8 @@ class Sequence:
     request_id: str = ""
     sample: int = 0  # which of its request's n samples
     params: SamplingParams = field(default_factory=SamplingParams)
+    sampling_group: int = 0  # sequences of equal sampling parameters share it (drawn together)
+    end: int = 1 << 62  # token count at which it stops: prompt + max_tokens, or the context
     reported: int = 0  # generated tokens already handed out by Engine.step()
 
     @property
