@@ -19,7 +19,7 @@ from hybridflow.config.schema import DataConfig
 from hybridflow.data.files import json_default
 from hybridflow.errors import UserError
 
-FORMAT = 1  # bump when the layout or the rendering changes
+FORMAT = 2  # bump when the layout, the rendering or the row checks change (2: nesting depth)
 # the data.* fields a cached prompt depends on
 PROMPT_FIELDS = ("prompt_key", "answer_key", "data_source", "max_prompt_tokens", "overlong_prompts",
                  "on_bad_row", "apply_chat_template", "chat_template_kwargs", "system_prompt")  # fmt: skip
