@@ -112,6 +112,8 @@ class Engine:
             compile_layers=c.compile_layers,
         )
         self.asleep = False
+        self.paused = False
+        self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
         self.stats: dict[str, float] = {}
         self.scheduler = self._new_scheduler()
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
@@ -224,7 +226,7 @@ class Engine:
             done, s.reported = s.reported, s.num_generated
             outputs.append(
                 RequestOutput(s.request_id, s.sample, s.tokens[s.prompt_len + done :], s.logprobs[done:],
-                              s.unscaled_logprobs[done:], s.finish_reason)
+                              s.unscaled_logprobs[done:], s.finish_reason, self.weight_version)
             )  # fmt: skip
         return outputs
 
@@ -232,7 +234,7 @@ class Engine:
         """The step itself; returns the sequences that advanced (a finished request is forgotten)."""
         if self.asleep:
             raise RuntimeError("the engine is asleep; call wake() first")
-        if not self.scheduler.has_work:
+        if self.paused or not self.scheduler.has_work:
             return []
         jobs = self.scheduler.schedule_prefill()
         batch = self._prefill(jobs) if jobs else self._decode()
@@ -245,8 +247,10 @@ class Engine:
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i. A loop
         over the request API: sequence i*n + j draws from (seed, first_sequence + i*n + j), as before."""
-        if self.asleep:
-            raise RuntimeError("the engine is asleep; call wake() first")
+        if self.asleep or self.paused:
+            raise RuntimeError(
+                f"the engine is {'asleep' if self.asleep else 'paused'}; call {'wake' if self.asleep else 'resume'}() first"
+            )
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
@@ -348,10 +352,23 @@ class Engine:
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
 
+    def pause(self) -> None:
+        """Stop scheduling: `step()` does nothing until `resume()`; running requests keep their tokens."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
-        returns the bytes written (0 when the engine runs the trainer's own module)."""
-        return self._update(named_tensors)
+        returns the bytes written (0 when the engine runs the trainer's own module). Requests in
+        flight keep their tokens but lose their cached K/V (computed with the old weights): they are
+        prefilled again, prompt and tokens so far, at their next step, and sample on with the new
+        weights (`weight_version` says which)."""
+        written = self._update(named_tensors)
+        self.weight_version += 1
+        self.scheduler.preempt_all()
+        return written
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the trainer's parameter names (for the weight-sync check)."""

@@ -19,6 +19,8 @@ class RequestOutput:
     """Under the model's own distribution."""
     finish_reason: str | None = None
     """None while it runs; 'stop', 'length' or 'abort' on its last output."""
+    weight_version: int = 0
+    """The engine's weight version these tokens were sampled with (+1 at each update_weights)."""
 
     @property
     def finished(self) -> bool:

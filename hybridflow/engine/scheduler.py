@@ -123,6 +123,11 @@ class Scheduler:
         self.waiting.appendleft(PrefillJob([seq]))
         self.preemptions += 1
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to waiting, in admission order (its K/V to be recomputed)."""
+        for seq in reversed(list(self.running.values())):
+            self._preempt(seq)
+
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.seq_id]
         self.pool.release(seq.pages)

@@ -156,3 +156,33 @@ def test_two_hundred_coroutines_share_one_engine_and_a_cancelled_one_is_aborted(
         assert results[i][0].token_ids == reference.generate([prompts[i]], params[i])[0].token_ids
     assert not engine.has_unfinished_requests
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_pause_update_resume_continues_each_request_with_the_new_weights(model):
+    """Paused mid-run, new weights in, resumed: each request keeps the tokens it had and goes on
+    exactly as a fresh engine with the new weights goes on from them (greedy); outputs say which
+    weights they were sampled with."""
+    new_model = from_hf_model(tiny_model("qwen2", seed=11))
+    engine = engine_for(model, share_weights=False)
+    params = SamplingParams(n=1, temperature=0, max_tokens=24)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", prompt, params)
+    before: dict[str, list[int]] = {}
+    for out in engine.step() + engine.step():
+        assert out.weight_version == 0
+        before.setdefault(out.request_id, []).extend(out.token_ids)
+    engine.pause()
+    assert engine.step() == [] and engine.has_unfinished_requests
+    engine.update_weights(new_model.named_parameters())
+    engine.resume()
+    after: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            assert out.weight_version == 1
+            after.setdefault(out.request_id, []).extend(out.token_ids)
+    fresh = engine_for(new_model)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        done = before[f"r{i}"]
+        rest = SamplingParams(n=1, temperature=0, max_tokens=24 - len(done))
+        assert after[f"r{i}"] == fresh.generate([prompt + done], rest)[0].token_ids
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
