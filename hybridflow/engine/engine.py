@@ -172,11 +172,7 @@ class Engine:
         c = self.config
         if request_id in self._requests:
             raise UserError(f"request {request_id!r} is already running")
-        if not prompt_token_ids or len(prompt_token_ids) >= c.max_context_tokens:
-            raise UserError(
-                f"prompt {request_id} has {len(prompt_token_ids)} tokens; the engine takes 1 to "
-                f"{c.max_context_tokens - 1} (max_context_tokens={c.max_context_tokens})"
-            )
+        self._check_prompt(request_id, prompt_token_ids)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         first = params.first_sequence
         seeds = step_keys(
@@ -195,15 +191,20 @@ class Engine:
         for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
             self.scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
 
+    def _check_prompt(self, name, prompt_token_ids: list[int]) -> None:
+        limit = self.config.max_context_tokens
+        if not prompt_token_ids or len(prompt_token_ids) >= limit:
+            raise UserError(
+                f"prompt {name} has {len(prompt_token_ids)} tokens; the engine takes 1 to {limit - 1} "
+                f"(max_context_tokens={limit})"
+            )
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request now: its pages are freed; its unfinished samples end with 'abort'."""
         group = self._requests.pop(request_id, None)
         if group is None:
             return []
-        aborted = {id(s) for s in group}
-        self.scheduler.waiting = type(self.scheduler.waiting)(
-            job for job in self.scheduler.waiting if id(job.seqs[0]) not in aborted
-        )
+        self.scheduler.drop_waiting(group)
         outputs = []
         for s in group:
             if s.finished:
@@ -254,8 +255,7 @@ class Engine:
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
         ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
-            if not prompt or len(prompt) >= self.config.max_context_tokens:
-                self.add_request(str(i), prompt, params)  # raises, naming prompt i
+            self._check_prompt(i, prompt)  # all before any is queued
         for i, (request_id, prompt) in enumerate(zip(ids, prompt_token_ids)):
             first = params.first_sequence + i * params.n
             self.add_request(request_id, prompt, replace(params, seed=base, first_sequence=first))

@@ -123,6 +123,11 @@ class Scheduler:
         self.waiting.appendleft(PrefillJob([seq]))
         self.preemptions += 1
 
+    def drop_waiting(self, seqs: list[Sequence]) -> None:
+        """Forget the waiting jobs of these sequences (an aborted request's)."""
+        gone = {s.seq_id for s in seqs}
+        self.waiting = deque(job for job in self.waiting if job.seqs[0].seq_id not in gone)
+
     def preempt_all(self) -> None:
         """Every running sequence back to waiting, in admission order (its K/V to be recomputed)."""
         for seq in reversed(list(self.running.values())):
