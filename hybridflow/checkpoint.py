@@ -15,6 +15,7 @@ Layout of RUN_DIR/checkpoints/global_step_N/:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,8 +23,8 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -198,9 +199,10 @@ def save_checkpoint(
             f"{free / 1e9:.1f} GB are free; free some space, lower trainer.keep_last_checkpoints, or move "
             "trainer.run_dir"
         )
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
+    tmp = root / f".tmp-global_step_{step}-{secrets.token_hex(4)}"
     try:
-        run_manifest.record(run_dir, tmp)
+        run_manifest.record(run_dir, tmp)  # listed before it exists: a kill right after mkdir leaves it ours
+        tmp.mkdir(mode=0o700)
         write_models(tmp)
         torch.save(optim_state, tmp / "optim.pt")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
@@ -219,6 +221,8 @@ def save_checkpoint(
         run_manifest.forget(run_dir, [tmp])
     except OSError as e:  # disk full, quota, read-only or unwritable folder, ...
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_manifest.forget(run_dir, [tmp])
         earlier = latest_checkpoint_name(run_dir)
         raise UserError(
             f"checkpoint global_step_{step} could not be written in {root}: {e.strerror or e} "
@@ -227,6 +231,8 @@ def save_checkpoint(
         ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_manifest.forget(run_dir, [tmp])
         raise
     old = [p for _, p in list_checkpoints(run_dir)[:-keep_last]] if keep_last > 0 else []
     for path in (p for p in old if run_manifest.is_ours(run_dir, p)):

@@ -276,6 +276,40 @@ def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
     ]
 
 
+DIES_IN_SAVE = """
+import os, sys
+from pathlib import Path
+from hybridflow.checkpoint import save_checkpoint
+
+made = []
+
+def kill_right_after_the_folder_exists(event, args):  # the audit event after its mkdir
+    if made:
+        os._exit(9)
+    if event == "os.mkdir" and ".tmp-global_step_2-" in os.fspath(args[0]):
+        made.append(args[0])
+
+sys.addaudithook(kill_right_after_the_folder_exists)
+save_checkpoint(Path(sys.argv[1]), 2, write_models=print, optim_state={}, trainer_state={}, config_yaml="",
+                keep_last=3)
+"""
+
+
+def test_a_save_killed_the_moment_its_folder_exists_is_cleaned_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    _save(tmp_path, 1)
+    died = subprocess.run([sys.executable, "-c", DIES_IN_SAVE, str(tmp_path)], capture_output=True, text=True)
+    assert died.returncode == 9, died.stderr
+    [leftover] = (tmp_path / "checkpoints").glob(".tmp-global_step_2-*")
+    assert f"checkpoints/{leftover.name}" in (tmp_path / ".hybridflow-written").read_text().split()
+    _save(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["global_step_1", "global_step_2"]
+    assert (tmp_path / ".hybridflow-written").read_text().split() == ["checkpoints/global_step_1",
+                                                                    "checkpoints/global_step_2"]  # fmt: skip
+
+
 KILLED_SCRIPT = """
 import sys
 from pathlib import Path
