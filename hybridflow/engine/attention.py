@@ -1,7 +1,7 @@
 """Attention over the paged KV cache. Metadata comes in explicitly (no module globals).
 
-Prefill runs the trainer's packed causal attention on the new tokens (a prefill never has a cached
-prefix: fresh prompts, or a preempted sequence recomputing everything) and stores their K/V.
+Prefill runs the trainer's packed causal attention on the new tokens and stores their K/V; a job
+that starts from cached pages (the prefix cache) attends its new tokens to the whole context instead.
 Decode attends one query per sequence to its pages: a Triton kernel on CUDA, PyTorch elsewhere."""
 
 from __future__ import annotations
@@ -23,6 +23,35 @@ def store_kv(
 def prefill_attention(q, k, v, layout: PackedLayout) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] of packed new tokens -> [N, Hq, D]."""
     return packed_causal_attention(q, k, v, layout)
+
+
+def prefix_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bounds: list[int], k_bounds: list[int], cu=None
+) -> torch.Tensor:
+    """q [N, Hq, D]: each job's new tokens, the last ones of its context; k/v [M, Hkv, D]: each job's
+    whole context (cached prefix + new). Causal with the queries at the end -> [N, Hq, D].
+    cu: (cu_q, cu_k) int32 on the device, for CUDA's varlen attention (bottom-right causal)."""
+    q_lens = [b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])]
+    k_lens = [b - a for a, b in zip(k_bounds[:-1], k_bounds[1:])]
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return varlen_attn(q, k, v, cu[0], cu[1], max(q_lens), max(k_lens), window_size=(-1, 0))
+    outs = []
+    for qs, ks, vs, nq, nk in zip(
+        torch.split(q, q_lens), torch.split(k, k_lens), torch.split(v, k_lens), q_lens, k_lens
+    ):
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # [1, H, L, D]
+        seen = (
+            torch.arange(nk, device=q.device)[None, :] <= torch.arange(nk - nq, nk, device=q.device)[:, None]
+        )
+        outs.append(
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=True)[0].transpose(0, 1)
+        )
+    return torch.cat(outs)
 
 
 def paged_decode_attention_reference(

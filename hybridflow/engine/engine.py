@@ -54,6 +54,10 @@ class EngineConfig:
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
     """A transient bar of finished sequences during `generate` (on a terminal only)."""
+    prefix_cache: bool = True
+    """Keep the K/V of full pages after their requests end, keyed by their token prefix, so a prompt
+    that extends an earlier one (a conversation's next turn, a shared system prompt) prefills only
+    what is new; dropped at every update_weights and sleep."""
     share_weights: bool = True
     """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
     False keeps a copy (the trainer's module is about to be sharded)."""
@@ -85,6 +89,8 @@ class Engine:
             and self.compute_dtype == master
         )
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
+        self._shares_trainer_module = shared
+        self._weights_stamp = self._stamp()
         self._update = WeightUpdater(weight_targets(self.model))
         self.eos_token_ids = list(eos_token_ids)
         mc = self.model.config
@@ -128,6 +134,7 @@ class Engine:
             max_sequences=c.max_batch_sequences,
             max_prefill_tokens=c.max_prefill_tokens,
             max_pages_per_sequence=self.runner.max_pages,
+            prefix_cache=c.prefix_cache,
         )
 
     def resize_pool(self) -> None:
@@ -237,6 +244,12 @@ class Engine:
             raise RuntimeError("the engine is asleep; call wake() first")
         if self.paused or not self.scheduler.has_work:
             return []
+        if (
+            self._shares_trainer_module
+            and self.cache.pool.num_cached
+            and self._stamp() != self._weights_stamp
+        ):
+            self._weights_changed()  # the trainer stepped the module we run without an update_weights
         jobs = self.scheduler.schedule_prefill()
         batch = self._prefill(jobs) if jobs else self._decode()
         for s in batch:
@@ -262,7 +275,9 @@ class Engine:
         seqs = [s for request_id in ids for s in self._requests[request_id]]
         for s, i in zip(seqs, (i for i in range(len(ids)) for _ in range(params.n))):
             s.prompt_index = i
-        preempted, start, steps = self.scheduler.preemptions, time.perf_counter(), 0
+        scheduler = self.scheduler
+        preempted, start, steps = scheduler.preemptions, time.perf_counter(), 0
+        admitted, cached = scheduler.admitted_tokens, scheduler.cached_tokens
         finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
         mine, left = set(ids), len(seqs)
         while left:  # straight on the sequences: the trainer's path builds no per-step outputs
@@ -276,6 +291,8 @@ class Engine:
         self.stats = {
             "steps": steps,
             "preemptions": self.scheduler.preemptions - preempted,
+            "prefill_tokens": scheduler.admitted_tokens - admitted,  # prompts, and recomputed sequences
+            "prefix_cached_tokens": scheduler.cached_tokens - cached,
             "tokens": sum(s.num_generated for s in seqs),
             "seconds": time.perf_counter() - start,
         }
@@ -285,6 +302,16 @@ class Engine:
             )
             for s in seqs
         ]
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Since the engine was made: tokens admitted to prefill, those found cached, and the ratio."""
+        s = self.scheduler
+        return {
+            "prompt_tokens": s.admitted_tokens,
+            "cached_tokens": s.cached_tokens,
+            "hit_rate": s.cached_tokens / s.admitted_tokens if s.admitted_tokens else 0.0,
+            "cached_pages": self.cache.pool.num_cached,
+        }
 
     def _stops_for(self, params: SamplingParams) -> torch.Tensor:
         """The stop tokens of sequences sampled with `params`, on the device (made once per set)."""
@@ -366,9 +393,19 @@ class Engine:
         prefilled again, prompt and tokens so far, at their next step, and sample on with the new
         weights (`weight_version` says which)."""
         written = self._update(named_tensors)
+        self._weights_changed()
+        return written
+
+    def _weights_changed(self) -> None:
         self.weight_version += 1
         self.scheduler.preempt_all()
-        return written
+        self.cache.pool.forget_prefixes()  # every cached K/V was computed with the old weights
+        self._weights_stamp = self._stamp()
+
+    def _stamp(self) -> int:
+        """Changes whenever any weight is written in place (an optimizer step, a copy): the sum of
+        the parameters' version counters."""
+        return sum(p._version for p in self.model.parameters())
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the trainer's parameter names (for the weight-sync check)."""

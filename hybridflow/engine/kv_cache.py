@@ -3,36 +3,84 @@ reference counts so that the samples of one prompt share the prompt's pages."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 
 class PagePool:
     """Host-side bookkeeping of physical pages: a free list and a reference count per page. Page 0 is
-    never handed out: padded rows of a captured decode batch write their K/V there."""
+    never handed out: padded rows of a captured decode batch write their K/V there.
+
+    The prefix cache: a full page whose K/V are known (`register`) keeps its key when its last user
+    lets go; it then waits, least recently released first, to be found again by a request with the
+    same prefix (`lookup`) or to be taken for new pages once the free list is empty. Such pages count
+    as free."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages - 1  # usable pages
         self.refs = [0] * num_pages
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+        self._page_of: dict[bytes, int] = {}  # prefix key -> page
+        self._key_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds, LRU first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
 
     def allocate(self) -> int:
-        page = self._free.pop()
+        if self._free:
+            page = self._free.pop()
+        else:  # evict the cached page released longest ago
+            page, _ = self._idle.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
         self.refs[page] = 1
         return page
 
     def share(self, page: int) -> None:
+        if self.refs[page] == 0:
+            del self._idle[page]
         self.refs[page] += 1
 
     def release(self, pages: list[int]) -> None:
         for page in pages:
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                self._free.append(page)
+                if page in self._key_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
             assert self.refs[page] >= 0, f"page {page} released twice"
+
+    def register(self, pages: list[int], keys: list[bytes]) -> None:
+        """These full pages hold the K/V their keys name (a page already known, or a key already
+        held by another page, is left as it is)."""
+        for page, key in zip(pages, keys):
+            if page not in self._key_of and key not in self._page_of:
+                self._page_of[key], self._key_of[page] = page, key
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of `keys`, each now held once more (share)."""
+        found = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            self.share(page)
+            found.append(page)
+        return found
+
+    def forget_prefixes(self) -> None:
+        """Every key dropped (the weights changed, or the K/V tensors are gone): idle pages are free."""
+        self._free.extend(reversed(self._idle))
+        self._idle.clear()
+        self._page_of.clear()
+        self._key_of.clear()
 
 
 class KVCache:
@@ -78,6 +126,7 @@ class KVCache:
     def release(self) -> None:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("cannot free the KV cache while sequences hold pages")
+        self.pool.forget_prefixes()  # the K/V they name go with the tensors
         self.k = self.v = None
 
     def copy_page(self, src: int, dst: int) -> None:

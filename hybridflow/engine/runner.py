@@ -10,7 +10,12 @@ import numpy as np
 import torch
 
 from hybridflow.batch import pack_sequences
-from hybridflow.engine.attention import paged_decode_attention, prefill_attention, store_kv
+from hybridflow.engine.attention import (
+    paged_decode_attention,
+    prefill_attention,
+    prefix_prefill_attention,
+    store_kv,
+)
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.sequence import PrefillJob, Sequence
 from hybridflow.models.native.model import NativeCausalLM, PackedLayout
@@ -86,7 +91,10 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, jobs: list[PrefillJob]) -> torch.Tensor:
-        """K/V of every job's tokens into its pages; logits at each job's last token [J, V]."""
+        """K/V of every job's tokens into its pages; logits at each job's last token [J, V]. A job
+        whose sequences start with `cached` tokens (the prefix cache) computes only the rest."""
+        if any(job.seqs[0].cached for job in jobs):
+            return self._prefill_after_prefix(jobs)
         packed = pack_sequences([job.tokens for job in jobs])
         slots = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
         dev = self.device
@@ -104,6 +112,36 @@ class Runner:
         with self._autocast():
             hidden = self._hidden(packed.input_ids.to(dev), packed.position_ids.to(dev), attend)
             last = torch.tensor(bounds[1:], device=dev) - 1
+            return self._logits(hidden.index_select(0, last))
+
+    def _prefill_after_prefix(self, jobs: list[PrefillJob]) -> torch.Tensor:
+        """The new tokens of each job (from its `cached` on) attend to its whole context, read back
+        from the pages: the cached prefix's K/V and the new ones just stored."""
+        dev, cache = self.device, self.cache
+        starts = [job.seqs[0].cached for job in jobs]
+        ids = [t for job, a in zip(jobs, starts) for t in job.tokens[a:]]
+        pos = [p for job, a in zip(jobs, starts) for p in range(a, len(job.tokens))]
+        new = [s for job, a in zip(jobs, starts) for s in self._slots(job.seqs[0].pages, a, len(job.tokens))]
+        every = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
+        q_bounds, k_bounds = [0], [0]
+        for job, a in zip(jobs, starts):
+            q_bounds.append(q_bounds[-1] + len(job.tokens) - a)
+            k_bounds.append(k_bounds[-1] + len(job.tokens))
+        new_t = torch.tensor(new, dtype=torch.int64, device=dev)
+        every_t = torch.tensor(every, dtype=torch.int64, device=dev)
+        cu = (
+            torch.tensor(q_bounds, dtype=torch.int32, device=dev),
+            torch.tensor(k_bounds, dtype=torch.int32, device=dev),
+        )
+
+        def attend(i, q, k, v):
+            store_kv(cache.k[i], cache.v[i], new_t, k, v)
+            k_all, v_all = cache.k[i].index_select(0, every_t), cache.v[i].index_select(0, every_t)
+            return prefix_prefill_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), q_bounds, k_bounds, cu)
+
+        with self._autocast():
+            hidden = self._hidden(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attend)
+            last = torch.tensor(q_bounds[1:], device=dev) - 1
             return self._logits(hidden.index_select(0, last))
 
     def _decode_inputs(

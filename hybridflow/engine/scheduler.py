@@ -1,5 +1,8 @@
 """Continuous batching: admit prompts while pages and the prefill token budget allow, decode every
-running sequence, free a finished sequence's pages at once, preempt by recompute when pages run out."""
+running sequence, free a finished sequence's pages at once, preempt by recompute when pages run out.
+With the prefix cache, a job starts from the cached pages of its longest known prefix (the next turn
+of a conversation, a shared system prompt, a preempted sequence coming back) and a sequence's full
+pages are registered when it lets go of them."""
 
 from __future__ import annotations
 
@@ -9,19 +12,29 @@ from collections.abc import Callable
 import numpy as np
 
 from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.prefix_cache import extend_page_hashes
 from hybridflow.engine.sequence import PrefillJob, Sequence
 
 
 class Scheduler:
     def __init__(
-        self, cache: KVCache, *, max_sequences: int, max_prefill_tokens: int, max_pages_per_sequence: int
+        self,
+        cache: KVCache,
+        *,
+        max_sequences: int,
+        max_prefill_tokens: int,
+        max_pages_per_sequence: int,
+        prefix_cache: bool = True,
     ) -> None:
         self.cache, self.pool, self.page_size = cache, cache.pool, cache.page_size
         self.max_sequences = max_sequences
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = prefix_cache
         self.waiting: deque[PrefillJob] = deque()
         self.running: dict[int, Sequence] = {}  # by seq_id, in admission order
         self.preemptions = 0
+        self.admitted_tokens = 0  # tokens of the jobs admitted to prefill
+        self.cached_tokens = 0  # of those, the ones found in the prefix cache (not computed)
         # The page table on the host: one row per running sequence, updated as pages change, so a
         # decode step gathers its rows in one vectorised copy.
         self.table = np.zeros((max_sequences, max_pages_per_sequence), dtype=np.int32)
@@ -47,7 +60,9 @@ class Scheduler:
 
     def schedule_prefill(self) -> list[PrefillJob]:
         """Admit waiting jobs (prefill has priority, as in nano-vllm) and give each its pages; the
-        samples of a prompt share them. Needs room for the prompt plus one page per sample."""
+        samples of a prompt share them. Needs room for the prompt plus one page per sample. A job's
+        sequences start with `cached` tokens whose K/V the prefix cache already holds (never the
+        last: its logits are needed)."""
         jobs: list[PrefillJob] = []
         tokens = 0
         while self.waiting:
@@ -55,22 +70,45 @@ class Scheduler:
             n, length = len(job.seqs), len(job.tokens)
             if len(self.running) + n > self.max_sequences:
                 break
-            if jobs and tokens + length > self.max_prefill_tokens:
+            found = self._cached_prefix(job)
+            new = length - len(found) * self.page_size
+            if jobs and tokens + new > self.max_prefill_tokens:
+                self.pool.release(found)
                 break
-            if self._pages_for(length) + n > self.pool.num_free:
+            if self._pages_for(length) - len(found) + n > self.pool.num_free:
+                self.pool.release(found)
                 break
             self.waiting.popleft()
-            pages = [self.pool.allocate() for _ in range(self._pages_for(length))]
+            pages = found + [self.pool.allocate() for _ in range(self._pages_for(length) - len(found))]
             for i, seq in enumerate(job.seqs):
                 if i:
                     for page in pages:
                         self.pool.share(page)
-                seq.pages, seq.cached = list(pages), 0
+                    seq.page_keys = list(job.seqs[0].page_keys)
+                seq.pages, seq.cached = list(pages), len(found) * self.page_size
                 self._assign_row(seq)
             self.running.update((s.seq_id, s) for s in job.seqs)
             jobs.append(job)
-            tokens += length
+            tokens += new
+            self.admitted_tokens += length
+            self.cached_tokens += length - new
         return jobs
+
+    def _cached_prefix(self, job: PrefillJob) -> list[int]:
+        """The pages of the job's longest cached prefix of full pages, now held by the job."""
+        if not self.prefix_cache:
+            return []
+        first = job.seqs[0]
+        usable = (len(first.tokens) - 1) // self.page_size  # the last token is always computed
+        return self.pool.lookup(extend_page_hashes(first.page_keys, first.tokens, self.page_size, usable))
+
+    def _register(self, seq: Sequence) -> None:
+        """Name the sequence's full pages: the K/V of every token but the last are computed (running,
+        or finished: a decode run's steps past its stop write beyond the kept tokens only)."""
+        if self.prefix_cache:
+            full = (len(seq.tokens) - 1) // self.page_size
+            keys = extend_page_hashes(seq.page_keys, seq.tokens, self.page_size, full)
+            self.pool.register(seq.pages[:full], keys[:full])
 
     def schedule_decode(self, want: Callable[[Sequence], int] | None = None) -> list[Sequence]:
         """Give every running sequence writable cache slots for its next `want(seq)` tokens (default
@@ -117,6 +155,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages; it is prefilled again (prompt + tokens so far) when room returns."""
         del self.running[seq.seq_id]
+        self._register(seq)
         self.pool.release(seq.pages)
         self._release_row(seq)
         seq.pages, seq.cached = [], 0
@@ -135,6 +174,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.seq_id]
+        self._register(seq)
         self.pool.release(seq.pages)
         self._release_row(seq)
         seq.pages = []

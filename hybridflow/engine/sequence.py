@@ -32,6 +32,7 @@ class Sequence:
     sampling_group: int = 0  # sequences of equal sampling parameters share it (drawn together)
     end: int = 1 << 62  # token count at which it stops: prompt + max_tokens, or the context
     reported: int = 0  # generated tokens already handed out by Engine.step()
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages
 
     @property
     def num_generated(self) -> int:
