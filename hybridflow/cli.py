@@ -110,6 +110,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"generated {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from hybridflow.serve.server import build_engine, serve
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port} is not a port number (1-65535)")
+    if args.max_model_len < 2:
+        raise UserError(f"--max-model-len {args.max_model_len} is too small; give at least 2 tokens")
+    engine, tokenizer = build_engine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    serve(engine, tokenizer, model_name=args.served_model_name or args.model, host=args.host, port=args.port)
+
+
 def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     # The optional recipe is positional, so a first `key=value` lands there: it is an override.
     if args.recipe is not None and "=" in args.recipe:
@@ -244,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     gen.add_argument("--out", help="write completions as jsonl here instead of printing")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (the built-in engine)"
+    )
+    srv.add_argument(
+        "model", nargs="?", default="default", help="'default', an HF model directory, or a .gguf file"
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", help="the name clients use (default: the model argument)")
+    srv.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    srv.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.8, help="share of free GPU memory for the KV cache"
+    )
+    srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser(
         "train", help="RL training (PPO, GRPO, ...) from a recipe; no recipe runs the demo"

@@ -30,6 +30,7 @@ class AsyncEngine:
         self.engine = engine
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[object, asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -72,6 +73,19 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._ensure_running()
 
+    async def between_steps(self, fn):
+        """Run `fn(engine)` in the driver between two steps (e.g. pause, update_weights, resume):
+        nothing else touches the engine meanwhile. Returns its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, future))
+        self._ensure_running()
+        return await future
+
+    def wake_driver(self) -> None:
+        """After resume() or wake() from outside: the driver looks again."""
+        if self._wake is not None:
+            self._wake.set()
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> list[Generation]:
@@ -98,7 +112,17 @@ class AsyncEngine:
                         if (queue := self._streams.get(args[0])) is not None:
                             queue.put_nowait(_Failed(e, fatal=False))
                 self._adds.clear()
-                if not engine.has_unfinished_requests:
+                calls, self._calls = self._calls, []
+                for fn, future in calls:
+                    try:
+                        result = await asyncio.to_thread(fn, engine)
+                    except Exception as e:
+                        future.set_exception(e)
+                    else:
+                        future.set_result(result)
+                if self._calls or self._adds or self._aborts:
+                    continue
+                if not engine.has_unfinished_requests or engine.paused or engine.asleep:
                     self._wake.clear()
                     await self._wake.wait()
                     continue

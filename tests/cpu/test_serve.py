@@ -1,0 +1,292 @@
+"""`hybridflow serve`: the OpenAI-compatible server, talked to by the official `openai` client and a
+plain `httpx` stream, on localhost. What it samples is what the engine samples in-process."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.models import byte_tokenizer, tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.serve.server import BackgroundServer
+from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
+
+NAME = "tiny"
+CONTEXT = 512
+
+
+def make_engine():
+    model = from_hf_model(tiny_model("qwen2", seed=3, vocab_size=260))
+    config = EngineConfig(
+        page_size=16, max_context_tokens=CONTEXT, max_batch_sequences=64, kv_cache_tokens=64 * CONTEXT
+    )
+    return Engine(model, eos_token_ids=[byte_tokenizer().eos_token_id], config=config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    server = BackgroundServer(make_engine(), tokenizer, model_name=NAME).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return make_engine()
+
+
+def chat_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_a_chat_completion_with_logprobs_and_token_ids_is_what_the_engine_samples(
+    client, tokenizer, reference
+):
+    out = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=20, temperature=1.0, seed=7, logprobs=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    body = out.model_dump()
+    prompt_ids = chat_ids(tokenizer, MESSAGES)
+    assert body["prompt_token_ids"] == prompt_ids
+    [want] = reference.generate([prompt_ids], SamplingParams(n=1, temperature=1.0, max_tokens=20, seed=7))
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want.token_ids
+    assert choice["message"]["content"] == tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    assert choice["finish_reason"] == want.finish_reason
+    entries = choice["logprobs"]["content"]
+    assert [e["logprob"] for e in entries] == pytest.approx(want.unscaled_logprobs, abs=1e-5)
+    assert [e["sampling_logprob"] for e in entries] == pytest.approx(want.logprobs, abs=1e-5)
+    assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == len(want.token_ids)
+    assert choice["weight_versions"] == [0] * len(want.token_ids)
+
+
+def test_streamed_deltas_join_to_the_whole_completion(client):
+    args = {"model": NAME, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_from_text_and_token_ids_with_n_samples(client, tokenizer, reference):
+    ids = [[40, 41, 42, 43, 44], [50, 51]]
+    texts = ["hello", "a b c"]
+    for prompt, prompt_ids in ((ids, ids), (texts, [tokenizer(t)["input_ids"] for t in texts])):
+        out = client.completions.create(
+            model=NAME, prompt=prompt, n=2, max_tokens=12, temperature=0.8, seed=3,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        for r, p in enumerate(prompt_ids):
+            want = reference.generate([p], SamplingParams(n=2, temperature=0.8, max_tokens=12, seed=3))
+            got = [c.model_dump() for c in out.choices[2 * r : 2 * r + 2]]
+            assert [c["token_ids"] for c in got] == [g.token_ids for g in want]
+            assert [c["text"] for c in got] == [
+                tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in want
+            ]
+            assert all(c["prompt_token_ids"] == p for c in got)
+    with pytest.raises(openai.BadRequestError, match="prompt: is not of an accepted type"):
+        client.completions.create(model=NAME, prompt=[ids[0], "mixed"], max_tokens=4)
+
+
+def test_sixty_four_concurrent_clients_each_get_their_own_completion(server, tokenizer, reference):
+    prompts = [[{"role": "user", "content": f"question {i}: {'x' * (i % 9)}"}] for i in range(64)]
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=300, max_retries=0) as c:
+            return await asyncio.gather(
+                *(
+                    c.chat.completions.create(
+                        model=NAME,
+                        messages=m,
+                        max_tokens=16,
+                        temperature=0,
+                        extra_body={"return_token_ids": True},
+                    )
+                    for m in prompts
+                )  # fmt: skip
+            )
+
+    outs = asyncio.run(all_at_once())
+    want = reference.generate(
+        [chat_ids(tokenizer, m) for m in prompts], SamplingParams(temperature=0, max_tokens=16)
+    )
+    assert [o.model_dump()["choices"][0]["token_ids"] for o in outs] == [w.token_ids for w in want]
+
+
+def test_a_malformed_request_gets_one_clear_4xx_and_the_server_keeps_serving(server, client):
+    base = server.url
+    bad = [
+        (b"{not json", 400, "json"),
+        (json.dumps({"model": NAME}), 400, "messages"),
+        (json.dumps({"model": NAME, "messages": MESSAGES, "presence_penalty": 0.5}), 400, "presence_penalty"),
+        (
+            json.dumps({"model": NAME, "messages": MESSAGES, "top_logprobs": 3, "logprobs": True}),
+            400,
+            "top_logprobs",
+        ),
+        (json.dumps({"model": NAME, "messages": MESSAGES, "max_tokens": 10**6}), 400, "max_tokens"),
+        (json.dumps({"model": NAME, "messages": MESSAGES, "no_such_field": 1}), 400, "no_such_field"),
+        (
+            json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 2000}]}),
+            400,
+            "prompt has",
+        ),
+        (json.dumps({"model": "gpt-4", "messages": MESSAGES}), 404, "gpt-4"),
+        (
+            json.dumps({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            400,
+            "image_url",
+        ),
+    ]
+    for payload, status, named in bad:
+        r = httpx.post(
+            f"{base}/chat/completions", content=payload, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == status, (payload, r.text)
+        message = r.json()["error"]["message"]
+        assert named in message.lower() or named in str(r.json()["error"]["param"]), message
+        assert "\n" not in message
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, frequency_penalty=1.0)
+    assert (
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4).choices[0].message
+        is not None
+    )
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_request_and_frees_its_pages(server):
+    engine = server.front.engine
+    payload = {"model": NAME, "messages": MESSAGES, "max_tokens": 400, "temperature": 1.0, "seed": 1,
+               "stream": True, "stop_token_ids": [], "n": 3}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=payload, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert got[0].startswith("data: ")
+        assert engine.scheduler.running  # still generating when the client goes
+    deadline = time.monotonic() + 30
+    while engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.scheduler.has_work
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+    metrics = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text
+    assert "hybridflow_requests_aborted_total 1.0" in metrics
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    args = {"model": NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0}
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    stop = whole[10:13]
+    cut = client.chat.completions.create(**args, stop=[stop]).choices[0]
+    assert cut.message.content == whole[: whole.find(stop)] and cut.finish_reason == "stop"
+    streamed = client.chat.completions.create(**args, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut.message.content
+
+
+def test_models_and_metrics_with_the_prefix_cache_hit_by_a_second_turn(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    first = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=30, temperature=0)
+    before = server.front.engine.scheduler.cached_tokens
+    turn2 = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "and 3 + 4?"}]  # fmt: skip
+    client.chat.completions.create(model=NAME, messages=turn2, max_tokens=8, temperature=0)
+    assert server.front.engine.scheduler.cached_tokens - before >= 32  # the first turn's full pages
+    text = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text
+    for name in ("hybridflow_requests_waiting", "hybridflow_sequences_running", "hybridflow_kv_pages_used",
+                 "hybridflow_prefix_cache_hit_rate", "hybridflow_generation_tokens_total",
+                 "hybridflow_time_to_first_token_seconds_bucket"):  # fmt: skip
+        assert f"\n{name}" in text, name
+
+
+def test_weights_updated_through_the_server_are_used_and_reported(server, client, tokenizer):
+    import torch
+
+    engine = server.front.engine
+    changed = {n: p + 0.02 * torch.randn_like(p) for n, p in engine.model.named_parameters()}
+    version = engine.weight_version
+    server.call(lambda e: e.update_weights(list(changed.items())), timeout_s=60)
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True}).model_dump()  # fmt: skip
+    fresh = make_engine()
+    fresh.model.load_state_dict(changed, strict=False)  # a tied head is the embedding
+    [want] = fresh.generate([chat_ids(tokenizer, MESSAGES)], SamplingParams(temperature=0, max_tokens=12))
+    assert out["choices"][0]["token_ids"] == want.token_ids
+    assert set(out["choices"][0]["weight_versions"]) == {version + 1}
+
+
+HERMES = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_are_rendered_by_the_template_and_calls_parsed_in_its_format():
+    assert tool_format(HERMES) == "hermes" and tool_format(byte_tokenizer().chat_template) is None
+    text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, "hermes")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo"})
+    ]
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(broken, "hermes") == (broken, [])  # kept, never dropped
+    _, calls = parse_tool_calls('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "mistral")
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = HERMES
+    server = BackgroundServer(make_engine(), tokenizer, model_name=NAME).start()
+    try:
+        c = openai.OpenAI(base_url=server.url, api_key="none", timeout=60, max_retries=0)
+        history = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+        out = c.chat.completions.create(model=NAME, messages=history, tools=[WEATHER], max_tokens=4,
+                                        extra_body={"return_token_ids": True}).model_dump()  # fmt: skip
+        prompt = tokenizer.decode(out["prompt_token_ids"])
+        assert (
+            '"name": "weather"' in prompt
+            and '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}' in prompt
+        )
+    finally:
+        server.stop()
+    plain = BackgroundServer(make_engine(), byte_tokenizer(), model_name=NAME).start()
+    try:
+        with pytest.raises(openai.BadRequestError, match="does not render tools"):
+            openai.OpenAI(base_url=plain.url, api_key="none", max_retries=0).chat.completions.create(
+                model=NAME, messages=MESSAGES, tools=[WEATHER]
+            )
+    finally:
+        plain.stop()
