@@ -139,6 +139,13 @@ class RolloutConfig:
     roles run, and allocate (and capture) them again for the next generation. false keeps them: no
     re-allocation or graph capture each step, for a pool that fits beside training (a lower
     gpu_memory_utilization or kv_cache_tokens; `hybridflow plan` counts it in every phase)."""
+    server: bool = False
+    """Native engine, one training worker: also serve the policy being trained over the OpenAI API
+    (`hybridflow serve`'s routes and /metrics) at http://server_host:server_port/v1, written to
+    RUN_DIR/policy_server.json; the trainer's own generation then goes through the same engine."""
+    server_host: str = "127.0.0.1"
+    server_port: int = 0
+    """0: a free port."""
     val_samples_per_prompt: int = 1
     val_temperature: float = 0.0
     """0 means greedy."""
@@ -361,7 +368,10 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (WANDB_MODE=offline works)."""
+    """Any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (WANDB_MODE=offline works),
+    prometheus (the last step's metrics on http://prometheus_host:prometheus_port/metrics)."""
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 9400
     log_samples_freq: int = 10
     """Every N steps (and at step 1) a few generations go to RUN_DIR/samples.jsonl; 0: never."""
     log_samples: int = 4

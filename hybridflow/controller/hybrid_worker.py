@@ -185,6 +185,12 @@ class HybridWorker:
         del hf_model  # the native engine has its own copy now (the hf backend keeps this one)
         if sharded and hasattr(backend, "resize_pool"):  # the native engine
             backend.resize_pool()  # built beside whole models, which are sharded or offloaded now
+        if c.rollout.server and self.rollout is not None:  # agents reach the policy by URL
+            from hybridflow.serve.served_backend import serve_policy
+
+            self.rollout.backend = serve_policy(
+                backend, self.tokenizer, c, world_size, Path(c.trainer.run_dir)
+            )
         self.peaks: dict[str, float] = {}
 
     @contextmanager
@@ -290,7 +296,10 @@ class HybridWorker:
             self.weight_sync = WeightSync(master, sync_rank, sync_size, self.device)
 
     def shutdown(self) -> None:
-        """An in-process worker ends the one-rank process group that it started for FSDP2."""
+        """An in-process worker ends the one-rank process group that it started for FSDP2 (and the
+        policy server, with rollout.server)."""
+        if self.rollout is not None and hasattr(self.rollout.backend, "close"):
+            self.rollout.backend.close()
         if self._own_process_group:
             torch.distributed.destroy_process_group()
             self._own_process_group = False

@@ -24,6 +24,7 @@ RUN_FILES = (
     "step_plan.txt",
     "report.html",
     "wandb_run_id",
+    "policy_server.json",
     LOCK,
     WRITTEN,
 )

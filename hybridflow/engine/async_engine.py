@@ -10,8 +10,11 @@ serving while the device works.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import random
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from hybridflow.engine.engine import Engine
 from hybridflow.engine.requests import RequestOutput
@@ -98,6 +101,28 @@ class AsyncEngine:
             g.finish_reason = out.finish_reason or g.finish_reason
         return samples
 
+    async def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Engine.generate's result (prompt-major, the same seeds: prompt i's sample j draws from
+        (seed, first_sequence + i * n + j)) as concurrent requests beside any others."""
+        base = params.seed if params.seed is not None else random.randrange(2**31 - 1)
+        runs = [
+            self.generate(p, replace(params, seed=base, first_sequence=params.first_sequence + i * params.n))
+            for i, p in enumerate(prompts)
+        ]
+        out = []
+        for i, samples in enumerate(await asyncio.gather(*runs)):
+            for g in samples:
+                g.prompt_index = i
+                out.append(g)
+        return out
+
+    async def aclose(self) -> None:
+        """Stop the driver (the loop is about to end)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
     async def _drive(self) -> None:
         engine = self.engine
         try:
@@ -129,6 +154,8 @@ class AsyncEngine:
                 for out in await asyncio.to_thread(engine.step):
                     if (queue := self._streams.get(out.request_id)) is not None:
                         queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
         except BaseException as e:  # the device failed: every waiting request hears of it
             self.error = e
             for queue in self._streams.values():

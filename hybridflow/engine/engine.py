@@ -331,6 +331,10 @@ class Engine:
         sampled = SampledRun(batch, self._stops_for, steps=1, device=logits.device)
         sampled.draw(logits, 0)
         self._record(batch, sampled.fetch(), [1] * len(batch))
+        for job in jobs:  # the prompt's full pages, for requests that arrive while these run
+            live = next((s for s in job.seqs if not s.finished), None)
+            if live is not None:
+                self.scheduler.register(live)
         return batch
 
     def _decode(self) -> list[Sequence]:

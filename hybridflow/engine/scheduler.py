@@ -102,7 +102,7 @@ class Scheduler:
         usable = (len(first.tokens) - 1) // self.page_size  # the last token is always computed
         return self.pool.lookup(extend_page_hashes(first.page_keys, first.tokens, self.page_size, usable))
 
-    def _register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence) -> None:
         """Name the sequence's full pages: the K/V of every token but the last are computed (running,
         or finished: a decode run's steps past its stop write beyond the kept tokens only)."""
         if self.prefix_cache:
@@ -155,7 +155,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages; it is prefilled again (prompt + tokens so far) when room returns."""
         del self.running[seq.seq_id]
-        self._register(seq)
+        self.register(seq)
         self.pool.release(seq.pages)
         self._release_row(seq)
         seq.pages, seq.cached = [], 0
@@ -174,7 +174,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.seq_id]
-        self._register(seq)
+        self.register(seq)
         self.pool.release(seq.pages)
         self._release_row(seq)
         seq.pages = []

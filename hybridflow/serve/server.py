@@ -82,6 +82,7 @@ class BackgroundServer:
         self.loop = asyncio.new_event_loop()
         try:
             self.loop.run_until_complete(self.server.serve())
+            self.loop.run_until_complete(self.front.aclose())
         except BaseException as e:  # a port in use, ...: start() reports it
             self._failure = e
         finally:

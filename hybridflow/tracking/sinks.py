@@ -20,7 +20,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-SINKS = ("console", "jsonl", "tensorboard", "wandb")
+SINKS = ("console", "jsonl", "tensorboard", "wandb", "prometheus")
 
 
 class ConsoleSink:
@@ -120,6 +120,11 @@ def make_sinks(names: list[str], run_dir: Path, config) -> list[Sink]:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(run_dir, to_yaml(config)))
+        elif name == "prometheus":
+            from hybridflow.tracking.prometheus import PrometheusSink
+
+            t = config.trainer
+            sinks.append(PrometheusSink(t.prometheus_host, t.prometheus_port, t.experiment_name))
         else:
             t = config.trainer
             sinks.append(WandbSink(run_dir, to_dict(config), project=t.project_name, name=t.experiment_name))
