@@ -25,7 +25,6 @@ from hybridflow.serve.protocol import ChatCompletionRequest, CompletionRequest, 
 from hybridflow.serve.rendering import render_chat
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
 
-DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -175,7 +174,7 @@ class _Run:
         self.prompt_ids, self.endpoint = prompt_ids, endpoint
         self.params = body.sampling(max_tokens)
         stops = body.stop_strings
-        self.samples = [SampleText(tokenizer, stops) for _ in range(body.n)]
+        self.samples = [SampleText(tokenizer, stops, incremental=body.stream) for _ in range(body.n)]
         self.id = f"{'chatcmpl' if endpoint.endswith('chat/completions') else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -210,19 +209,26 @@ class _Run:
             m.requests.labels(self.endpoint, "200" if finished else "499").inc()
 
     async def until_done_or_gone(self, request: Request) -> None:
-        async def consume():
+        """Run to the end, or stop when the client disconnects (the ASGI server's next message for a
+        request whose body is read is its disconnect: waited for, not polled)."""
+
+        async def consume() -> None:
             async for _ in self.steps():
                 pass
 
-        task = asyncio.ensure_future(consume())
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(gone())
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-            await task
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+            await work
         finally:
-            task.cancel()
+            work.cancel()
+            watch.cancel()
 
     # ---- chat ---------------------------------------------------------------------------------
     def _logprobs(self, s: SampleText, start: int = 0, end: int | None = None) -> dict:

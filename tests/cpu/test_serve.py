@@ -290,3 +290,29 @@ def test_tools_are_rendered_by_the_template_and_calls_parsed_in_its_format():
             )
     finally:
         plain.stop()
+
+
+def test_a_client_that_gives_up_on_a_whole_completion_stops_it(server):
+    engine = server.front.engine
+    metrics = f"{server.url.removesuffix('/v1')}/metrics"
+
+    def aborted() -> float:
+        line = next(
+            x
+            for x in httpx.get(metrics).text.splitlines()
+            if x.startswith("hybridflow_requests_aborted_total")
+        )
+        return float(line.split()[-1])
+
+    before = aborted()
+    server.call(lambda e: e.pause())  # the request waits: the client gives up first
+    payload = {"model": NAME, "messages": MESSAGES, "max_tokens": 400, "temperature": 1.0, "n": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/chat/completions", json=payload, timeout=httpx.Timeout(5, read=0.5))
+    assert engine.scheduler.has_work or aborted() == before + 1
+    server.call(lambda e: e.resume())
+    deadline = time.monotonic() + 30
+    while (engine.scheduler.has_work or aborted() == before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() == before + 1 and not engine.scheduler.has_work
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
