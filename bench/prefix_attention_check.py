@@ -76,7 +76,13 @@ def greedy_turns(dtype) -> dict:
     assert [g.token_ids for g in cached.generate(convs, params)] == first
     got = [g.token_ids for g in cached.generate(turn2, params)]
     reordered = [g.token_ids for g in engine(False).generate(turn2[::-1], params)][::-1]
+    # a prefix whose K/V came from a prefill (the prompt of turn 1, extended without the reply)
+    extended = [c + u for c, u in zip(convs, users)]
+    want_ext = [g.token_ids for g in plain.generate(extended, params)]
+    got_ext = [g.token_ids for g in cached.generate(extended, params)]
     return {
+        "prompt_extended_identical_of_32_with_cache": sum(a == b for a, b in zip(got_ext, want_ext)),
+        "prompt_extended_first_difference_with_cache": first_differences(got_ext, want_ext),
         "turn2_identical_of_32_with_cache": sum(a == b for a, b in zip(got, want)),
         "turn2_first_difference_with_cache": first_differences(got, want),
         "turn2_identical_of_32_no_cache_other_batch_order": sum(a == b for a, b in zip(reordered, want)),

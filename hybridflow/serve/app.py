@@ -25,6 +25,7 @@ from hybridflow.serve.protocol import ChatCompletionRequest, CompletionRequest, 
 from hybridflow.serve.rendering import render_chat
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
 
+DISCONNECT_POLL_S = 1.0  # each check costs the event loop (and the engine's thread, the GIL) a little
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -32,6 +33,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param, self.status = param, status
+
+
+class ClientGone(Exception):
+    """The client disconnected before its completion was ready: its request was stopped."""
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -70,6 +75,10 @@ def create_app(
     async def _bad(request: Request, exc: BadRequest):
         metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it: nginx's code for a client that left
 
     @app.exception_handler(RuntimeError)
     async def _engine_failed(request: Request, exc: RuntimeError):
@@ -209,26 +218,22 @@ class _Run:
             m.requests.labels(self.endpoint, "200" if finished else "499").inc()
 
     async def until_done_or_gone(self, request: Request) -> None:
-        """Run to the end, or stop when the client disconnects (the ASGI server's next message for a
-        request whose body is read is its disconnect: waited for, not polled)."""
+        """Run to the end, or stop when the client has gone (checked every DISCONNECT_POLL_S)."""
 
         async def consume() -> None:
             async for _ in self.steps():
                 pass
 
-        async def gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(gone())
+        work = asyncio.ensure_future(consume())
         try:
-            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-            await work
+            while True:
+                done, _ = await asyncio.wait([work], timeout=DISCONNECT_POLL_S)
+                if done:
+                    return work.result()
+                if await request.is_disconnected():
+                    raise ClientGone
         finally:
             work.cancel()
-            watch.cancel()
 
     # ---- chat ---------------------------------------------------------------------------------
     def _logprobs(self, s: SampleText, start: int = 0, end: int | None = None) -> dict:
