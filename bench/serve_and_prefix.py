@@ -42,6 +42,8 @@ url, name, clients, rounds, prompt_len, response, vocab = sys.argv[1], sys.argv[
 rng = random.Random(1)
 prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(clients * rounds)]
 
+errors = []
+
 async def main():
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as c:
@@ -49,14 +51,17 @@ async def main():
             body = {"model": name, "prompt": prompts[i], "max_tokens": response, "temperature": 1.0,
                     "seed": i, "return_token_ids": True}
             r = await c.post("/completions", json=body)
-            r.raise_for_status()
+            if r.status_code != 200:
+                errors.append(f"{r.status_code} {r.text[:300]}")
+                return 0
             return len(r.json()["choices"][0]["token_ids"])
         async def client(k):  # a closed loop: the next request when the last one is answered
             return sum([await one(k * rounds + j) for j in range(rounds)])
         await one(0)  # a connection and the server's first request
         start = time.perf_counter()
         tokens = await asyncio.gather(*(client(k) for k in range(clients)))
-        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": sum(tokens)}))
+        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": sum(tokens), "errors": len(errors),
+                          "first_errors": errors[:3]}))
 
 asyncio.run(main())
 """
@@ -184,7 +189,7 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
         server.stop()
     for runs in results.values():
         for r in runs:
-            r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1)
+            r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1) if r["seconds"] else 0.0
             r["seconds"] = round(r["seconds"], 3)
     best = {k: max(r["tokens_per_s"] for r in v) for k, v in results.items()}
     results["http_vs_async_engine_overhead"] = round(

@@ -143,7 +143,7 @@ def create_app(
         if body.stream:
             return StreamingResponse(run.chat_stream(calls), media_type="text/event-stream")
         await run.until_done_or_gone(request)
-        return run.chat_response(calls)
+        return JSONResponse(run.chat_response(calls))  # plain JSON: FastAPI's encoder walks every id
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -166,7 +166,7 @@ def create_app(
         if body.stream:
             return StreamingResponse(_completion_stream(runs, body), media_type="text/event-stream")
         await asyncio.gather(*(run.until_done_or_gone(request) for run in runs))
-        return _completion_response(runs, body)
+        return JSONResponse(_completion_response(runs, body))
 
     return app
 
