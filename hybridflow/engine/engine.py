@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -55,11 +54,6 @@ class EngineConfig:
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
     """A transient bar of finished sequences during `generate` (on a terminal only)."""
-    prefill_delay_runs: int = 2
-    """While sequences decode, prompts that arrived since the last prefill may wait up to this many
-    decode runs (unless they fill half the prefill budget), so that requests arriving one by one (a
-    server's clients) are prefilled together instead of each stopping every decode for a prefill of
-    its own; 0 prefills at once."""
     prefix_cache: bool = True
     """Keep the K/V of full pages after their requests end, keyed by their token prefix, so a prompt
     that extends an earlier one (a conversation's next turn, a shared system prompt) prefills only
@@ -132,7 +126,6 @@ class Engine:
         self._next_seq_id = 0
         self._stops: dict[tuple, torch.Tensor] = {}
         self._sampling_groups: dict[tuple, int] = {}  # params_key -> Sequence.sampling_group
-        self._runs_waited = 0  # decode runs since prompts began waiting (prefill_delay_runs)
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -257,31 +250,13 @@ class Engine:
             and self._stamp() != self._weights_stamp
         ):
             self._weights_changed()  # the trainer stepped the module we run without an update_weights
-        jobs = self.scheduler.schedule_prefill() if self._prefill_now() else []
+        jobs = self.scheduler.schedule_prefill()
         batch = self._prefill(jobs) if jobs else self._decode()
         for s in batch:
             group = self._requests.get(s.request_id) if s.finished else None
             if group is not None and all(x.finished for x in group):
                 del self._requests[s.request_id]
         return batch
-
-    def _prefill_now(self) -> bool:
-        """Prefill now, or decode once more and let more arrivals join the next prefill."""
-        s = self.scheduler
-        if not s.waiting:
-            return False
-        if not s.running or self.config.prefill_delay_runs <= 0:
-            self._runs_waited = 0
-            return True
-        waiting_tokens = sum(len(job.tokens) for job in itertools.islice(s.waiting, 64))
-        if (
-            self._runs_waited >= self.config.prefill_delay_runs
-            or 2 * waiting_tokens >= self.config.max_prefill_tokens
-        ):
-            self._runs_waited = 0
-            return True
-        self._runs_waited += 1
-        return False
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         """n generations per prompt, prompt-major: outputs[i * n + j] is sample j of prompt i. A loop
