@@ -76,6 +76,9 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.rollout.max_num_batched_tokens": rename(
         "rollout.max_prefill_tokens", "the engine's token budget of one prefill step"
     ),
+    f"{_ARR}.rollout.enable_prefix_caching": rename(
+        "rollout.prefix_cache", "the built-in engine's prefix cache across requests (on by default, as verl's)"
+    ),
     f"{_ARR}.rollout.enable_chunked_prefill": no_effect(
         "the built-in engine splits prefills by its token budget (rollout.max_prefill_tokens)"
     ),

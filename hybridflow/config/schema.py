@@ -139,6 +139,10 @@ class RolloutConfig:
     roles run, and allocate (and capture) them again for the next generation. false keeps them: no
     re-allocation or graph capture each step, for a pool that fits beside training (a lower
     gpu_memory_utilization or kv_cache_tokens; `hybridflow plan` counts it in every phase)."""
+    prefix_cache: bool = True
+    """Native engine: keep full KV pages by their token prefix across requests (a shared system
+    prompt, a conversation's next turn, a preempted sequence) and prefill only what is new; dropped
+    at every weight update."""
     server: bool = False
     """Native engine, one training worker: also serve the policy being trained over the OpenAI API
     (`hybridflow serve`'s routes and /metrics) at http://server_host:server_port/v1, written to

@@ -167,6 +167,7 @@ def rollout_backend(
         compile_layers=c.model.compile,
         compute_dtype=compute,
         share_weights=share_weights,
+        prefix_cache=r.prefix_cache,
         progress=c.trainer.progress,
     )
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers

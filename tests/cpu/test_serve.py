@@ -316,3 +316,74 @@ def test_a_client_that_gives_up_on_a_whole_completion_stops_it(server):
         time.sleep(0.05)
     assert aborted() == before + 1 and not engine.scheduler.has_work
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_incremental_text_equals_the_whole_decode_with_characters_split_over_tokens(chunk):
+    """Byte-level tokens split multi-byte characters: streamed pieces never show half of one, join to
+    the whole decode, and a stop string spanning chunks cuts the text right before it."""
+    from hybridflow.serve.detokenize import SampleText
+
+    tokenizer = byte_tokenizer()
+    text = "héllo wörld — 日本語 🙂 and the END of it"
+    ids = tokenizer(text)["input_ids"]
+    for stops, want in (([], text), (["END"], text[: text.find("END")]), (["🙂"], text[: text.find("🙂")])):
+        s = SampleText(tokenizer, stops, incremental=True)
+        pieces = []
+        for k in range(0, len(ids), chunk):
+            last = k + chunk >= len(ids)
+            s.add(ids[k : k + chunk], [0.0] * len(ids[k : k + chunk]), [0.0] * len(ids[k : k + chunk]), 0,
+                  "length" if last else None)  # fmt: skip
+            pieces.append(s.delta())
+            assert "\ufffd" not in pieces[-1]
+            if s.done:
+                break
+        assert "".join(pieces) == want and s.text == want
+        assert s.finish_reason == ("stop" if stops else "length")
+
+
+def test_hybridflow_serve_runs_the_default_model_until_sigterm(capsys):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from hybridflow.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port 70000 is not a port number" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "serve",
+        "default",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+    ]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never came up"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        out = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "What is 2+2?"}],
+                                        max_tokens=8, temperature=0)  # fmt: skip
+        assert out.choices[0].message.content and out.usage.completion_tokens <= 8
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    # uvicorn shuts down cleanly, then ends by the signal it caught (as systemd and Slurm expect)
+    assert process.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in err, err[-2000:]
