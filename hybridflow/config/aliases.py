@@ -77,7 +77,8 @@ VERL: dict[str, Entry] = {
         "rollout.max_prefill_tokens", "the engine's token budget of one prefill step"
     ),
     f"{_ARR}.rollout.enable_prefix_caching": rename(
-        "rollout.prefix_cache", "the built-in engine's prefix cache across requests (on by default, as verl's)"
+        "rollout.prefix_cache",
+        "the built-in engine's prefix cache across requests (on by default, as verl's)",
     ),
     f"{_ARR}.rollout.enable_chunked_prefill": no_effect(
         "the built-in engine splits prefills by its token budget (rollout.max_prefill_tokens)"
