@@ -124,7 +124,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_context=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    serve(engine, tokenizer, model_name=args.served_model_name or args.model, host=args.host, port=args.port)
+    api_key = args.api_key or os.environ.get("HYBRIDFLOW_API_KEY") or None
+    name = args.served_model_name or args.model
+    serve(engine, tokenizer, model_name=name, host=args.host, port=args.port, api_key=api_key)
 
 
 def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -272,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", help="the name clients use (default: the model argument)")
     srv.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    srv.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` (default: $HYBRIDFLOW_API_KEY, else none)"
+    )
     srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument(

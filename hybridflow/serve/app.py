@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,14 +46,29 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_app(
-    front: AsyncEngine, tokenizer, *, model_name: str, metrics: ServerMetrics | None = None
+    front: AsyncEngine,
+    tokenizer,
+    *,
+    model_name: str,
+    metrics: ServerMetrics | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
+    """`api_key`: the /v1 routes then want `Authorization: Bearer <api_key>` (what the openai client sends)."""
     engine = front.engine
     max_context = engine.config.max_context_tokens
     metrics = metrics or ServerMetrics(engine)
     fmt = tool_format(tokenizer.chat_template)
     app = FastAPI(title="hybridflow", docs_url=None, redoc_url=None)
     app.state.metrics = metrics
+
+    def authorized(request: Request) -> None:  # a dependency, not a middleware: Starlette's
+        # BaseHTTPMiddleware hides a client's disconnect from the endpoint
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise BadRequest("a valid API key is needed: Authorization: Bearer <key>", status=401)
+
+    auth = [Depends(authorized)]  # the /v1 routes; /health and /metrics stay open to probes
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -95,7 +110,7 @@ def create_app(
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models():
         card = {
             "id": model_name,
@@ -129,7 +144,7 @@ def create_app(
             )
         return body.limit or room
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request):
         if body.tools and body.tool_choice != "none" and fmt is None:
             raise BadRequest("this model's chat template does not render tools", "tools")
@@ -145,7 +160,7 @@ def create_app(
         await run.until_done_or_gone(request)
         return JSONResponse(run.chat_response(calls))  # plain JSON: FastAPI's encoder walks every id
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
         try:
             prompts = [

@@ -55,9 +55,10 @@ def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
     )
 
 
-def serve(engine, tokenizer, *, model_name: str, host: str, port: int) -> None:
+def serve(engine, tokenizer, *, model_name: str, host: str, port: int, api_key: str | None = None) -> None:
     front = AsyncEngine(engine)
-    server = uvicorn.Server(_config(create_app(front, tokenizer, model_name=model_name), host, port, "info"))
+    app = create_app(front, tokenizer, model_name=model_name, api_key=api_key)
+    server = uvicorn.Server(_config(app, host, port, "info"))
     server.run()
 
 
@@ -65,9 +66,18 @@ class BackgroundServer:
     """The server on a thread of its own. `call(fn)` runs fn(engine) between two engine steps and
     `run(coro_fn)` runs a coroutine on the server's loop, each waited for at most `timeout_s`."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+    ) -> None:
         self.front = AsyncEngine(engine)
-        self.app = create_app(self.front, tokenizer, model_name=model_name)
+        self.app = create_app(self.front, tokenizer, model_name=model_name, api_key=api_key)
         self.host, self.port = host, port or _free_port(host)
         self.server = uvicorn.Server(_config(self.app, self.host, self.port, "warning"))
         self.loop: asyncio.AbstractEventLoop | None = None
