@@ -27,6 +27,7 @@ RUN_FILES = (
     "policy_server.json",
     LOCK,
     WRITTEN,
+    WRITTEN + ".tmp",  # what a kill in the middle of rewriting that list leaves (replaced by the next)
 )
 RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 

@@ -404,3 +404,14 @@ def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_p
     a, b = load_file(straight / final), load_file(run / final)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not list((run / "checkpoints").glob(".tmp-*"))  # what the killed save left is gone
+
+
+def test_a_kill_while_the_written_list_is_rewritten_does_not_block_the_resume(tmp_path):
+    from hybridflow.controller.run_dir import LOCK, check_run_dir
+
+    _save(tmp_path, 1)
+    (tmp_path / LOCK).write_text("")
+    (tmp_path / ".hybridflow-written.tmp").write_text("checkpoints/glob")  # half a rewrite, killed
+    check_run_dir(tmp_path, resume="auto", overwrite=False)  # resumable, not "files it did not write"
+    _save(tmp_path, 2)
+    assert not (tmp_path / ".hybridflow-written.tmp").exists()
