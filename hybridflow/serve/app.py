@@ -319,7 +319,8 @@ class _Run:
                 if tool_calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(tool_calls)]
             else:
-                tool_calls, delta = [], {"content": s.delta()}
+                text = s.delta()
+                tool_calls, delta = [], {"content": text} if text else {}
             choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
             if self.body.logprobs:
                 choice["logprobs"] = self._logprobs(s, streamed[i])
