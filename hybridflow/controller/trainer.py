@@ -12,14 +12,6 @@ import torch
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
-from hybridflow.checkpoint import (
-    check_resumable,
-    latest_checkpoint,
-    load_checkpoint_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.graceful_stop import GracefulStop
@@ -30,6 +22,7 @@ from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.role_calls import RoleCalls
+from hybridflow.controller.run_checkpoint import resume_run, save_run
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import (
     check_config,
@@ -52,7 +45,7 @@ from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows
-from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
+from hybridflow.tracking.sinks import make_sinks
 
 log = logging.getLogger(__name__)
 MAX_BAD_STEPS = 3
@@ -513,59 +506,10 @@ class RLTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save(self, metrics: dict[str, float] | None = None) -> Path:
-        """The workers write the sharded model and optimizer states and the transformers exports;
-        the controller adds the LR schedulers, its own state, the config and the step's `metrics` (for
-        a kill between this save and their logging)."""
-        schedulers: dict = {}
-
-        def write_models(directory: Path) -> None:
-            schedulers.update(self.workers.call("save", str(directory))[0])
-
-        state = {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "rng": rng_state(),
-            "bad_steps": self.bad_steps,
-            "metrics_row": jsonl_row(metrics, self.step) if metrics is not None else None,
-        }
-        with self.watchdog.phase("save_checkpoint"):
-            self.last_checkpoint = save_checkpoint(
-                self.run_dir,
-                self.step,
-                write_models=write_models,
-                optim_state=schedulers,
-                trainer_state=state,
-                config_yaml=to_yaml(self.config),
-                keep_last=self.config.trainer.keep_last_checkpoints,
-                needed_bytes=sum(self.workers.call("checkpoint_bytes")),
-            )
+        """A checkpoint of this step (controller/run_checkpoint.py); `metrics`: the step's row, for a
+        kill between this save and their logging."""
+        self.last_checkpoint = save_run(self, metrics)
         return self.last_checkpoint
 
     def _resume(self) -> None:
-        resume = self.config.trainer.resume
-        unverified = self.config.trainer.resume_unverified
-        path = latest_checkpoint(self.run_dir, unverified=unverified) if resume in ("auto", "force") else None
-        if path is None:
-            for name in ("metrics.jsonl", "samples.jsonl"):  # a fresh start forgets an unsaved attempt
-                truncate_jsonl(self.run_dir / name, 0)
-            return
-        check_resumable(path, to_yaml(self.config), force=resume == "force")
-        state, schedulers = load_checkpoint_state(path)
-        if not (path / "actor_state").is_dir():
-            raise UserError(
-                f"checkpoint {path} has no actor_state/ (written by an older hybridflow); start a new "
-                "run from its policy/ directory (model.path) or pass --overwrite"
-            )
-        self.workers.call("load", str(path), schedulers)
-        self.placement.sync_weights()
-        self.step, self.bad_steps = state["step"], state["bad_steps"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        set_rng_state(state["rng"])
-        self.last_checkpoint = path
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            truncate_jsonl(self.run_dir / name, self.step)
-        if "jsonl" in self.config.trainer.logger:
-            restore_last_row(self.run_dir / "metrics.jsonl", self.step, state.get("metrics_row"))
-        print(f"resumed from {path} (step {self.step})", flush=True)
+        resume_run(self)
