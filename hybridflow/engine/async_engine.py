@@ -4,7 +4,9 @@
 `async for out in async_engine.stream(...)` yields each step's new tokens. Cancelling either aborts
 the request (its pages are freed). One task drives the engine: requests added or aborted meanwhile
 are applied between two steps, and each step runs in a worker thread, so the event loop keeps
-serving while the device works.
+serving while the device works. A reader that needs only the result (`generate`, or
+`stream(every_step=False)`) is woken once, when a sample finishes, not at every step: at hundreds of
+requests, a wake-up per request per step would take the GIL from the engine's thread.
 """
 
 from __future__ import annotations
@@ -28,13 +30,48 @@ class _Failed:
         self.error, self.fatal = error, fatal
 
 
+class _Listener:
+    """A request's reader: outputs are handed over in lists, at every step, or held until a sample
+    finishes. Held outputs of a sample are merged while the weight version stays (one object per
+    sample, not one per step: the garbage collector walks every live object)."""
+
+    __slots__ = ("queue", "every_step", "held", "last", "on_first_output")
+
+    def __init__(self, every_step: bool, on_first_output) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.every_step, self.on_first_output = every_step, on_first_output
+        self.held: list[RequestOutput] = []
+        self.last: dict[int, RequestOutput] = {}  # sample -> its latest held output
+
+    def put(self, out: RequestOutput) -> None:
+        if self.on_first_output is not None:
+            self.on_first_output()
+            self.on_first_output = None
+        if self.every_step:
+            self.queue.put_nowait([out])
+            return
+        last = self.last.get(out.sample)
+        if last is not None and last.weight_version == out.weight_version:
+            last.token_ids += out.token_ids
+            last.logprobs += out.logprobs
+            last.unscaled_logprobs += out.unscaled_logprobs
+            last.finish_reason = out.finish_reason
+        else:
+            self.held.append(out)
+            self.last[out.sample] = out
+        if out.finish_reason is not None:
+            self.queue.put_nowait([o for o in self.held if o.sample == out.sample])
+            self.held = [o for o in self.held if o.sample != out.sample]
+            del self.last[out.sample]
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[object, asyncio.Future]] = []
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Listener] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -49,26 +86,35 @@ class AsyncEngine:
         self._wake.set()
 
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        every_step: bool = True,
+        on_first_output=None,
     ) -> AsyncIterator[RequestOutput]:
-        """Each step's new tokens of every sample, until all `params.n` have finished."""
+        """Each step's new tokens of every sample, until all `params.n` have finished. With
+        `every_step=False` a sample's outputs arrive together when it finishes (the same outputs,
+        one wake-up). `on_first_output()` is called by the driver when the first tokens exist."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        listener = _Listener(every_step, on_first_output)
+        self._streams[request_id] = listener
         self._adds.append((request_id, list(prompt_ids), params))
         self._ensure_running()
         left = params.n
         try:
             while left:
-                out = await queue.get()
-                if isinstance(out, _Failed):
-                    if out.fatal:
-                        raise RuntimeError(f"the engine stopped: {out.error!r}") from out.error
-                    raise out.error
-                left -= out.finished
-                yield out
+                outs = await listener.queue.get()
+                if isinstance(outs, _Failed):
+                    if outs.fatal:
+                        raise RuntimeError(f"the engine stopped: {outs.error!r}") from outs.error
+                    raise outs.error
+                for out in outs:
+                    left -= out.finished
+                    yield out
         finally:
             self._streams.pop(request_id, None)
             if left and self.error is None:  # cancelled, or the reader stopped: nothing more is computed
@@ -93,7 +139,7 @@ class AsyncEngine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> list[Generation]:
         samples = [Generation(0, [], [], "", []) for _ in range(params.n)]
-        async for out in self.stream(prompt_ids, params, request_id):
+        async for out in self.stream(prompt_ids, params, request_id, every_step=False):
             g = samples[out.sample]
             g.token_ids += out.token_ids
             g.logprobs += out.logprobs
@@ -134,8 +180,8 @@ class AsyncEngine:
                     try:
                         engine.add_request(*args)
                     except Exception as e:  # a bad prompt fails its own request, not the others
-                        if (queue := self._streams.get(args[0])) is not None:
-                            queue.put_nowait(_Failed(e, fatal=False))
+                        if (listener := self._streams.get(args[0])) is not None:
+                            listener.queue.put_nowait(_Failed(e, fatal=False))
                 self._adds.clear()
                 calls, self._calls = self._calls, []
                 for fn, future in calls:
@@ -151,13 +197,14 @@ class AsyncEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                streams = self._streams
                 for out in await asyncio.to_thread(engine.step):
-                    if (queue := self._streams.get(out.request_id)) is not None:
-                        queue.put_nowait(out)
+                    if (listener := streams.get(out.request_id)) is not None:
+                        listener.put(out)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the device failed: every waiting request hears of it
             self.error = e
-            for queue in self._streams.values():
-                queue.put_nowait(_Failed(e, fatal=True))
+            for listener in self._streams.values():
+                listener.queue.put_nowait(_Failed(e, fatal=True))
             raise

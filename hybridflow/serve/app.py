@@ -202,7 +202,6 @@ class _Run:
         self.id = f"{'chatcmpl' if endpoint.endswith('chat/completions') else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.start = time.perf_counter()
-        self.first_token = False
         self.model = body.model
 
     async def steps(self):
@@ -211,12 +210,13 @@ class _Run:
         m = self.metrics
         m.prompt_tokens.inc(len(self.prompt_ids))
         finished = False
-        stream = self.front.stream(self.prompt_ids, self.params)
+        # a reply returned whole, with no stop strings, is woken once per sample, not at every step
+        every_step = self.body.stream or any(s.incremental for s in self.samples)
+        stream = self.front.stream(
+            self.prompt_ids, self.params, every_step=every_step, on_first_output=self._first_output
+        )
         try:
             async for out in stream:
-                if not self.first_token:
-                    self.first_token = True
-                    m.first_token.observe(time.perf_counter() - self.start)
                 m.generation_tokens.inc(len(out.token_ids))
                 self.samples[out.sample].add(
                     out.token_ids, out.unscaled_logprobs, out.logprobs, out.weight_version, out.finish_reason
@@ -231,6 +231,9 @@ class _Run:
                 m.aborted.inc()
             m.latency.labels(self.endpoint).observe(time.perf_counter() - self.start)
             m.requests.labels(self.endpoint, "200" if finished else "499").inc()
+
+    def _first_output(self) -> None:
+        self.metrics.first_token.observe(time.perf_counter() - self.start)
 
     async def until_done_or_gone(self, request: Request) -> None:
         """Run to the end, or stop when the client has gone (checked every DISCONNECT_POLL_S)."""

@@ -89,7 +89,8 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}/v1"
 
     def _main(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        factory = self.server.config.get_loop_factory()  # uvloop where installed, as `serve` gets
+        self.loop = factory() if factory is not None else asyncio.new_event_loop()
         try:
             self.loop.run_until_complete(self.server.serve())
             self.loop.run_until_complete(self.front.aclose())

@@ -186,3 +186,46 @@ def test_pause_update_resume_continues_each_request_with_the_new_weights(model):
         rest = SamplingParams(n=1, temperature=0, max_tokens=24 - len(done))
         assert after[f"r{i}"] == fresh.generate([prompt + done], rest)[0].token_ids
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_a_reader_of_results_only_gets_one_output_per_sample_and_weight_version(model):
+    """stream(every_step=False) hands each sample's tokens over when it finishes, merged: the same
+    tokens and log-probs as reading every step, one output per weight version the sample saw."""
+    import asyncio
+
+    from hybridflow.engine.async_engine import AsyncEngine
+
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=4)
+    new_model = from_hf_model(tiny_model("qwen2", seed=11))
+
+    async def read(every_step: bool, update: bool) -> list:
+        front = AsyncEngine(engine_for(model, share_weights=False))
+
+        async def update_after_two_steps():
+            for _ in range(3):  # each call waits for the step boundary after the last
+                await front.between_steps(lambda e: None)
+            await front.between_steps(
+                lambda e: (e.pause(), e.update_weights(new_model.named_parameters()), e.resume())
+            )
+
+        updating = asyncio.ensure_future(update_after_two_steps()) if update else None
+        outs = [out async for out in front.stream(PROMPTS[0], params, every_step=every_step)]
+        if updating is not None:
+            assert updating.done()  # the update came before the end
+        await front.aclose()
+        return outs
+
+    def joined(outs):
+        return {
+            s: [(t, lp, o.weight_version) for o in outs if o.sample == s
+                for t, lp in zip(o.token_ids, o.unscaled_logprobs)]
+            for s in range(2)
+        }  # fmt: skip
+
+    every, held = asyncio.run(read(True, False)), asyncio.run(read(False, False))
+    assert joined(held) == joined(every) and len(every) > 2
+    assert sorted(o.sample for o in held) == [0, 1]  # one output per sample
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 30 for o in held)
+    every, held = asyncio.run(read(True, True)), asyncio.run(read(False, True))
+    assert joined(held) == joined(every)
+    assert sorted((o.sample, o.weight_version) for o in held) == [(0, 0), (0, 1), (1, 0), (1, 1)]
