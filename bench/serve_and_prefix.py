@@ -11,8 +11,10 @@ Random-weight Qwen2.5-shaped models (bench/rollout.py), responses forced to full
 the model's reply plus a new user message appended; every turn is submitted at once (the request
 API). (2) `clients` clients, each sending `rounds` requests of `prompt` random tokens for `response`
 tokens one after the other: in-process (every request added at once: the ceiling), through
-AsyncEngine (the same closed loop as the HTTP clients) and over HTTP (uvicorn in this process, httpx
-clients in another).
+AsyncEngine (the same closed loop as the HTTP clients) and over HTTP (uvicorn in this process, the
+clients in `--client-processes` others, with aiohttp and with httpx: bench/http_load.py). Each run
+also counts the engine's prefill steps and decode runs: clients that reach the server spread out in
+time split what would be one batch into several.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 
@@ -32,90 +33,34 @@ from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.rollout.sampling import SamplingParams
 
 sys.path.insert(0, "bench")
+from http_load import http_load  # noqa: E402
 from rollout import SHAPES, random_model  # noqa: E402
 
-LOAD = r"""
-import asyncio, json, random, sys, time
-import httpx
 
-url, name = sys.argv[1], sys.argv[2]
-first, clients, rounds, prompt_len, response, vocab = map(int, sys.argv[3:9])
-start_at = float(sys.argv[9])
-rng = random.Random(1)
-prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range((first + clients) * rounds)]
-errors = []
+class CountingEngine(Engine):
+    """Counts its prefill steps and decode runs, and the sequences in them (how batches formed)."""
 
-async def main():
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as c:
-        async def one(i):
-            body = {"model": name, "prompt": prompts[i], "max_tokens": response, "temperature": 1.0,
-                    "seed": i, "return_token_ids": True}
-            r = await c.post("/completions", json=body)
-            if r.status_code != 200:
-                errors.append(f"{r.status_code} {r.text[:300]}")
-                return 0
-            return len(r.json()["choices"][0]["token_ids"])
-        async def client(k):  # a closed loop: the next request when the last one is answered
-            return sum([await one(k * rounds + j) for j in range(rounds)])
-        await one(first * rounds)  # a connection, and the server's first request
-        await asyncio.sleep(max(0.0, start_at - time.time()))  # every process starts together
-        start = time.time()
-        tokens = await asyncio.gather(*(client(k) for k in range(first, first + clients)))
-        print(json.dumps({"start": start, "end": time.time(), "tokens": sum(tokens), "errors": errors[:3],
-                          "n_errors": len(errors)}))
+    def reset_counts(self) -> None:
+        self.counts = {"prefill_steps": 0, "decode_runs": 0, "decode_sequences": 0}
 
-asyncio.run(main())
-"""
+    def _prefill(self, jobs):
+        self.counts["prefill_steps"] += 1
+        return super()._prefill(jobs)
 
-
-def http_load(url: str, args, vocab: int) -> dict:
-    """`args.clients` closed-loop clients spread over `args.client_processes` processes (one httpx
-    process saturates a core near 100 connections: the load generator must not be what is measured)."""
-    per = -(-args.clients // args.client_processes)
-    start_at = time.time() + 5.0
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                LOAD,
-                url,
-                "bench",
-                str(first),
-                str(min(per, args.clients - first)),
-                str(args.rounds),
-                str(args.prompt),
-                str(args.response),
-                str(vocab),
-                str(start_at),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for first in range(0, args.clients, per)
-    ]
-    reports = []
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        if p.returncode:
-            print(err[-3000:], file=sys.stderr, flush=True)
-            raise SystemExit(f"a load generator failed: {p.returncode}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return {
-        "seconds": max(r["end"] for r in reports) - min(r["start"] for r in reports),
-        "tokens": sum(r["tokens"] for r in reports),
-        "errors": sum(r["n_errors"] for r in reports),
-        "first_errors": [e for r in reports for e in r["errors"]][:3],
-    }
+    def _decode(self):
+        batch = super()._decode()
+        self.counts["decode_runs"] += 1
+        self.counts["decode_sequences"] += len(batch)
+        return batch
 
 
 def engine_for(model, *, prefix_cache: bool, context: int, device) -> Engine:
     config = EngineConfig(max_context_tokens=context, prefix_cache=prefix_cache, gpu_memory_utilization=0.5,
                           page_size=64 if device.type == "cuda" else 16,
                           kv_cache_tokens=None if device.type == "cuda" else 64 * context)  # fmt: skip
-    return Engine(model, eos_token_ids=[], config=config, device=device)
+    engine = CountingEngine(model, eos_token_ids=[], config=config, device=device)
+    engine.reset_counts()
+    return engine
 
 
 def run_all(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -175,14 +120,19 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
     params = [SamplingParams(max_tokens=args.response, temperature=1.0, seed=i) for i in range(total)]
     run_all(engine, [("warm", prompts[0], params[0])])
     results: dict = {}
+
+    def fresh() -> None:  # every attempt prefills everything, and counts its own steps
+        engine.cache.pool.forget_prefixes()
+        engine.reset_counts()
+
     for attempt in range(2):
-        engine.cache.pool.forget_prefixes()  # every attempt prefills everything
+        fresh()
         sync(device)
         t0 = time.perf_counter()
         out = run_all(engine, [(f"r{attempt}-{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))])
         sync(device)
         results.setdefault("in_process_all_at_once", []).append(
-            {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, out.values()))}
+            {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, out.values())), **engine.counts}
         )
 
     async def closed_loop() -> dict:
@@ -199,16 +149,18 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
         tokens = await asyncio.gather(*(client(k) for k in range(args.clients)))
         seconds = time.perf_counter() - t0
         await front.aclose()
-        return {"seconds": seconds, "tokens": sum(tokens)}
+        return {"seconds": seconds, "tokens": sum(tokens), **engine.counts}
 
     for _ in range(2):
-        engine.cache.pool.forget_prefixes()
+        fresh()
         results.setdefault("async_engine_closed_loop", []).append(asyncio.run(closed_loop()))
     server = BackgroundServer(engine, tokenizer, model_name="bench").start()
     try:
-        for _ in range(2):
-            server.call(lambda e: e.cache.pool.forget_prefixes())
-            results.setdefault("http_closed_loop", []).append(http_load(server.url, args, vocab))
+        for client in args.http_client:
+            for _ in range(2):
+                server.call(lambda e: fresh())
+                got = http_load(server.url, args, vocab, client)
+                results.setdefault(f"http_closed_loop_{client}", []).append(got | engine.counts)
     finally:
         server.stop()
     for runs in results.values():
@@ -216,12 +168,14 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
             r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1) if r["seconds"] else 0.0
             r["seconds"] = round(r["seconds"], 3)
     best = {k: max(r["tokens_per_s"] for r in v) for k, v in results.items()}
-    results["http_vs_async_engine_overhead"] = round(
-        1 - best["http_closed_loop"] / best["async_engine_closed_loop"], 4
-    )
-    results["http_vs_all_at_once_overhead"] = round(
-        1 - best["http_closed_loop"] / best["in_process_all_at_once"], 4
-    )
+    for client in args.http_client:
+        http = best[f"http_closed_loop_{client}"]
+        results[f"http_{client}_vs_async_engine_overhead"] = round(
+            1 - http / best["async_engine_closed_loop"], 4
+        )
+        results[f"http_{client}_vs_all_at_once_overhead"] = round(
+            1 - http / best["in_process_all_at_once"], 4
+        )
     return results
 
 
@@ -240,10 +194,13 @@ def main() -> None:
     ap.add_argument(
         "--client-processes", type=int, default=8, help="processes the HTTP clients are spread over"
     )
+    ap.add_argument("--http-client", choices=["aiohttp", "httpx"], action="append",
+                    help="the load generator's HTTP client (repeatable; default: both)")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--skip", choices=["multi-turn", "serving"], action="append", default=[])
     args = ap.parse_args()
+    args.http_client = args.http_client or ["aiohttp", "httpx"]
     from transformers import AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,7 +23,7 @@ from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.serve.server import BackgroundServer
 
 sys.path.insert(0, "bench")
-from serve_and_prefix import http_load  # noqa: E402
+from http_load import http_load  # noqa: E402
 
 
 class EmulatedGPU(Engine):
