@@ -38,19 +38,26 @@ from rollout import SHAPES, random_model  # noqa: E402
 
 
 class CountingEngine(Engine):
-    """Counts its prefill steps and decode runs, and the sequences in them (how batches formed)."""
+    """Counts its prefill steps and decode runs, the sequences in them (how batches formed) and the
+    seconds spent in each (the rest of a run's wall time the engine waited for requests)."""
 
     def reset_counts(self) -> None:
-        self.counts = {"prefill_steps": 0, "decode_runs": 0, "decode_sequences": 0}
+        self.counts = {"prefill_steps": 0, "decode_runs": 0, "decode_sequences": 0, "prefill_s": 0.0,
+                       "decode_s": 0.0}  # fmt: skip
 
     def _prefill(self, jobs):
+        t0 = time.perf_counter()
+        batch = super()._prefill(jobs)
         self.counts["prefill_steps"] += 1
-        return super()._prefill(jobs)
+        self.counts["prefill_s"] += time.perf_counter() - t0
+        return batch
 
     def _decode(self):
+        t0 = time.perf_counter()
         batch = super()._decode()
         self.counts["decode_runs"] += 1
         self.counts["decode_sequences"] += len(batch)
+        self.counts["decode_s"] += time.perf_counter() - t0
         return batch
 
 
@@ -161,12 +168,23 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
                 server.call(lambda e: fresh())
                 got = http_load(server.url, args, vocab, client)
                 results.setdefault(f"http_closed_loop_{client}", []).append(got | engine.counts)
+        for ms in args.switch_interval_ms:  # how long the event loop's thread may wait for the GIL
+            default = sys.getswitchinterval()
+            sys.setswitchinterval(ms / 1000)
+            try:
+                server.call(lambda e: fresh())
+                got = http_load(server.url, args, vocab, args.http_client[0])
+                results.setdefault(f"http_switch_interval_{ms}ms", []).append(got | engine.counts)
+            finally:
+                sys.setswitchinterval(default)
     finally:
         server.stop()
     for runs in results.values():
         for r in runs:
             r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1) if r["seconds"] else 0.0
-            r["seconds"] = round(r["seconds"], 3)
+            r["seconds"], r["prefill_s"], r["decode_s"] = (
+                round(r[k], 3) for k in ("seconds", "prefill_s", "decode_s")
+            )
     best = {k: max(r["tokens_per_s"] for r in v) for k, v in results.items()}
     for client in args.http_client:
         http = best[f"http_closed_loop_{client}"]
@@ -196,6 +214,8 @@ def main() -> None:
     )
     ap.add_argument("--http-client", choices=["aiohttp", "httpx"], action="append",
                     help="the load generator's HTTP client (repeatable; default: both)")  # fmt: skip
+    ap.add_argument("--switch-interval-ms", type=float, action="append", default=[],
+                    help="also run the first HTTP client with sys.setswitchinterval at this value (repeatable)")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--skip", choices=["multi-turn", "serving"], action="append", default=[])
