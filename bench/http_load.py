@@ -21,6 +21,11 @@ import sys
 import time
 
 
+def response_length(i: int, response: int, spread: int) -> int:
+    """Request i's max_tokens: `response` +- `spread`, spread evenly (the in-process runs use it too)."""
+    return response - spread + (i * 7919) % (2 * spread + 1) if spread else response
+
+
 async def _one_process(a) -> dict:
     rng = random.Random(1)  # the same prompts as the in-process runs of serve_and_prefix
     total = (a.first + a.clients) * a.rounds
@@ -29,7 +34,7 @@ async def _one_process(a) -> dict:
     times: dict[int, tuple[float, float]] = {}  # request -> (sent, answered)
 
     def body(i: int) -> dict:
-        return {"model": a.model, "prompt": prompts[i], "max_tokens": a.response, "temperature": 1.0,
+        return {"model": a.model, "prompt": prompts[i], "max_tokens": response_length(i, a.response, a.spread), "temperature": 1.0,
                 "seed": i, "return_token_ids": True}  # fmt: skip
 
     if a.client == "aiohttp":
@@ -88,6 +93,7 @@ def http_load(url: str, args, vocab: int, client: str = "aiohttp") -> dict:
         argv = [sys.executable, __file__, url, "--model", "bench", "--first", str(first),
                 "--clients", str(min(per, args.clients - first)), "--rounds", str(args.rounds),
                 "--prompt", str(args.prompt), "--response", str(args.response), "--vocab", str(vocab),
+                "--spread", str(getattr(args, "response_spread", 0)),
                 "--start-at", str(start_at), "--client", client]  # fmt: skip
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     reports = []
@@ -126,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--spread", type=int, default=0, help="max_tokens varies by up to this much")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--start-at", type=float, default=0.0, help="a time.time() at which all processes start")
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp")

@@ -33,7 +33,7 @@ from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.rollout.sampling import SamplingParams
 
 sys.path.insert(0, "bench")
-from http_load import http_load  # noqa: E402
+from http_load import http_load, response_length  # noqa: E402
 from rollout import SHAPES, random_model  # noqa: E402
 
 
@@ -44,12 +44,14 @@ class CountingEngine(Engine):
     def reset_counts(self) -> None:
         self.counts = {"prefill_steps": 0, "decode_runs": 0, "decode_sequences": 0, "prefill_s": 0.0,
                        "decode_s": 0.0}  # fmt: skip
+        self.timeline: list[tuple[float, float, str, int]] = []  # (start, end, kind, sequences)
 
     def _prefill(self, jobs):
         t0 = time.perf_counter()
         batch = super()._prefill(jobs)
         self.counts["prefill_steps"] += 1
         self.counts["prefill_s"] += time.perf_counter() - t0
+        self.timeline.append((t0, time.perf_counter(), "prefill", len(batch)))
         return batch
 
     def _decode(self):
@@ -58,6 +60,7 @@ class CountingEngine(Engine):
         self.counts["decode_runs"] += 1
         self.counts["decode_sequences"] += len(batch)
         self.counts["decode_s"] += time.perf_counter() - t0
+        self.timeline.append((t0, time.perf_counter(), "decode", len(batch)))
         return batch
 
 
@@ -122,11 +125,13 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
     rng = random.Random(1)  # the load script's prompts
     total = args.clients * args.rounds
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(total)]
-    context = args.prompt + args.response + 8
+    context = args.prompt + args.response + args.response_spread + 8
     engine = engine_for(model, prefix_cache=True, context=context, device=device)
-    params = [SamplingParams(max_tokens=args.response, temperature=1.0, seed=i) for i in range(total)]
+    lengths = [response_length(i, args.response, args.response_spread) for i in range(total)]
+    params = [SamplingParams(max_tokens=n, temperature=1.0, seed=i) for i, n in enumerate(lengths)]
     run_all(engine, [("warm", prompts[0], params[0])])
     results: dict = {}
+    timelines: dict[str, list] = {}  # phase -> the last attempt's engine steps
 
     def fresh() -> None:  # every attempt prefills everything, and counts its own steps
         engine.cache.pool.forget_prefixes()
@@ -141,6 +146,7 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
         results.setdefault("in_process_all_at_once", []).append(
             {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, out.values())), **engine.counts}
         )
+        timelines["in_process_all_at_once"] = engine.timeline
 
     async def closed_loop() -> dict:
         front = AsyncEngine(engine)
@@ -161,6 +167,7 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
     for _ in range(2):
         fresh()
         results.setdefault("async_engine_closed_loop", []).append(asyncio.run(closed_loop()))
+        timelines["async_engine_closed_loop"] = engine.timeline
     server = BackgroundServer(engine, tokenizer, model_name="bench").start()
     try:
         for client in args.http_client:
@@ -168,6 +175,7 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
                 server.call(lambda e: fresh())
                 got = http_load(server.url, args, vocab, client)
                 results.setdefault(f"http_closed_loop_{client}", []).append(got | engine.counts)
+                timelines[f"http_closed_loop_{client}"] = engine.timeline
         for ms in args.switch_interval_ms:  # how long the event loop's thread may wait for the GIL
             default = sys.getswitchinterval()
             sys.setswitchinterval(ms / 1000)
@@ -179,6 +187,9 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
                 sys.setswitchinterval(default)
     finally:
         server.stop()
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(timelines, f)
     for runs in results.values():
         for r in runs:
             r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1) if r["seconds"] else 0.0
@@ -216,6 +227,9 @@ def main() -> None:
                     help="the load generator's HTTP client (repeatable; default: both)")  # fmt: skip
     ap.add_argument("--switch-interval-ms", type=float, action="append", default=[],
                     help="also run the first HTTP client with sys.setswitchinterval at this value (repeatable)")  # fmt: skip
+    ap.add_argument("--response-spread", type=int, default=0,
+                    help="request i asks for response +- this many tokens (0: all alike, lockstep)")  # fmt: skip
+    ap.add_argument("--timeline", help="write each phase's engine steps (start, end, kind, sequences) here")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--skip", choices=["multi-turn", "serving"], action="append", default=[])
