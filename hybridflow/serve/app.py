@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import secrets
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from hybridflow.serve.protocol import ChatCompletionRequest, CompletionRequest, 
 from hybridflow.serve.rendering import render_chat
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
 
+_ids = random.Random()
 DISCONNECT_POLL_S = 1.0  # each check costs the event loop (and the engine's thread, the GIL) a little
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
@@ -58,11 +60,13 @@ def create_app(
     max_context = engine.config.max_context_tokens
     metrics = metrics or ServerMetrics(engine)
     fmt = tool_format(tokenizer.chat_template)
+    vocab = len(tokenizer)  # a fast tokenizer counts its added tokens at every len()
     app = FastAPI(title="hybridflow", docs_url=None, redoc_url=None)
     app.state.metrics = metrics
 
-    def authorized(request: Request) -> None:  # a dependency, not a middleware: Starlette's
-        # BaseHTTPMiddleware hides a client's disconnect from the endpoint
+    async def authorized(request: Request) -> None:  # a dependency, not a middleware: Starlette's
+        # BaseHTTPMiddleware hides a client's disconnect from the endpoint; async: FastAPI runs a
+        # plain function in a worker thread
         if api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -169,9 +173,8 @@ def create_app(
             ]
         except (TypeError, ValueError) as e:
             raise BadRequest(f"prompt: {e}", "prompt") from None
-        vocab = len(tokenizer)
         for ids in prompts:
-            if any(not 0 <= t < vocab for t in ids):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise BadRequest(f"prompt: a token id is outside the vocabulary of {vocab}", "prompt")
         max_tokens = [check(body, ids) for ids in prompts]
         runs = [
@@ -199,7 +202,8 @@ class _Run:
         self.params = body.sampling(max_tokens)
         stops = body.stop_strings
         self.samples = [SampleText(tokenizer, stops, incremental=body.stream) for _ in range(body.n)]
-        self.id = f"{'chatcmpl' if endpoint.endswith('chat/completions') else 'cmpl'}-{secrets.token_hex(12)}"
+        kind = "chatcmpl" if endpoint.endswith("chat/completions") else "cmpl"
+        self.id = f"{kind}-{_ids.getrandbits(96):024x}"  # an id, not a secret: no system call per request
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.model = body.model

@@ -147,6 +147,6 @@ class CompletionRequest(_Request):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
+        if not p or isinstance(p[0], int):  # one prompt of token ids (the type allows no mix)
             return [p]
         return list(p)
