@@ -1,7 +1,9 @@
 """What the HTTP layer costs, without a GPU: a tiny engine whose every step also sleeps `--step-ms`
 (the GPU's share of a step, with the GIL free as on a GPU), driven by closed-loop clients in-process
-(AsyncEngine) and over HTTP (httpx clients in `--client-processes` processes). Also counts the
-engine's prefill and decode steps: clients that arrive one by one fragment the batches.
+(AsyncEngine) and over HTTP (clients in `--client-processes` processes, bench/http_load.py). Also
+counts the engine's prefill and decode steps (clients that arrive one by one fragment the batches)
+and the CPU the server's event-loop thread spends per request (HTTP, validation, JSON, the driver:
+all of it holds the GIL that the engine's thread needs too).
 
     PYTHONPATH=. python bench/serve_overhead.py --clients 128 --rounds 4 --step-ms 30
 """
@@ -14,6 +16,8 @@ import json
 import random
 import sys
 import time
+
+import psutil
 
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.async_engine import AsyncEngine
@@ -86,13 +90,24 @@ def main() -> None:
         "async_engine": {"seconds": round(asyncio.run(closed_loop()), 2), **engine.counts},
     }
     server = BackgroundServer(engine, byte_tokenizer(), model_name="bench").start()
+
+    def loop_thread_cpu() -> float:  # the server's event loop: HTTP, validation, JSON, the driver
+        return next(
+            t.user_time + t.system_time for t in psutil.Process().threads() if t.id == server.thread.native_id
+        )
+
     try:
         for processes in args.client_processes or [1, 4]:
             engine.counts.update(prefill=0, decode=0)
             ns = argparse.Namespace(**{**vars(args), "client_processes": processes})
+            cpu = loop_thread_cpu()
             got = http_load(server.url, ns, 250)
+            per_request = (loop_thread_cpu() - cpu) / (
+                args.clients * args.rounds + processes
+            )  # + each warm-up
             report[f"http_{processes}_client_processes"] = {"seconds": round(got["seconds"], 2),
-                                                             "errors": got["errors"], **engine.counts}  # fmt: skip
+                                                             "errors": got["errors"], **engine.counts,
+                                                             "loop_cpu_ms_per_request": round(per_request * 1e3, 3)}  # fmt: skip
     finally:
         server.stop()
     print(json.dumps(report))
