@@ -1,0 +1,111 @@
+"""Where a small-batch decode step's time goes (issue #28): the engine decodes B sequences of a
+random-weight Qwen2.5 shape; each batch size's decode runs are timed bare, then once under the torch
+profiler, which reports the GPU's busy time per step (kernels, by name) against the wall time per
+step (the rest is the GPU waiting for the host: launches, sampling, bookkeeping) and the host ops
+that took longest.
+
+    PYTHONPATH=. python bench/decode_profile.py --shape 0.5b --batch 1 --batch 64     # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.rollout.sampling import SamplingParams
+
+sys.path.insert(0, "bench")
+from rollout import PEAK_BW, VOCAB, random_model  # noqa: E402
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def decode_engine(model, batch: int, tokens: int, device) -> Engine:
+    """An engine with `batch` sequences past their prefill, decoding up to `tokens` each."""
+    config = EngineConfig(max_context_tokens=128 + tokens + 8, page_size=64, max_batch_sequences=max(batch, 8),
+                          gpu_memory_utilization=0.3)  # fmt: skip
+    engine = Engine(model, eos_token_ids=[], config=config, device=device)
+    engine.generate([[5] * 128] * 2, SamplingParams(max_tokens=16, seed=0))  # graphs, kernels
+    for i in range(batch):
+        engine.add_request(
+            f"r{i}", [7 + i % 100] * 128, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i)
+        )
+    engine.step()  # the prefill
+    return engine
+
+
+def measure(model, batch: int, device, runs: int) -> dict:
+    steps = runs * EngineConfig.decode_steps
+    engine = decode_engine(model, batch, 2 * steps + 16, device)
+    engine.step()  # a first decode run
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        engine.step()
+    torch.cuda.synchronize()
+    bare_ms = 1e3 * (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            engine.step()
+        torch.cuda.synchronize()
+        profiled_ms = 1e3 * (time.perf_counter() - t0) / steps
+    kernels: dict[str, float] = defaultdict(float)
+    launches = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += e.device_time_total / 1e3  # ms
+            launches += 1
+    gpu_ms = sum(kernels.values()) / steps
+    host = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    kv_bytes = (
+        batch
+        * (128 + steps)
+        * 2
+        * model.config.num_hidden_layers
+        * model.config.num_key_value_heads
+        * model.config.head_dim
+        * 2
+    )
+    bound_ms = 1e3 * (weight_bytes(model) + kv_bytes) / PEAK_BW
+    return {
+        "batch": batch,
+        "ms_per_step": round(bare_ms, 3),
+        "ms_per_step_profiled": round(profiled_ms, 3),
+        "gpu_busy_ms_per_step": round(gpu_ms, 3),
+        "kernels_per_step": round(launches / steps, 1),
+        "memory_bound_ms": round(bound_ms, 3),
+        "top_kernels_ms_per_step": {
+            k[:90]: round(v / steps, 4) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+        },
+        "top_host_ops_ms_per_step": {a.key[:60]: round(a.self_cpu_time_total / 1e3 / steps, 4) for a in host},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--batch", type=int, action="append", help="repeatable (default 1 and 64)")
+    ap.add_argument("--runs", type=int, default=8, help="decode runs timed per batch size")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_profile measures the GPU: run it on the H200")
+    device = torch.device("cuda")
+    model = random_model(args.shape, device, torch.bfloat16)
+    report = {"device": torch.cuda.get_device_name(), "shape": args.shape, "vocab": VOCAB,
+              "weights_gib": round(weight_bytes(model) / 2**30, 3), "decode_steps_per_run": EngineConfig.decode_steps,
+              "results": [measure(model, b, device, args.runs) for b in args.batch or [1, 64]]}  # fmt: skip
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
