@@ -77,6 +77,13 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
 
+    @property
+    def max_context_tokens(self) -> int:
+        return self.engine.config.max_context_tokens
+
+    async def engine_stats(self) -> dict[str, int]:
+        return self.engine.serving_stats()
+
     def _ensure_running(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error!r}") from self.error

@@ -313,6 +313,22 @@ class Engine:
             "cached_pages": self.cache.pool.num_cached,
         }
 
+    def serving_stats(self) -> dict[str, int]:
+        """The scheduler's and the pool's state for a server's metrics (plain reads: safe beside
+        the thread that steps)."""
+        s, pool = self.scheduler, self.cache.pool
+        return {
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "kv_pages_used": pool.num_pages - pool.num_free,
+            "kv_pages_total": pool.num_pages,
+            "prefix_cache_pages": pool.num_cached,
+            "admitted_tokens": s.admitted_tokens,
+            "cached_tokens": s.cached_tokens,
+            "weight_version": self.weight_version,
+            "preemptions": s.preemptions,
+        }
+
     def _stops_for(self, params: SamplingParams) -> torch.Tensor:
         """The stop tokens of sequences sampled with `params`, on the device (made once per set)."""
         key = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))

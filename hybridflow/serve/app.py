@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.errors import UserError
 from hybridflow.serve.detokenize import SampleText
+from hybridflow.serve.engine_link import RemoteFront
 from hybridflow.serve.metrics import ServerMetrics
 from hybridflow.serve.protocol import ChatCompletionRequest, CompletionRequest, Unsupported
 from hybridflow.serve.rendering import render_chat
@@ -48,17 +49,18 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_app(
-    front: AsyncEngine,
+    front: AsyncEngine | RemoteFront,
     tokenizer,
     *,
     model_name: str,
     metrics: ServerMetrics | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
-    """`api_key`: the /v1 routes then want `Authorization: Bearer <api_key>` (what the openai client sends)."""
-    engine = front.engine
-    max_context = engine.config.max_context_tokens
-    metrics = metrics or ServerMetrics(engine)
+    """`front`: the engine in this process (AsyncEngine) or in another (RemoteFront), the same calls.
+    `api_key`: the /v1 routes then want `Authorization: Bearer <api_key>` (what the openai client sends)."""
+    max_context = front.max_context_tokens
+    latest: dict = {}  # the engine's state, fetched before each scrape (it may live in another process)
+    metrics = metrics or ServerMetrics(lambda: latest)
     fmt = tool_format(tokenizer.chat_template)
     vocab = len(tokenizer)  # a fast tokenizer counts its added tokens at every len()
     app = FastAPI(title="hybridflow", docs_url=None, redoc_url=None)
@@ -112,6 +114,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus():
+        latest.update(await front.engine_stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)

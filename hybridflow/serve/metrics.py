@@ -11,43 +11,46 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class EngineCollector:
-    """Reads the engine when scraped (plain attribute reads: safe beside the stepping thread)."""
+    """The engine's state, from the dict `stats()` gives (Engine.serving_stats, read in-process or
+    fetched from the engine's process before a scrape)."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, stats) -> None:
+        self.stats = stats
 
     def collect(self):
-        e = self.engine
-        s, pool = e.scheduler, e.cache.pool
+        e = self.stats()
         yield GaugeMetricFamily(
-            "hybridflow_requests_waiting", "Prefill jobs waiting for admission", len(s.waiting)
+            "hybridflow_requests_waiting", "Prefill jobs waiting for admission", e["waiting"]
         )
-        yield GaugeMetricFamily("hybridflow_sequences_running", "Sequences being decoded", len(s.running))
+        yield GaugeMetricFamily("hybridflow_sequences_running", "Sequences being decoded", e["running"])
+        yield GaugeMetricFamily("hybridflow_kv_pages_used", "KV pages held by sequences", e["kv_pages_used"])
+        yield GaugeMetricFamily("hybridflow_kv_pages_total", "KV pages in the pool", e["kv_pages_total"])
         yield GaugeMetricFamily(
-            "hybridflow_kv_pages_used", "KV pages held by sequences", pool.num_pages - pool.num_free
-        )
-        yield GaugeMetricFamily("hybridflow_kv_pages_total", "KV pages in the pool", pool.num_pages)
-        yield GaugeMetricFamily(
-            "hybridflow_prefix_cache_pages", "Pages kept by the prefix cache", pool.num_cached
+            "hybridflow_prefix_cache_pages", "Pages kept by the prefix cache", e["prefix_cache_pages"]
         )
         yield CounterMetricFamily(
-            "hybridflow_prefill_prompt_tokens", "Tokens admitted to prefill", s.admitted_tokens
+            "hybridflow_prefill_prompt_tokens", "Tokens admitted to prefill", e["admitted_tokens"]
         )
         yield CounterMetricFamily(
-            "hybridflow_prefix_cache_hit_tokens", "Admitted tokens found in the prefix cache", s.cached_tokens
+            "hybridflow_prefix_cache_hit_tokens",
+            "Admitted tokens found in the prefix cache",
+            e["cached_tokens"],
         )
-        rate = s.cached_tokens / s.admitted_tokens if s.admitted_tokens else 0.0
+        admitted = e["admitted_tokens"]
+        rate = e["cached_tokens"] / admitted if admitted else 0.0
         yield GaugeMetricFamily("hybridflow_prefix_cache_hit_rate", "Hit tokens / admitted tokens", rate)
         yield GaugeMetricFamily(
-            "hybridflow_weight_version", "Weight updates applied to the engine", e.weight_version
+            "hybridflow_weight_version", "Weight updates applied to the engine", e["weight_version"]
         )
         yield CounterMetricFamily(
-            "hybridflow_preemptions", "Sequences preempted (K/V recomputed)", s.preemptions
+            "hybridflow_preemptions", "Sequences preempted (K/V recomputed)", e["preemptions"]
         )
 
 
 class ServerMetrics:
-    def __init__(self, engine, registry: CollectorRegistry | None = None) -> None:
+    """`engine_stats()`: the engine's state as Engine.serving_stats gives it."""
+
+    def __init__(self, engine_stats, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -69,4 +72,4 @@ class ServerMetrics:
         self.aborted = Counter(
             "hybridflow_requests_aborted", "Requests stopped early (client gone)", registry=r
         )
-        r.register(EngineCollector(engine))
+        r.register(EngineCollector(engine_stats))

@@ -3,6 +3,7 @@ plain `httpx` stream, on localhost. What it samples is what the engine samples i
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -10,6 +11,7 @@ import openai
 import pytest
 
 from hybridflow.engine import Engine, EngineConfig
+from hybridflow.errors import UserError
 from hybridflow.models import byte_tokenizer, tiny_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.rollout.sampling import SamplingParams
@@ -33,9 +35,12 @@ def tokenizer():
     return byte_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    server = BackgroundServer(make_engine(), tokenizer, model_name=NAME).start()
+@pytest.fixture(scope="module", params=["api-process", "in-process"])
+def server(tokenizer, request):
+    """The HTTP front in its own process (the default), and in the engine's thread."""
+    server = BackgroundServer(
+        make_engine(), tokenizer, model_name=NAME, api_process=request.param == "api-process"
+    ).start()
     yield server
     server.stop()
 
@@ -397,5 +402,54 @@ def test_with_an_api_key_only_its_bearer_is_served():
         right = openai.OpenAI(base_url=server.url, api_key="s3cret", max_retries=0)
         assert [m.id for m in right.models.list().data] == [NAME]
         assert httpx.get(f"{server.url.removesuffix('/v1')}/health").status_code == 200  # probes need no key
+    finally:
+        server.stop()
+
+
+def test_the_http_process_ends_with_the_engine_process_and_says_why_it_cannot_start():
+    """The front's process goes when the engine's process is killed (no orphan holds the port);
+    a port in use is one clear error; a front that died is named at the next engine call."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time; sys.path.insert(0, 'tests/cpu')\n"
+        "from test_serve import make_engine, byte_tokenizer, BackgroundServer\n"
+        "s = BackgroundServer(make_engine(), byte_tokenizer(), model_name='tiny').start()\n"
+        "print(s.process.pid, s.port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid, port = map(int, parent.stdout.readline().split())
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while True:  # the child is not ours to wait for: poll for it
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the HTTP process outlived the engine's process"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"could not start on 127.0.0.1:{port}: Address already in use"):
+            BackgroundServer(make_engine(), byte_tokenizer(), model_name=NAME, port=port).start()
+
+    server = BackgroundServer(make_engine(), byte_tokenizer(), model_name=NAME).start()
+    try:
+        server.process.kill()
+        server.thread.join(20)
+        with pytest.raises(RuntimeError, match="has stopped .its HTTP process ended with -9"):
+            server.call(lambda e: e.weight_version)
     finally:
         server.stop()
