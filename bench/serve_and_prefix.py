@@ -168,25 +168,29 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
         fresh()
         results.setdefault("async_engine_closed_loop", []).append(asyncio.run(closed_loop()))
         timelines["async_engine_closed_loop"] = engine.timeline
-    server = BackgroundServer(engine, tokenizer, model_name="bench").start()
-    try:
-        for client in args.http_client:
-            for _ in range(2):
-                server.call(lambda e: fresh())
-                got = http_load(server.url, args, vocab, client)
-                results.setdefault(f"http_closed_loop_{client}", []).append(got | engine.counts)
-                timelines[f"http_closed_loop_{client}"] = engine.timeline
-        for ms in args.switch_interval_ms:  # how long the event loop's thread may wait for the GIL
-            default = sys.getswitchinterval()
-            sys.setswitchinterval(ms / 1000)
-            try:
-                server.call(lambda e: fresh())
-                got = http_load(server.url, args, vocab, args.http_client[0])
-                results.setdefault(f"http_switch_interval_{ms}ms", []).append(got | engine.counts)
-            finally:
-                sys.setswitchinterval(default)
-    finally:
-        server.stop()
+    for front in args.http_front:  # the HTTP front in its own process (the default), or in this one
+        suffix = "" if front == "process" else "_front_in_engine_process"
+        server = BackgroundServer(
+            engine, tokenizer, model_name="bench", api_process=front == "process"
+        ).start()
+        try:
+            for client in args.http_client:
+                for _ in range(2):
+                    server.call(lambda e: fresh())
+                    got = http_load(server.url, args, vocab, client)
+                    results.setdefault(f"http_closed_loop_{client}{suffix}", []).append(got | engine.counts)
+                    timelines[f"http_closed_loop_{client}{suffix}"] = engine.timeline
+            for ms in args.switch_interval_ms:  # how long the event loop's thread may wait for the GIL
+                default = sys.getswitchinterval()
+                sys.setswitchinterval(ms / 1000)
+                try:
+                    server.call(lambda e: fresh())
+                    got = http_load(server.url, args, vocab, args.http_client[0])
+                    results.setdefault(f"http_switch_interval_{ms}ms{suffix}", []).append(got | engine.counts)
+                finally:
+                    sys.setswitchinterval(default)
+        finally:
+            server.stop()
     if args.timeline:
         with open(args.timeline, "w") as f:
             json.dump(timelines, f)
@@ -197,13 +201,13 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
                 round(r[k], 3) for k in ("seconds", "prefill_s", "decode_s")
             )
     best = {k: max(r["tokens_per_s"] for r in v) for k, v in results.items()}
-    for client in args.http_client:
-        http = best[f"http_closed_loop_{client}"]
-        results[f"http_{client}_vs_async_engine_overhead"] = round(
-            1 - http / best["async_engine_closed_loop"], 4
+    for key in [k for k in best if k.startswith("http_closed_loop_")]:
+        name = key.removeprefix("http_closed_loop_")
+        results[f"http_{name}_vs_async_engine_overhead"] = round(
+            1 - best[key] / best["async_engine_closed_loop"], 4
         )
-        results[f"http_{client}_vs_all_at_once_overhead"] = round(
-            1 - http / best["in_process_all_at_once"], 4
+        results[f"http_{name}_vs_all_at_once_overhead"] = round(
+            1 - best[key] / best["in_process_all_at_once"], 4
         )
     return results
 
@@ -230,11 +234,14 @@ def main() -> None:
     ap.add_argument("--response-spread", type=int, default=0,
                     help="request i asks for response +- this many tokens (0: all alike, lockstep)")  # fmt: skip
     ap.add_argument("--timeline", help="write each phase's engine steps (start, end, kind, sequences) here")
+    ap.add_argument("--http-front", choices=["process", "thread"], action="append",
+                    help="the HTTP front in its own process or in the engine's (repeatable; default: process)")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--skip", choices=["multi-turn", "serving"], action="append", default=[])
     args = ap.parse_args()
     args.http_client = args.http_client or ["aiohttp", "httpx"]
+    args.http_front = args.http_front or ["process"]
     from transformers import AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
