@@ -168,10 +168,11 @@ def serving(model, tokenizer, args, device, vocab: int) -> dict:
         fresh()
         results.setdefault("async_engine_closed_loop", []).append(asyncio.run(closed_loop()))
         timelines["async_engine_closed_loop"] = engine.timeline
-    for front in args.http_front:  # the HTTP front in its own process (the default), or in this one
-        suffix = "" if front == "process" else "_front_in_engine_process"
+    for front in args.http_front:  # the HTTP front in N processes of its own, or in this one
+        processes = int(front) if front.isdigit() else 1
+        suffix = "_front_in_engine_process" if front == "thread" else f"_{processes}_front_processes"
         server = BackgroundServer(
-            engine, tokenizer, model_name="bench", api_process=front == "process"
+            engine, tokenizer, model_name="bench", api_process=front != "thread", api_processes=processes
         ).start()
         try:
             for client in args.http_client:
@@ -234,14 +235,14 @@ def main() -> None:
     ap.add_argument("--response-spread", type=int, default=0,
                     help="request i asks for response +- this many tokens (0: all alike, lockstep)")  # fmt: skip
     ap.add_argument("--timeline", help="write each phase's engine steps (start, end, kind, sequences) here")
-    ap.add_argument("--http-front", choices=["process", "thread"], action="append",
-                    help="the HTTP front in its own process or in the engine's (repeatable; default: process)")  # fmt: skip
+    ap.add_argument("--http-front", action="append",
+                    help="N: the HTTP front in N processes of its own; thread: in the engine's (repeatable; default: 1)")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--skip", choices=["multi-turn", "serving"], action="append", default=[])
     args = ap.parse_args()
     args.http_client = args.http_client or ["aiohttp", "httpx"]
-    args.http_front = args.http_front or ["process"]
+    args.http_front = args.http_front or ["1"]
     from transformers import AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -115,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port} is not a port number (1-65535)")
+    if args.api_processes < 1:
+        raise UserError(f"--api-processes {args.api_processes}: give at least 1")
     if args.max_model_len < 2:
         raise UserError(f"--max-model-len {args.max_model_len} is too small; give at least 2 tokens")
     engine, tokenizer = build_engine(
@@ -126,7 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
     api_key = args.api_key or os.environ.get("HYBRIDFLOW_API_KEY") or None
     name = args.served_model_name or args.model
-    serve(engine, tokenizer, model_name=name, host=args.host, port=args.port, api_key=api_key)
+    serve(engine, tokenizer, model_name=name, host=args.host, port=args.port, api_key=api_key,
+          api_processes=args.api_processes)  # fmt: skip
 
 
 def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -277,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` (default: $HYBRIDFLOW_API_KEY, else none)"
     )
+    srv.add_argument(
+        "--api-processes", type=int, default=1,
+        help="HTTP front processes on the port (their CPU per request in parallel; the engine is one)",
+    )  # fmt: skip
     srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument(

@@ -115,7 +115,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus():
         latest.update(await front.engine_stats())
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def models():

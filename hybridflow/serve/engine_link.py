@@ -102,8 +102,8 @@ class _Failed:
 class RemoteFront:
     """The API process's view of the engine: AsyncEngine's calls, over the pipe."""
 
-    def __init__(self, conn, max_context_tokens: int) -> None:
-        self.conn, self.max_context_tokens = conn, max_context_tokens
+    def __init__(self, conn, max_context_tokens: int, id_prefix: str = "http-") -> None:
+        self.conn, self.max_context_tokens, self.id_prefix = conn, max_context_tokens, id_prefix
         self.error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.Queue, Callable | None]] = {}
         self._stats: dict[int, asyncio.Future] = {}
@@ -131,7 +131,7 @@ class RemoteFront:
     ) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error!r}")
-        request_id = request_id if request_id is not None else f"http-{next(self._ids)}"
+        request_id = request_id if request_id is not None else f"{self.id_prefix}{next(self._ids)}"
         inbox: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (inbox, on_first_output)
         self.send(("add", request_id, list(prompt_ids), params, every_step))
@@ -259,19 +259,25 @@ class EngineLink:
         self.closed.set()
 
 
-def start_api_process(tokenizer, settings: dict) -> tuple[subprocess.Popen, Connection]:
+def start_api_process(
+    tokenizer, settings: dict, listener: socket.socket | None, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Connection]:
     """The HTTP front as `python -m hybridflow.serve.engine_link FD`, linked by a socket pair (not
     multiprocessing's spawn, which would import the caller's main script again in the child: a script
     without an `if __name__ == "__main__"` guard would start over there). The tokenizer and the
-    settings are the link's first message."""
+    settings are the link's first message; `listener`, a socket bound here, is accepted on by every
+    front process (the kernel spreads the connections), else the child binds host:port itself."""
     ours, theirs = socket.socketpair()
     package_root = str(Path(__file__).resolve().parents[2])  # where `hybridflow` imports from here
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env |= env_extra or {}
+    fds = [theirs.fileno()] + ([listener.fileno()] if listener is not None else [])
+    settings = settings | {"listener_fd": listener.fileno() if listener is not None else None}
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "hybridflow.serve.engine_link", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
+            pass_fds=fds,
             env=env,
         )
     finally:
@@ -288,7 +294,7 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
 
     from hybridflow.serve.app import create_app
 
-    front = RemoteFront(conn, settings["max_context_tokens"])
+    front = RemoteFront(conn, settings["max_context_tokens"], settings["id_prefix"])
     app = create_app(front, tokenizer, model_name=settings["model_name"], api_key=settings["api_key"])
     config = uvicorn.Config(
         app,
@@ -305,7 +311,9 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
 
     async def main() -> None:
         front.start(asyncio.get_running_loop(), on_stop=stop)
-        serving = asyncio.ensure_future(server.serve())
+        fd = settings["listener_fd"]
+        sockets = [socket.socket(fileno=fd)] if fd is not None else None
+        serving = asyncio.ensure_future(server.serve(sockets=sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if serving.done():

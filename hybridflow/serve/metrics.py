@@ -1,10 +1,13 @@
 """Prometheus metrics of the server (prometheus_client, one registry per app): requests, tokens,
 latencies, and the engine's state read at scrape time (queue depth, running sequences, KV pages,
-prefix-cache hits, weight version)."""
+prefix-cache hits, weight version). Several front processes share PROMETHEUS_MULTIPROC_DIR, and a
+scrape of any of them counts the requests of all (prometheus_client's multiprocess mode)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -72,4 +75,10 @@ class ServerMetrics:
         self.aborted = Counter(
             "hybridflow_requests_aborted", "Requests stopped early (client gone)", registry=r
         )
-        r.register(EngineCollector(engine_stats))
+        engine = EngineCollector(engine_stats)
+        r.register(engine)
+        self.exposition = r  # what /metrics shows
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several front processes: all of theirs
+            self.exposition = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposition)
+            self.exposition.register(engine)

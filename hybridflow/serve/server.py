@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -60,12 +62,22 @@ def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
     )
 
 
-def serve(engine, tokenizer, *, model_name: str, host: str, port: int, api_key: str | None = None) -> None:
+def serve(
+    engine,
+    tokenizer,
+    *,
+    model_name: str,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    api_processes: int = 1,
+) -> None:
     """`hybridflow serve`: the engine here, the HTTP front in its own process, until SIGINT or
     SIGTERM (then, once both have shut down, ended by that signal, as systemd and Slurm expect)."""
     server = BackgroundServer(
-        engine, tokenizer, model_name=model_name, host=host, port=port, api_key=api_key, log_level="info"
-    ).start(timeout_s=300)
+        engine, tokenizer, model_name=model_name, host=host, port=port, api_key=api_key,
+        api_processes=api_processes, log_level="info",
+    ).start(timeout_s=300)  # fmt: skip
     caught: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, frame: caught.append(number))
@@ -83,7 +95,8 @@ def serve(engine, tokenizer, *, model_name: str, host: str, port: int, api_key: 
 class BackgroundServer:
     """The server, with the engine's driver on a thread of this process and the HTTP front in a
     process of its own (`api_process`; False: in this thread too, e.g. where no child process may
-    start). `call(fn)` runs fn(engine) between two engine steps and `run(coro_fn)` runs a coroutine
+    start), or in `api_processes` of them accepting on one socket (the per-request CPU of HTTP,
+    validation and JSON in parallel: what limits a burst of hundreds of requests). `call(fn)` runs fn(engine) between two engine steps and `run(coro_fn)` runs a coroutine
     on the driver's loop, each waited for at most `timeout_s`."""
 
     def __init__(
@@ -96,18 +109,24 @@ class BackgroundServer:
         port: int = 0,
         api_key: str | None = None,
         api_process: bool = True,
+        api_processes: int = 1,
         log_level: str = "warning",
     ) -> None:
+        if api_processes < 1:
+            raise UserError(f"api_processes={api_processes}: give at least 1")
         self.front = AsyncEngine(engine)
         self.tokenizer, self.model_name, self.api_key = tokenizer, model_name, api_key
         self.host, self.port = host, port or _free_port(host)
         self.api_process, self.log_level = api_process, log_level
+        self.api_processes = api_processes if api_process else 0
         self.server: uvicorn.Server | None = None
         if not api_process:
             app = create_app(self.front, tokenizer, model_name=model_name, api_key=api_key)
             self.server = uvicorn.Server(_config(app, self.host, self.port, log_level))
-        self.link: EngineLink | None = None
-        self.process = None
+        self.links: list[EngineLink] = []
+        self.processes: list[subprocess.Popen] = []
+        self._listener: socket.socket | None = None
+        self._metrics_dir: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._main, name="hybridflow-serve", daemon=True)
         self.failure: BaseException | None = None
@@ -140,25 +159,48 @@ class BackgroundServer:
         await serving
 
     async def _link_main(self) -> None:
-        settings = {"model_name": self.model_name, "host": self.host, "port": self.port,
-                    "api_key": self.api_key, "log_level": self.log_level,
-                    "max_context_tokens": self.front.max_context_tokens}  # fmt: skip
-        self.process, conn = start_api_process(self.tokenizer, settings)
-        self.link = EngineLink(self.front, conn, asyncio.get_running_loop())
-        self.link.start()
-        await self.link.ready
+        """Start the front processes, link each, serve until they have all ended."""
+        loop = asyncio.get_running_loop()
+        env = {}
+        if self.api_processes > 1:  # their metrics, summed at each scrape
+            self._metrics_dir = tempfile.mkdtemp(prefix="hybridflow-metrics-")
+            env["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
+        for i in range(self.api_processes):
+            settings = {"model_name": self.model_name, "host": self.host, "port": self.port,
+                        "api_key": self.api_key, "log_level": self.log_level, "id_prefix": f"http{i}-",
+                        "max_context_tokens": self.front.max_context_tokens}  # fmt: skip
+            process, conn = start_api_process(self.tokenizer, settings, self._listener, env)
+            link = EngineLink(self.front, conn, loop)
+            link.start()
+            self.processes.append(process)
+            self.links.append(link)
+        self._listener.close()  # the children hold it: a port no process serves is not left bound
+        try:
+            await asyncio.gather(*(link.ready for link in self.links))
+        finally:
+            for link in self.links:  # one that failed: the others end too
+                if not link.ready.done() or link.ready.exception() is not None:
+                    for other in self.links:
+                        other.stop()
+                    break
         self._started.set()
-        await self.link.closed.wait()
+        await asyncio.wait([asyncio.ensure_future(link.closed.wait()) for link in self.links],
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        for link in self.links:  # one front gone (killed, crashed): the server is down
+            link.stop()
+        await asyncio.gather(*(link.closed.wait() for link in self.links))
 
     def start(self, timeout_s: float = 120.0) -> BackgroundServer:
-        with socket.socket() as probe:  # a port in use, said here rather than in the child's log
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            try:
-                probe.bind((self.host, self.port))
-            except OSError as e:
-                raise UserError(
-                    f"the policy server could not start on {self.host}:{self.port}: {e.strerror}"
-                ) from None
+        try:
+            if self.api_process:  # bound here, accepted on by the front processes
+                self._listener = socket.create_server((self.host, self.port), backlog=4096)
+            else:  # a port in use, said here rather than in uvicorn's log
+                with socket.create_server((self.host, self.port)):
+                    pass
+        except OSError as e:
+            raise UserError(
+                f"the policy server could not start on {self.host}:{self.port}: {e.strerror}"
+            ) from None
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._started.wait(0.01):
@@ -176,9 +218,9 @@ class BackgroundServer:
 
     def run(self, coro_fn, timeout_s: float):
         if not self.thread.is_alive():
-            code = self.process.poll() if self.process is not None else None
+            codes = [p.poll() for p in self.processes]
             raise RuntimeError(
-                f"the policy server at {self.url} has stopped (its HTTP process ended with {code}): {self.failure!r}"
+                f"the policy server at {self.url} has stopped (its HTTP processes ended with {codes}): {self.failure!r}"
             )
         future: Future = asyncio.run_coroutine_threadsafe(coro_fn(), self.loop)
         return future.result(timeout=timeout_s)
@@ -190,13 +232,18 @@ class BackgroundServer:
         """Ends the HTTP front, then the driver; a child that does not end in time is killed."""
         if self.server is not None:
             self.server.should_exit = True
-        elif self.link is not None and self.loop is not None and not self.loop.is_closed():
+        elif self.loop is not None and not self.loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self.loop.call_soon_threadsafe(self.link.stop)
-        if self.process is not None:
+                for link in self.links:
+                    self.loop.call_soon_threadsafe(link.stop)
+        for process in self.processes:
             try:
-                self.process.wait(timeout_s)
+                process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout_s)
+                process.kill()
+                process.wait(timeout_s)
+        if self._listener is not None:
+            self._listener.close()
         self.thread.join(timeout_s)
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)

@@ -418,7 +418,7 @@ def test_the_http_process_ends_with_the_engine_process_and_says_why_it_cannot_st
         "import sys, time; sys.path.insert(0, 'tests/cpu')\n"
         "from test_serve import make_engine, byte_tokenizer, BackgroundServer\n"
         "s = BackgroundServer(make_engine(), byte_tokenizer(), model_name='tiny').start()\n"
-        "print(s.process.pid, s.port, flush=True)\n"
+        "print(s.processes[0].pid, s.port, flush=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -447,9 +447,45 @@ def test_the_http_process_ends_with_the_engine_process_and_says_why_it_cannot_st
 
     server = BackgroundServer(make_engine(), byte_tokenizer(), model_name=NAME).start()
     try:
-        server.process.kill()
+        server.processes[0].kill()
         server.thread.join(20)
-        with pytest.raises(RuntimeError, match="has stopped .its HTTP process ended with -9"):
+        with pytest.raises(RuntimeError, match=r"has stopped .its HTTP processes ended with .-9"):
             server.call(lambda e: e.weight_version)
     finally:
         server.stop()
+
+
+def test_several_front_processes_share_the_port_the_engine_and_the_metrics(tokenizer, reference):
+    """api_processes=3: three HTTP processes accept on one socket; 48 concurrent clients each get what
+    the engine samples for them, and any process's /metrics counts every request."""
+    server = BackgroundServer(make_engine(), tokenizer, model_name=NAME, api_processes=3).start()
+    try:
+        assert len({p.pid for p in server.processes}) == 3
+
+        async def one(c: httpx.AsyncClient, i: int) -> list[int]:
+            body = {"model": NAME, "prompt": [10 + i, 20, 30], "max_tokens": 6, "temperature": 1.0, "seed": i,
+                    "return_token_ids": True}  # fmt: skip
+            r = await c.post(f"{server.url}/completions", json=body)
+            return r.json()["choices"][0]["token_ids"]
+
+        async def many() -> list[list[int]]:
+            limits = httpx.Limits(max_connections=48)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+                return await asyncio.gather(*(one(c, i) for i in range(48)))
+
+        got = asyncio.run(many())
+        for i in (0, 17, 47):
+            params = SamplingParams(max_tokens=6, temperature=1.0, seed=i)
+            assert got[i] == reference.generate([[10 + i, 20, 30]], params)[0].token_ids
+        metrics = f"{server.url.removesuffix('/v1')}/metrics"
+        for _ in range(3):  # new connections: the kernel may hand each to another process
+            text = httpx.get(metrics, timeout=10, headers={"Connection": "close"}).text
+            line = next(
+                x
+                for x in text.splitlines()
+                if x.startswith('hybridflow_http_requests_total{endpoint="/v1/completions",status="200"}')
+            )
+            assert float(line.split()[-1]) == 48
+    finally:
+        server.stop()
+    assert not any(p.poll() is None for p in server.processes)
