@@ -173,6 +173,8 @@ class RemoteFront:
                 if entry is not None and entry[1] is not None:
                     entry[1]()
             elif kind == "fail":
+                if message[3] and self.error is None:  # the engine itself stopped: /health says so
+                    self.error = message[2]
                 if (entry := self._streams.get(message[1])) is not None:
                     entry[0].put_nowait(_Failed(message[2], fatal=message[3]))
             elif kind == "stats":

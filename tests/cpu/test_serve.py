@@ -489,3 +489,28 @@ def test_several_front_processes_share_the_port_the_engine_and_the_metrics(token
     finally:
         server.stop()
     assert not any(p.poll() is None for p in server.processes)
+
+
+@pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-process"])
+def test_an_engine_that_fails_answers_503_and_health_says_so(api_process):
+    server = BackgroundServer(
+        make_engine(), byte_tokenizer(), model_name=NAME, api_process=api_process
+    ).start()
+    base = server.url.removesuffix("/v1")
+    try:
+
+        def lose_the_device(engine) -> None:
+            def step():
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            engine._step = step
+
+        server.call(lose_the_device)
+        body = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": 4}
+        r = httpx.post(f"{server.url}/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "illegal memory access" in r.json()["error"]["message"]
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 503 and "the engine stopped" in health.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/completions", json=body, timeout=30).status_code == 503
+    finally:
+        server.stop()
