@@ -328,8 +328,13 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
         finally:
             front.close()
 
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(main())
+    factory = config.get_loop_factory()  # uvloop where installed
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 if __name__ == "__main__":
