@@ -92,6 +92,14 @@ def serve(
     signal.raise_signal(caught[0])
 
 
+def _exit_code(process: subprocess.Popen) -> int | None:
+    """Its exit code; a process whose end closed the link may take a moment to be reapable."""
+    try:
+        return process.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 class BackgroundServer:
     """The server, with the engine's driver on a thread of this process and the HTTP front in a
     process of its own (`api_process`; False: in this thread too, e.g. where no child process may
@@ -218,7 +226,7 @@ class BackgroundServer:
 
     def run(self, coro_fn, timeout_s: float):
         if not self.thread.is_alive():
-            codes = [p.poll() for p in self.processes]
+            codes = [_exit_code(p) for p in self.processes]
             raise RuntimeError(
                 f"the policy server at {self.url} has stopped (its HTTP processes ended with {codes}): {self.failure!r}"
             )
