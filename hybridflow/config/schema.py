@@ -150,6 +150,8 @@ class RolloutConfig:
     server_host: str = "127.0.0.1"
     server_port: int = 0
     """0: a free port."""
+    server_api_processes: int = 1
+    """HTTP front processes of the policy server (hundreds of concurrent agents: 4 or so)."""
     val_samples_per_prompt: int = 1
     val_temperature: float = 0.0
     """0 means greedy."""
@@ -162,6 +164,7 @@ class RolloutConfig:
         _check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
         _check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
         _check_positive("rollout", "decode_steps", self.decode_steps)
+        _check_positive("rollout", "server_api_processes", self.server_api_processes)
         _check_positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise UserError(f"config rollout.top_p={self.top_p} must be in (0, 1]")

@@ -73,8 +73,9 @@ def serve_policy(backend, tokenizer, config, world_size: int, run_dir: Path) -> 
         raise UserError("rollout.server=true runs with one training worker and no rollout workers, for now")
     name = config.model.path
     server = BackgroundServer(
-        backend, tokenizer, model_name=name, host=r.server_host, port=r.server_port
-    ).start()
+        backend, tokenizer, model_name=name, host=r.server_host, port=r.server_port,
+        api_processes=r.server_api_processes,
+    ).start()  # fmt: skip
     record = {"url": server.url, "model": name, "pid": os.getpid()}
     (run_dir / SERVER_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
     log.info("the policy being trained is served at %s (model %r)", server.url, name)

@@ -70,6 +70,7 @@ def test_mini_batch_alias_uses_final_n_whatever_the_order():
         ("data.prompts_per_step=many", "config data.prompts_per_step"),
         ("rollout.backend=sglang", "rollout.backend='sglang' is not one of auto, native, hf, vllm"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0 must be > 0"),
+        ("rollout.server_api_processes=0", "rollout.server_api_processes=0 must be > 0"),
         ("novalue", "must look like key=value"),
     ],
 )

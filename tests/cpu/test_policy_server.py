@@ -55,6 +55,7 @@ def test_the_trained_policy_is_served_and_the_run_samples_as_without_the_server(
             served,
             "trainer.total_training_steps=3",
             "rollout.server=true",
+            "rollout.server_api_processes=2",
             "trainer.logger=[jsonl,prometheus]",
             f"trainer.prometheus_port={port}",
         )  # fmt: skip
