@@ -101,11 +101,12 @@ def _exit_code(process: subprocess.Popen) -> int | None:
 
 
 class BackgroundServer:
-    """The server, with the engine's driver on a thread of this process and the HTTP front in a
-    process of its own (`api_process`; False: in this thread too, e.g. where no child process may
-    start), or in `api_processes` of them accepting on one socket (the per-request CPU of HTTP,
-    validation and JSON in parallel: what limits a burst of hundreds of requests). `call(fn)` runs fn(engine) between two engine steps and `run(coro_fn)` runs a coroutine
-    on the driver's loop, each waited for at most `timeout_s`."""
+    """The server: the engine's driver on a thread of this process, the HTTP front in
+    `api_processes` processes of their own accepting on one socket (HTTP, validation and JSON cost
+    ~0.7 ms of CPU a request: in parallel, and away from the engine's GIL), or with
+    `api_process=False` on the driver's thread too. `call(fn)` runs fn(engine) between two engine
+    steps and `run(coro_fn)` runs a coroutine on the driver's loop, each waited for at most
+    `timeout_s`."""
 
     def __init__(
         self,
