@@ -29,12 +29,21 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def decode_engine(model, batch: int, tokens: int, device) -> Engine:
+def step_read_bytes(model) -> int:
+    """What a decode step reads of the engine's weights: all of them, but of an embedding that is not
+    also the LM head only a row per token (none counted)."""
+    embed = model.model.embed_tokens.weight
+    untied = embed is not model.lm_head.weight
+    return weight_bytes(model) - (embed.numel() * embed.element_size() if untied else 0)
+
+
+def decode_engine(model, batch: int, tokens: int, device, fused: bool) -> Engine:
     """An engine with `batch` sequences past their prefill, decoding up to `tokens` each."""
     config = EngineConfig(max_context_tokens=128 + tokens + 8, page_size=64, max_batch_sequences=max(batch, 8),
-                          gpu_memory_utilization=0.3)  # fmt: skip
+                          gpu_memory_utilization=0.3, fused_decode=fused)  # fmt: skip
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
-    engine.generate([[5] * 128] * 2, SamplingParams(max_tokens=16, seed=0))  # graphs, kernels
+    # kernels compiled, and the batch's graph captured (a first run of this size)
+    engine.generate([[5] * 128] * batch, SamplingParams(max_tokens=16, seed=0))
     for i in range(batch):
         engine.add_request(
             f"r{i}", [7 + i % 100] * 128, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i)
@@ -43,9 +52,9 @@ def decode_engine(model, batch: int, tokens: int, device) -> Engine:
     return engine
 
 
-def measure(model, batch: int, device, runs: int) -> dict:
+def measure(model, batch: int, device, runs: int, fused: bool) -> dict:
     steps = runs * EngineConfig.decode_steps
-    engine = decode_engine(model, batch, 2 * steps + 16, device)
+    engine = decode_engine(model, batch, 2 * steps + 16, device, fused)
     engine.step()  # a first decode run
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -76,9 +85,12 @@ def measure(model, batch: int, device, runs: int) -> dict:
         * model.config.head_dim
         * 2
     )
-    bound_ms = 1e3 * (weight_bytes(model) + kv_bytes) / PEAK_BW
+    bound_ms = 1e3 * (step_read_bytes(engine.model) + kv_bytes) / PEAK_BW
+    del engine
+    torch.cuda.empty_cache()
     return {
         "batch": batch,
+        "fused": fused,
         "ms_per_step": round(bare_ms, 3),
         "ms_per_step_profiled": round(profiled_ms, 3),
         "gpu_busy_ms_per_step": round(gpu_ms, 3),
@@ -96,14 +108,23 @@ def main() -> None:
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--batch", type=int, action="append", help="repeatable (default 1 and 64)")
     ap.add_argument("--runs", type=int, default=8, help="decode runs timed per batch size")
+    ap.add_argument(
+        "--unfused",
+        type=int,
+        action="append",
+        default=[],
+        help="also measure this batch size with the trainer's modules (repeatable)",
+    )
+    ap.add_argument("--master", choices=["bf16", "fp32"], default="bf16", help="as in bench/rollout.py")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_profile measures the GPU: run it on the H200")
     device = torch.device("cuda")
-    model = random_model(args.shape, device, torch.bfloat16)
-    report = {"device": torch.cuda.get_device_name(), "shape": args.shape, "vocab": VOCAB,
+    model = random_model(args.shape, device, torch.float32 if args.master == "fp32" else torch.bfloat16)
+    report = {"device": torch.cuda.get_device_name(), "shape": args.shape, "vocab": VOCAB, "master": args.master,
               "weights_gib": round(weight_bytes(model) / 2**30, 3), "decode_steps_per_run": EngineConfig.decode_steps,
-              "results": [measure(model, b, device, args.runs) for b in args.batch or [1, 64]]}  # fmt: skip
+              "results": [measure(model, b, device, args.runs, True) for b in args.batch or [1, 64]]
+              + [measure(model, b, device, args.runs, False) for b in args.unfused]}  # fmt: skip
     print(json.dumps(report, indent=1))
 
 

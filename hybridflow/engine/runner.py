@@ -16,7 +16,9 @@ from hybridflow.engine.attention import (
     prefix_prefill_attention,
     store_kv,
 )
+from hybridflow.engine.fused_decode import FusedDecode
 from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.sampled import SampledRun
 from hybridflow.engine.sequence import PrefillJob, Sequence
 from hybridflow.models.native.model import NativeCausalLM, PackedLayout
 from hybridflow.models.native.rope import rope_cos_sin
@@ -40,6 +42,8 @@ class Runner:
         max_context: int,
         cuda_graphs: bool,
         compile_layers: bool = False,
+        fused_decode: bool = False,
+        decode_steps: int = 8,
     ) -> None:
         self.model, self.cache, self.page_size = model, cache, cache.page_size
         self.device = cache.device
@@ -65,6 +69,9 @@ class Runner:
         self.layer_parts = [
             layer.compiled or (layer.before_attention, layer.after_attention) for layer in model.model.layers
         ]
+        self.decode_steps = decode_steps
+        self.fused = FusedDecode(model, cache, self.cos, self.sin, compute_dtype) if fused_decode else None
+        self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode, stop capacity) -> graph
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -163,6 +170,8 @@ class Runner:
         return {k: torch.from_numpy(v) for k, v in host.items()}
 
     def _decode_step(self, ids, pos, slots, ctx, table) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.forward(ids, pos, slots, ctx, table)
         cache, ps = self.cache, self.page_size
 
         def attend(i, q, k, v):
@@ -173,16 +182,23 @@ class Runner:
             return self._logits(self._hidden(ids, pos, attend))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], table: np.ndarray, limits: list[int], pick) -> None:
+    def decode(self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun) -> None:
         """Up to max(limits) decode steps with no host sync between them. Step k feeds each sequence's
-        last token, caches its K/V and hands the logits [B, V] to `pick(logits, k)`, which returns the
-        next tokens [B] on the device. Sequence i takes limits[i] steps (the cache slots reserved for
-        it); after that its row still computes, but writes to the scratch page 0 and stays in place,
-        and its results are to be ignored. table [B, max_pages]: the sequences' page-table rows."""
-        b, steps, ps = len(seqs), max(limits), self.page_size
+        last token, caches its K/V and draws the next (`sampled` records the draws on the device).
+        Sequence i takes limits[i] steps (the cache slots reserved for it); after that its row still
+        computes, but writes to the scratch page 0 and stays in place, and its results are to be
+        ignored. table [B, max_pages]: the sequences' page-table rows.
+
+        With the fused step and a sampler that runs on the device (one sampling group, no top-k /
+        top-p), a step is prepare, forward, draw and record in one graph: the run is `steps` replays.
+        Otherwise the forward is a graph and the draw runs after it."""
+        b, steps = len(seqs), max(limits)
         graphs = self.use_graphs and b <= self.max_batch
         rows = next(x for x in self.buckets if x >= b) if graphs else b
         host = self._decode_inputs(seqs, table, rows, limits)
+        device_draw = sampled.device_draw() if self.fused is not None and steps <= self.decode_steps else None
+        if device_draw is not None:
+            return self._decode_on_device(b, rows, steps, host, sampled, device_draw, graphs)
         if graphs:
             if rows not in self.graphs:
                 self._capture(rows)
@@ -193,6 +209,7 @@ class Runner:
             state = {k: host[k].to(self.device, non_blocking=True) for k in ("ids", "pos", "table")}
         limit = host["limit"].to(self.device, non_blocking=True)  # [rows]
         ids, pos, table_d = state["ids"], state["pos"], state["table"]
+        ps = self.page_size
         row = torch.arange(rows, device=self.device)
         for k in range(steps):
             valid = limit > k  # [rows]
@@ -205,8 +222,79 @@ class Runner:
                 graph.replay()
             else:
                 logits = self._decode_step(ids, pos, slots, ctx, table_d)
-            ids[:b] = pick(logits[:b], k)
+            ids[:b] = sampled.draw(logits[:b], k)
             pos += valid
+
+    def _decode_on_device(self, b, rows, steps, host, sampled: SampledRun, device_draw, graphs) -> None:
+        mode, temperature, stops = device_draw
+        capacity = max(16, 1 << (max(1, stops.numel()) - 1).bit_length())
+        state = self._step_state(rows, capacity) if graphs else self._new_step_state(rows, capacity)
+        for name in ("ids", "pos", "limit", "table"):
+            state[name].copy_(host[name], non_blocking=True)
+        for name, source in (("seeds", sampled.seeds), ("generated", sampled.generated)):
+            state[name][:b].copy_(source)
+            state[name][b:].zero_()
+        state["step"].zero_()
+        state["inv_t"].fill_(1.0 / temperature if temperature > 0 else 1.0)
+        state["stops"].fill_(-1)
+        state["stops"][: stops.numel()].copy_(stops)
+        if graphs:
+            key = (rows, mode, capacity)
+            if key not in self.step_graphs:
+                self._capture_step(key, state)
+            graph = self.step_graphs[key]
+            for _ in range(steps):
+                graph.replay()
+        else:
+            for _ in range(steps):
+                self.fused.step(state, mode)
+        sampled.out = state["run"][:steps, :, :b]
+
+    def _new_step_state(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
+        """Device state of a run of whole steps (see FusedDecode.step)."""
+        dev, i64 = self.device, torch.int64
+        state = {name: torch.zeros(rows, dtype=i64, device=dev) for name in
+                 ("ids", "pos", "limit", "seeds", "generated", "slots", "keys")}  # fmt: skip
+        state["ctx"] = torch.zeros(rows, dtype=torch.int32, device=dev)
+        state["table"] = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=dev)
+        state["step"] = torch.zeros(1, dtype=i64, device=dev)
+        state["inv_t"] = torch.ones(1, dtype=torch.float32, device=dev)
+        state["stops"] = torch.full((capacity,), -1, dtype=i64, device=dev)
+        state["run"] = torch.zeros(self.decode_steps, 4, rows, dtype=torch.float64, device=dev)
+        return state
+
+    def _step_state(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
+        """Views of the graphs' static step state for `rows` rows (grown to `capacity` stop ids)."""
+        full = self.static.get("step_state")
+        if full is None or full["stops"].numel() < capacity:
+            if full is not None:  # the captured graphs hold the old buffers' addresses
+                self.step_graphs.clear()
+            full = self._new_step_state(self.max_batch, capacity)
+            self.static["step_state"] = full
+        state = {k: v[:rows] for k, v in full.items() if k not in ("step", "inv_t", "stops", "run")}
+        state.update(step=full["step"], inv_t=full["inv_t"], stops=full["stops"][:capacity])
+        state["run"] = full["run"].view(-1)[: self.decode_steps * 4 * rows].view(self.decode_steps, 4, rows)
+        return state
+
+    @torch.no_grad()
+    def _capture_step(self, key: tuple, state: dict[str, torch.Tensor]) -> None:
+        """Capture one whole decode step (warm-up first: kernels compiled outside the capture). The
+        warm-up runs on the state as set for the coming run: it writes only to the scratch page 0
+        (its limit check) and the record, which the run rewrites; its position advance is undone."""
+        rows, mode, _ = key
+        saved = {k: state[k].clone() for k in ("ids", "pos", "step")}
+        limit = state["limit"].clone()
+        state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
+        self.fused.step(state, mode)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self.fused.step(state, mode)
+        self._graph_pool = graph.pool()
+        for k, v in saved.items():
+            state[k].copy_(v)
+        state["limit"].copy_(limit)
+        self.step_graphs[key] = graph
 
     @torch.no_grad()
     def _capture(self, bucket: int) -> None:
@@ -235,5 +323,6 @@ class Runner:
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
+        self.step_graphs.clear()
         self.static.clear()
         self._graph_pool = None

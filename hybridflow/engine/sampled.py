@@ -32,6 +32,17 @@ class SampledRun:
         ]  # fmt: skip
         self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
 
+    def device_draw(self) -> tuple[str, float, torch.Tensor] | None:
+        """(mode, temperature, stop ids [S]) when the whole batch draws with one set of parameters
+        that the device sampler covers (greedy or plain temperature: no top-k / top-p); else None."""
+        if len(self.groups) != 1:
+            return None
+        params, _, stops = self.groups[0]
+        if params.top_k > 0 or params.top_p < 1.0:
+            return None
+        mode = "greedy" if params.greedy else "unit" if params.temperature == 1.0 else "scaled"
+        return mode, params.temperature, stops
+
     @staticmethod
     def _draw(logits, params, stops, seeds, generated, k) -> tuple[torch.Tensor, torch.Tensor]:
         """-> tokens [b], and [4, b]: token, log-prob, unscaled log-prob, stop flag."""

@@ -35,13 +35,17 @@ def _sample_slice_kernel(
     vocab,
     span,  # entries per slice, a multiple of BLOCK
     inv_temperature,
+    inv_t_ptr,  # [1] float32: the inverse temperature, read from the device when T_PTR
     GREEDY: tl.constexpr,
+    T_PTR: tl.constexpr,
     UNSCALED: tl.constexpr,  # temperature 1: the scaled row is the unscaled one
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
+    if T_PTR:
+        inv_temperature = tl.load(inv_t_ptr)
     key = tl.load(keys_ptr + row).to(tl.uint32)
     offs = tl.arange(0, BLOCK)
     m_w = float("-inf")
@@ -107,8 +111,17 @@ def _merge_kernel(
     out_lp_ptr,  # [2, B] float32: sampling log-prob, unscaled log-prob
     splits,
     batch,
+    step_ptr,  # FINISH: [1] int64, one past the step being drawn (prepare_step counted it)
+    run_ptr,  # FINISH: [steps, 4, R] float64 record of the run: token, log-prob, unscaled, stop
+    stride_run,  # FINISH: elements per step of the record
+    ids_ptr,  # FINISH: [R] int64 the next step's input tokens
+    pos_ptr,  # FINISH: [R] int64 positions, advanced for rows still within their limit
+    limit_ptr,  # FINISH: [R] int64
+    stops_ptr,  # FINISH: [STOPS] int64 stop token ids, padded with -1
     GREEDY: tl.constexpr,
     SPLITS: tl.constexpr,  # power of two >= splits
+    FINISH: tl.constexpr,  # record the draw and advance the rows (a decode step's last kernel)
+    STOPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     s = tl.arange(0, SPLITS)
@@ -132,12 +145,26 @@ def _merge_kernel(
     lse_w = mw + tl.log(tl.sum(tl.where(present, s_w * tl.exp(m_w - mw), 0.0), 0))
     lse_r = mr + tl.log(tl.sum(tl.where(present, s_r * tl.exp(m_r - mr), 0.0), 0))
     unscaled = r_win - lse_r
-    tl.store(out_token_ptr + row, token.to(tl.int64))
     if GREEDY:
-        tl.store(out_lp_ptr + row, unscaled)
+        sampled = unscaled
     else:
-        tl.store(out_lp_ptr + row, w_win - lse_w)
-    tl.store(out_lp_ptr + batch + row, unscaled)
+        sampled = w_win - lse_w
+    if FINISH:
+        k = tl.load(step_ptr) - 1
+        stops = tl.load(stops_ptr + tl.arange(0, STOPS))
+        stop = tl.sum((stops == token.to(tl.int64)).to(tl.int32), 0) > 0
+        rec = run_ptr + k * stride_run + row
+        tl.store(rec, token.to(tl.float64))
+        tl.store(rec + batch, sampled.to(tl.float64))
+        tl.store(rec + 2 * batch, unscaled.to(tl.float64))
+        tl.store(rec + 3 * batch, stop.to(tl.float64))
+        tl.store(ids_ptr + row, token.to(tl.int64))
+        limit = tl.load(limit_ptr + row)
+        tl.store(pos_ptr + row, tl.load(pos_ptr + row) + (limit > k).to(tl.int64))
+    else:
+        tl.store(out_token_ptr + row, token.to(tl.int64))
+        tl.store(out_lp_ptr + row, sampled)
+        tl.store(out_lp_ptr + batch + row, unscaled)
 
 
 def sample_triton(
@@ -150,10 +177,7 @@ def sample_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V], keys [B] int64 -> token [B] int64, sampling log-prob [B], unscaled log-prob [B]."""
     b, vocab = logits.shape
-    blocks = -(-vocab // block)
-    splits = max(1, min(MAX_SPLITS, blocks, -(-programs_target // b)))
-    span = -(-blocks // splits) * block
-    splits = -(-vocab // span)  # no empty slice
+    splits, span = _splits(b, vocab, block, programs_target)
     device = logits.device
     part = torch.empty(b, splits, 7, dtype=torch.float32, device=device)
     part_idx = torch.empty(b, splits, dtype=torch.int32, device=device)
@@ -162,11 +186,49 @@ def sample_triton(
     greedy = temperature == 0
     inv_t = 1.0 if greedy else 1.0 / temperature
     _sample_slice_kernel[(b, splits)](
-        logits, keys, part, part_idx, logits.stride(0), vocab, span, inv_t,
-        GREEDY=greedy, UNSCALED=inv_t == 1.0, BLOCK=block,
+        logits, keys, part, part_idx, logits.stride(0), vocab, span, inv_t, part,
+        GREEDY=greedy, T_PTR=False, UNSCALED=inv_t == 1.0, BLOCK=block,
     )  # fmt: skip
     _merge_kernel[(b,)](
-        part, part_idx, tokens, lps, splits, b, GREEDY=greedy,
-        SPLITS=triton.next_power_of_2(splits),
+        part, part_idx, tokens, lps, splits, b, *([part] * 7), GREEDY=greedy,
+        SPLITS=triton.next_power_of_2(splits), FINISH=False, STOPS=1,
     )  # fmt: skip
     return tokens, lps[0], lps[1]
+
+
+def _splits(b: int, vocab: int, block: int, programs_target: int) -> tuple[int, int]:
+    blocks = -(-vocab // block)
+    splits = max(1, min(MAX_SPLITS, blocks, -(-programs_target // b)))
+    span = -(-blocks // splits) * block
+    return -(-vocab // span), span  # no empty slice
+
+
+def sample_step_triton(
+    logits: torch.Tensor,
+    mode: str,
+    inv_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    block: int = BLOCK,
+    programs_target: int = PROGRAMS_TARGET,
+) -> None:
+    """A decode step's draw, recorded and fed back on the device (nothing returns to the host):
+    logits [R, V]; mode 'greedy', 'unit' (temperature 1) or 'scaled' (inv_temperature [1] float32,
+    read on the device); keys [R]. `state`: step [1] (one past this step), run [steps, 4, R]
+    float64, ids, pos, limit [R], stops [S] (stop ids padded with -1, S a power of two)."""
+    b, vocab = logits.shape
+    splits, span = _splits(b, vocab, block, programs_target)
+    part = torch.empty(b, splits, 7, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(b, splits, dtype=torch.int32, device=logits.device)
+    greedy = mode == "greedy"
+    run = state["run"]
+    _sample_slice_kernel[(b, splits)](
+        logits, keys, part, part_idx, logits.stride(0), vocab, span, 1.0, inv_temperature,
+        GREEDY=greedy, T_PTR=mode == "scaled", UNSCALED=mode != "scaled", BLOCK=block,
+    )  # fmt: skip
+    _merge_kernel[(b,)](
+        part, part_idx, part, part, splits, b, state["step"], run, run.stride(0), state["ids"],
+        state["pos"], state["limit"], state["stops"], GREEDY=greedy,
+        SPLITS=triton.next_power_of_2(splits), FINISH=True, STOPS=state["stops"].numel(),
+    )  # fmt: skip

@@ -260,10 +260,56 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     env = os.environ | {"TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    # 5 attention cases (one split and several), 6 sampler (a row in one program and in slices)
-    assert done.stdout.count("max abs err") == 11
+    # 5 attention cases (one split and several), 6 sampler (a row in one program and in slices),
+    # the fused step's norm, rotary + store and SwiGLU for two families, its on-device draw
+    assert done.stdout.count("max abs err") == 18
+    assert "record and advance as expected True" in done.stdout
     assert done.stdout.count("log-prob head") == 2  # the training LM head's softmax kernels
     assert "every element in place True" in done.stdout  # the weight update's multi-tensor copy
+
+
+def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
+    """The engine's fused decode (engine/fused_decode.py) end to end on CPU tensors, in Triton's
+    interpreter: the same tokens, stops and log-probs as the trainer's modules, with fused
+    projections (and after a weight update into them) and with the trainer's own module."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).parent / "scripts" / "fused_decode_check.py"
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("same tokens and stops True") == 4
+    assert "same tokens as a fresh engine True" in done.stdout
+
+
+def test_engine_copy_fuses_projections_and_updates_land_in_them():
+    from hybridflow.engine.fused_decode import layer_weights
+
+    model = from_hf_model(tiny_model("qwen2", seed=3))  # biased q/k/v
+    engine = _engine(model, share_weights=False, max_context_tokens=64)
+    layers = layer_weights(engine.model)
+    attn = engine.model.model.layers[0].self_attn
+    (qkv, qkv_bias), = layers[0].qkv  # fmt: skip
+    assert qkv.shape[0] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert qkv.data_ptr() == attn.q_proj.weight.data_ptr() and qkv_bias is not None
+    assert len(layers[0].gate_up) == 1
+    assert len(layer_weights(model)[0].qkv) == 3  # the trainer's module: separate projections
+    engine.update_weights(
+        [("model.layers.0.self_attn.k_proj.weight", torch.full_like(attn.k_proj.weight, 0.5))]
+    )
+    rows = slice(attn.q_proj.out_features, attn.q_proj.out_features + attn.k_proj.out_features)
+    assert torch.equal(qkv[rows], torch.full_like(attn.k_proj.weight, 0.5))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    fresh_model = from_hf_model(tiny_model("qwen2", seed=3))
+    with torch.no_grad():
+        fresh_model.model.layers[0].self_attn.k_proj.weight.fill_(0.5)
+    assert [g.token_ids for g in engine.generate(PROMPTS, params)] == [
+        g.token_ids for g in _engine(fresh_model, max_context_tokens=64).generate(PROMPTS, params)
+    ]
 
 
 @pytest.mark.slow

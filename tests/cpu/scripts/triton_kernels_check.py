@@ -83,4 +83,87 @@ same = all(
 )
 print(f"cast copy of {len(sources)} tensors: every element in place {same}")
 failed |= not same
+
+# the fused decode step's kernels against the trainer's modules (fp32 residual stream: exact but
+# for the order of a sum; the interpreter's bf16 rounding differs from the GPU's, so fp32 here)
+from hybridflow.engine import triton_layer  # noqa: E402
+from hybridflow.engine.triton_sampler import sample_step_triton  # noqa: E402
+from hybridflow.models.native import from_hf_model  # noqa: E402
+from hybridflow.models.native.model import MLP, Attention  # noqa: E402
+from hybridflow.models.native.rope import rope_cos_sin  # noqa: E402
+from hybridflow.models.tiny import tiny_model  # noqa: E402
+
+for family in ("qwen2", "qwen3"):  # biased projections; per-head q/k norms
+    layer = from_hf_model(tiny_model(family, seed=1)).model.layers[0]
+    config = from_hf_model(tiny_model(family, seed=1)).config
+    x = torch.randn(5, config.hidden_size)
+    embed = torch.randn(40, config.hidden_size)
+    ids = torch.tensor([3, 0, 39, 7, 7])
+    res = torch.randn(5, config.hidden_size)
+    norm = layer.input_layernorm
+    got_x, got = torch.empty_like(x), torch.empty_like(x)
+    triton_layer.rms_norm(got_x, norm.weight, norm.eps, got, ids=ids, embed=embed)
+    err = max((got_x - embed[ids]).abs().max().item(), (got - norm(embed[ids])).abs().max().item())
+    got_x = x.clone()
+    triton_layer.rms_norm(got_x, norm.weight, norm.eps, got, residual=res)
+    err = max(err, (got_x - (x + res)).abs().max().item(), (got - norm(x + res)).abs().max().item())
+    print(f"fused norm {family}: embedding and residual add, max abs err {err:.2e}")
+    failed |= err > 1e-5
+    attn: Attention = layer.self_attn
+    pos = torch.tensor([0, 5, 17, 2, 30])
+    cos_t, sin_t = rope_cos_sin(config, torch.arange(64), torch.float32)
+    q, k, v = attn.qkv(x, cos_t[pos], sin_t[pos])
+    d, hkv = config.head_dim, config.num_key_value_heads
+    qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=1)  # one fused output
+    widths = [config.num_attention_heads * d, hkv * d, hkv * d]
+    q_in, k_in, v_in = qkv.split(widths, dim=1)
+    k_cache, v_cache = torch.zeros(12, hkv, d), torch.zeros(12, hkv, d)
+    slots = torch.tensor([4, 0, 11, 6, 2])
+    q_out = torch.empty_like(q)
+    triton_layer.rope_store(
+        q_in, k_in, v_in, cos_t, sin_t, pos, slots, q_out, k_cache, v_cache,
+        q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+        k_norm=attn.k_norm.weight if attn.k_norm is not None else None, eps=config.rms_norm_eps,
+    )  # fmt: skip
+    err = max((q_out - q).abs().max().item(), (k_cache[slots] - k).abs().max().item(),
+              (v_cache[slots] - v).abs().max().item())  # fmt: skip
+    print(f"fused rotary + K/V store {family}: max abs err {err:.2e}")
+    failed |= err > 1e-5
+    mlp: MLP = layer.mlp
+    gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=1)
+    act = torch.empty(5, config.intermediate_size)
+    triton_layer.silu_mul(*gu.split(config.intermediate_size, dim=1), act, block=16)
+    err = (mlp.down_proj(act) - mlp(x)).abs().max().item()
+    print(f"fused SwiGLU {family}: max abs err {err:.2e}")
+    failed |= err > 1e-5
+# a step's bookkeeping and draw on the device: slots, context, keys; record, feed back, advance
+rows, page = 4, 4
+state = {
+    "step": torch.tensor([2]), "pos": torch.tensor([5, 9, 0, 3]), "limit": torch.tensor([8, 2, 0, 8]),
+    "table": torch.tensor([[1, 2, 3], [4, 5, 6], [0, 0, 0], [7, 8, 9]], dtype=torch.int32),
+    "seeds": torch.tensor([11, 12, 13, 14]), "generated": torch.tensor([3, 0, 0, 9]),
+    "ids": torch.zeros(rows, dtype=torch.int64), "run": torch.zeros(4, 4, rows, dtype=torch.float64),
+    "stops": torch.tensor([17, 250] + [-1] * 14), "inv_t": torch.tensor([1 / 0.7]),
+}  # fmt: skip
+slots_out, ctx_out, keys_out = (
+    torch.zeros(rows, dtype=torch.int64),
+    torch.zeros(rows, dtype=torch.int32),
+    torch.zeros(rows, dtype=torch.int64),
+)
+triton_layer.prepare_step(state["step"], state["pos"], state["limit"], state["table"], state["seeds"],
+                          state["generated"], slots_out, ctx_out, keys_out, page)  # fmt: skip
+want_slots = [2 * page + 1, 0, 0, 7 * page + 3]  # page-table entry * page + offset; 0: no step left
+ok = (slots_out.tolist() == want_slots and ctx_out.tolist() == [6, 10, 0, 4] and int(state["step"]) == 3
+      and torch.equal(keys_out, step_keys(state["seeds"], state["generated"] + 2)))  # fmt: skip
+step_logits = torch.randn(rows, 300) * 3
+step_logits[0, 250] = 40.0  # row 0 draws a stop token
+ref = sample_reference(step_logits, SamplingParams(temperature=0.7), state["seeds"], state["generated"] + 2)
+sample_step_triton(step_logits, "scaled", state["inv_t"], keys_out, state, block=64, programs_target=8)
+rec = state["run"][2]
+err = max((rec[1] - ref[1]).abs().max().item(), (rec[2] - ref[2]).abs().max().item())
+ok = ok and rec[0].long().tolist() == ref[0].tolist() and state["ids"].tolist() == ref[0].tolist()
+ok = ok and rec[3].tolist() == [1.0, 0.0, 0.0, 0.0] and state["pos"].tolist() == [6, 9, 0, 4]
+print(f"decode step on the device: slots, context, keys, record and advance as expected {ok}, "
+      f"log-prob max abs err {err:.2e}")  # fmt: skip
+failed |= not ok or err > 1e-5
 sys.exit(1 if failed else 0)
