@@ -38,6 +38,43 @@ def gap_to_trainer(master, prompts, out) -> dict:
     return {"mean": round(gaps.mean().item(), 5), "max": round(gaps.max().item(), 4)}
 
 
+def graph_transitions(model, prompts) -> dict:
+    """The fused step with CUDA graphs against the same step run eagerly (same kernels, so the same
+    tokens bit for bit) through what changes the captured graphs: a first run without stops, then
+    one with 506 stop ids (the stop buffer grows: every graph is captured again), requests of mixed
+    temperatures in one batch and one with top-k (the draw outside the graph), sleep and wake."""
+    stops = random.Random(1).sample(range(VOCAB), VOCAB // 300)
+    phases = [
+        ("no stops", [SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=1)]),
+        ("506 stops", [SamplingParams(n=2, temperature=1.0, max_tokens=300, seed=2, stop_token_ids=stops)]),
+        ("mixed temperatures", [SamplingParams(temperature=0.7, max_tokens=40, seed=3),
+                                SamplingParams(temperature=0.0, max_tokens=40)]),
+        ("top-k", [SamplingParams(temperature=1.0, top_k=50, max_tokens=40, seed=4)]),
+        ("after sleep and wake", [SamplingParams(n=2, temperature=0.7, max_tokens=40, seed=5)]),
+    ]  # fmt: skip
+    results: dict[str, list] = {}
+    for graphs in (True, False):
+        config = EngineConfig(max_context_tokens=512, page_size=64, gpu_memory_utilization=0.2,
+                              cuda_graphs=graphs, max_batch_sequences=96)  # fmt: skip
+        engine = Engine(model, eos_token_ids=[], config=config, device=torch.device("cuda"))
+        runs = []
+        for name, param_sets in phases:
+            if name == "after sleep and wake":
+                engine.sleep()
+                engine.wake()
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}-{i}", prompt, param_sets[i % len(param_sets)])
+            outs = []
+            while engine.has_unfinished_requests:
+                outs += engine.step()
+            runs.append(sorted((o.request_id, o.sample, tuple(o.token_ids)) for o in outs))
+        results[graphs] = runs
+    report = {}
+    for (name, _), with_graphs, eager in zip(phases, results[True], results[False]):
+        report[name] = "identical" if with_graphs == eager else "DIFFERENT"
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.5b")
@@ -75,6 +112,7 @@ def main() -> None:
             "gap_unfused": gap_to_trainer(master, prompts, outs[False]),
         }
         print(json.dumps({name: report[name]}), flush=True)
+    report["graphs_vs_eager"] = graph_transitions(model, prompts)
     print(json.dumps(report, indent=1))
 
 

@@ -52,7 +52,7 @@ def decode_engine(model, batch: int, tokens: int, device, fused: bool) -> Engine
     return engine
 
 
-def measure(model, batch: int, device, runs: int, fused: bool) -> dict:
+def measure(model, batch: int, device, runs: int, fused: bool, host_profile: bool = False) -> dict:
     steps = runs * EngineConfig.decode_steps
     engine = decode_engine(model, batch, 2 * steps + 16, device, fused)
     engine.step()  # a first decode run
@@ -62,6 +62,20 @@ def measure(model, batch: int, device, runs: int, fused: bool) -> dict:
         engine.step()
     torch.cuda.synchronize()
     bare_ms = 1e3 * (time.perf_counter() - t0) / steps
+    host_top = None
+    if host_profile:  # the host's own work per run, by function (cProfile: the GPU keeps running)
+        import cProfile
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(runs):
+            engine.step()
+        torch.cuda.synchronize()
+        prof_host.disable()
+        stats = pstats.Stats(prof_host)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+        host_top = {f"{f[0].split('/')[-1]}:{f[1]}({f[2]})": round(1e3 * v[2] / runs, 3) for f, v in rows}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(runs):
@@ -100,6 +114,7 @@ def measure(model, batch: int, device, runs: int, fused: bool) -> dict:
             k[:90]: round(v / steps, 4) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
         },
         "top_host_ops_ms_per_step": {a.key[:60]: round(a.self_cpu_time_total / 1e3 / steps, 4) for a in host},
+        "host_functions_ms_per_run": host_top,
     }
 
 
@@ -116,6 +131,7 @@ def main() -> None:
         help="also measure this batch size with the trainer's modules (repeatable)",
     )
     ap.add_argument("--master", choices=["bf16", "fp32"], default="bf16", help="as in bench/rollout.py")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host's work per decode run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_profile measures the GPU: run it on the H200")
@@ -123,7 +139,7 @@ def main() -> None:
     model = random_model(args.shape, device, torch.float32 if args.master == "fp32" else torch.bfloat16)
     report = {"device": torch.cuda.get_device_name(), "shape": args.shape, "vocab": VOCAB, "master": args.master,
               "weights_gib": round(weight_bytes(model) / 2**30, 3), "decode_steps_per_run": EngineConfig.decode_steps,
-              "results": [measure(model, b, device, args.runs, True) for b in args.batch or [1, 64]]
+              "results": [measure(model, b, device, args.runs, True, args.host_profile) for b in args.batch or [1, 64]]
               + [measure(model, b, device, args.runs, False) for b in args.unfused]}  # fmt: skip
     print(json.dumps(report, indent=1))
 

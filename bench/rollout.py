@@ -17,6 +17,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -86,6 +87,10 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, help="per host sync")
     ap.add_argument("--profile", action="store_true", help="where a decode step's time goes")
     ap.add_argument(
+        "--timeline", action="store_true",
+        help="drive the engine step by step: seconds in prefill, in decode by batch size, in graph capture",
+    )  # fmt: skip
+    ap.add_argument(
         "--unfused", action="store_true", help="decode with the trainer's modules (no fused step)"
     )
     ap.add_argument(
@@ -135,7 +140,7 @@ def main() -> None:
     engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture
     result["warmup_and_capture_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    out = engine.generate(prompts, params)
+    out = engine.generate(prompts, params) if not args.timeline else _stepped(engine, prompts, params, result)
     seconds = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in out)
     lengths = [len(g.token_ids) for g in out]
@@ -146,8 +151,9 @@ def main() -> None:
         "tokens_per_s": tokens / seconds,
         "mean_len": tokens / len(out),
         "max_len": max(lengths),
-        "steps": engine.stats["steps"],
-        "preemptions": engine.stats["preemptions"],
+        "steps": engine.stats.get("steps"),
+        "preemptions": engine.stats.get("preemptions"),
+        "graph_capture_seconds": engine.stats.get("graph_capture_seconds"),
     }
     if cuda:
         result["native"]["roofline_tokens_per_s"] = roofline_tokens_per_s(engine.model, avg_context)
@@ -198,6 +204,38 @@ def main() -> None:
         result["vllm"] = _vllm_generate(prompts, args, max_tokens)
         result["speedup_vs_vllm"] = result["native"]["tokens_per_s"] / result["vllm"]["tokens_per_s"]
     print(json.dumps(result, indent=1), flush=True)
+
+
+def _stepped(engine: Engine, prompts, params: SamplingParams, result: dict):
+    """engine.generate's work through the request API, each step timed (every step ends in a sync):
+    prefill steps, decode runs by batch size, graph capture. -> generations, as generate's."""
+    from hybridflow.rollout.sampling import Generation
+
+    for i, prompt in enumerate(prompts):  # the noise streams generate gives them
+        engine.add_request(str(i), prompt, replace(params, first_sequence=i * params.n))
+    tokens: dict[tuple, list] = {}
+    timeline: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
+    captured = engine.runner.capture_seconds
+    while engine.has_unfinished_requests:
+        start = time.perf_counter()
+        outs = engine.step()
+        seconds = time.perf_counter() - start
+        new = [len(o.token_ids) for o in outs]
+        if new and max(new) == 1:  # a prefill draws one token per sequence (a decode run: up to 8)
+            kind = "prefill"
+        else:
+            kind = next(f"decode, batch <= {b}" for b in (8, 64, 256, 1 << 30) if len(outs) <= b)
+        entry = timeline.setdefault(kind, [0, 0.0, 0])
+        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + seconds, entry[2] + sum(new)
+        for o in outs:
+            got = tokens.setdefault((int(o.request_id), o.sample), ([], []))
+            got[0].extend(o.token_ids)
+            got[1].extend(o.unscaled_logprobs)
+    result["timeline"] = {
+        k: {"steps": v[0], "seconds": round(v[1], 3), "tokens": v[2]} for k, v in timeline.items()
+    }
+    result["timeline"]["graph capture seconds (inside the steps)"] = engine.runner.capture_seconds - captured
+    return [Generation(i, t, u, "", u) for (i, _), (t, u) in sorted(tokens.items())]
 
 
 def _vllm_generate(prompts, args, max_tokens: int) -> dict:

@@ -68,8 +68,9 @@ def paged_decode_attention_reference(
     pages = max(1, -(-int(context_lens.max()) // page_size))
     offsets = torch.arange(page_size, device=q.device)
     slots = (block_table[:, :pages].long()[:, :, None] * page_size + offsets).flatten(1)  # [B, T]
-    k = k_cache[slots].transpose(1, 2)  # [B, Hkv, T, D]
-    v = v_cache[slots].transpose(1, 2)
+    shape = (*slots.shape, *k_cache.shape[1:])  # [B, T, Hkv, D]; index_select: ~4x aten::index on CPU
+    k = k_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)  # [B, Hkv, T, D]
+    v = v_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
     valid = torch.arange(slots.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [B, T]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True

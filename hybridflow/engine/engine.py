@@ -53,8 +53,9 @@ class EngineConfig:
     compile_layers: bool = False
     """torch.compile the parts of each layer around attention (fused norms, RoPE, SwiGLU)."""
     fused_decode: bool = True
-    """On CUDA, decode with the fused step (engine/fused_decode.py: nine kernels a layer, the draw and
-    its record inside the step's graph); False: the trainer's modules, as prefill runs them."""
+    """On CUDA, run the fused layers (engine/fused_decode.py: nine kernels a layer where the trainer's
+    modules launch ~45) in prefill and decode, and a decode step's draw and record inside its graph;
+    False: the trainer's modules."""
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
@@ -288,6 +289,7 @@ class Engine:
             s.prompt_index = i
         scheduler = self.scheduler
         preempted, start, steps = scheduler.preemptions, time.perf_counter(), 0
+        captured = self.runner.capture_seconds
         admitted, cached = scheduler.admitted_tokens, scheduler.cached_tokens
         finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
         mine, left = set(ids), len(seqs)
@@ -306,6 +308,7 @@ class Engine:
             "prefix_cached_tokens": scheduler.cached_tokens - cached,
             "tokens": sum(s.num_generated for s in seqs),
             "seconds": time.perf_counter() - start,
+            "graph_capture_seconds": self.runner.capture_seconds - captured,  # included in seconds
         }
         return [
             Generation(

@@ -1,4 +1,4 @@
-"""The engine's decode step in few kernels (Triton, on CUDA). Per layer: a norm, the QKV matmul,
+"""The engine's decode step in few kernels (Triton, on CUDA; prefill runs the same layers). Per layer: a norm, the QKV matmul,
 rotary + K/V store, paged attention, the output matmul, residual add + norm, the gate/up matmul,
 SwiGLU, the down matmul (nine launches, where the trainer's modules take ~45); then the LM head and,
 for the whole-step form, a sampler that records its draw and feeds the next step on the device, so
@@ -135,33 +135,51 @@ class FusedDecode:
         self.final_norm = self.model.model.norm.weight
         self.lm_head = self.model.lm_head.weight
 
-    def forward(self, ids, pos, slots, ctx, table) -> torch.Tensor:
-        """ids, pos, slots [R] int64, ctx [R] int32, table [R, P] int32 -> logits [R, V]."""
-        from hybridflow.engine.triton_decode import paged_decode_attention_triton
+    def hidden(self, ids, pos, slots, attend, *, rotated_k: bool = False) -> torch.Tensor:
+        """ids, pos, slots [N] int64 -> the final norm's output [N, H] in the compute dtype (what the
+        LM head multiplies). Each layer stores its tokens' K/V at `slots`, then calls
+        attend(layer, q [N, Hq, D], k, v) -> [N, Hq, D]; k is the rotated k [N, Hkv, D] with
+        `rotated_k` (else None), v the projection's [N, Hkv * D] (a view)."""
         from hybridflow.engine.triton_layer import rms_norm, rope_store, silu_mul
 
-        rows, cdt, cache = ids.shape[0], self.compute_dtype, self.cache
+        rows, cdt, cache, dev = ids.shape[0], self.compute_dtype, self.cache, ids.device
         hidden = self.embed.shape[1]
-        x = torch.empty(rows, hidden, dtype=self.embed.dtype, device=ids.device)  # residual stream
-        h = torch.empty(rows, hidden, dtype=cdt, device=ids.device)  # normed, for the next matmul
+        x = torch.empty(rows, hidden, dtype=self.embed.dtype, device=dev)  # residual stream
+        h = torch.empty(rows, hidden, dtype=cdt, device=dev)  # normed, for the next matmul
         rms_norm(x, self.layers[0].input_norm, self.eps, h, ids=ids, embed=self.embed)
         for i, layer in enumerate(self.layers):
             q, k, v = _project(h, layer.qkv, self.qkv_widths)
-            q_rot = torch.empty(rows, self.q_heads, self.head_dim, dtype=cdt, device=ids.device)
+            q_rot = torch.empty(rows, self.q_heads, self.head_dim, dtype=cdt, device=dev)
+            k_rot = (
+                torch.empty(rows, self.kv_heads, self.head_dim, dtype=cdt, device=dev) if rotated_k else None
+            )
             rope_store(
                 q, k, v, self.cos, self.sin, pos, slots, q_rot, cache.k[i], cache.v[i],
-                q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps,
+                q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps, k_out=k_rot,
             )  # fmt: skip
-            attn = paged_decode_attention_triton(q_rot, cache.k[i], cache.v[i], table, ctx, cache.page_size)
-            o = F.linear(attn.flatten(1), *layer.o)
+            o = F.linear(attend(i, q_rot, k_rot, v).flatten(1), *layer.o)
             rms_norm(x, layer.post_norm, self.eps, h, residual=o)
             gate, up = _project(h, layer.gate_up, self.mlp_widths)
-            act = torch.empty(rows, self.mlp_widths[0], dtype=cdt, device=ids.device)
+            act = torch.empty(rows, self.mlp_widths[0], dtype=cdt, device=dev)
             silu_mul(gate, up, act)
             down = F.linear(act, *layer.down)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             rms_norm(x, following, self.eps, h, residual=down)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head)
+
+    def forward(self, ids, pos, slots, ctx, table) -> torch.Tensor:
+        """A decode step: ids, pos, slots [R] int64, ctx [R] int32, table [R, P] int32 -> logits [R, V]."""
+        from hybridflow.engine.triton_decode import paged_decode_attention_triton
+
+        cache = self.cache
+
+        def attend(i, q, k, v):
+            return paged_decode_attention_triton(q, cache.k[i], cache.v[i], table, ctx, cache.page_size)
+
+        return self.logits(self.hidden(ids, pos, slots, attend))
 
     def step(self, state: dict[str, torch.Tensor], mode: str) -> None:
         """One decode step from device state to device state (see Runner.decode)."""

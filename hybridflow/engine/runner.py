@@ -4,6 +4,7 @@ captured at bucketed batch sizes. The layers are the trainer's own modules (`bef
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -57,7 +58,7 @@ class Runner:
         # compiled layers specialise a batch of one (a recompile, seconds): it runs padded to two
         self.buckets = [b for b in graph_buckets(max_batch) if b > 1 or not compile_layers or b == max_batch]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.static: dict[str, torch.Tensor] = {}
+        self.static: dict = {}  # the graphs' input tensors (and "step_state": the whole steps')
         self._graph_pool = None
         # The parts of each layer around attention, compiled (the layer's own switch, dynamic in the
         # token count): eager they are ~30 small kernels a layer (norms, RoPE, SwiGLU, casts), most
@@ -71,7 +72,13 @@ class Runner:
         ]
         self.decode_steps = decode_steps
         self.fused = FusedDecode(model, cache, self.cos, self.sin, compute_dtype) if fused_decode else None
-        self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode, stop capacity) -> graph
+        self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode) -> graph
+        self.capture_seconds = 0.0  # spent capturing graphs (warm-ups included), since made
+        self._onednn_head = (
+            self.device.type == "cpu" and torch.backends.mkldnn.is_available() and model.lm_head.bias is None
+        )
+        self._head_key: tuple | None = None
+        self._head_blocked: torch.Tensor | None = None
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -90,7 +97,22 @@ class Runner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, V] in the compute dtype: the sampler reads them in float32, as the trainer does."""
-        return self.model.lm_head(hidden)
+        head = self.model.lm_head
+        if hidden.dtype == head.weight.dtype == torch.float32 and self._onednn_head:
+            return self._cpu_head(hidden)
+        return head(hidden)
+
+    def _cpu_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on CPU through oneDNN with its weight in oneDNN's blocked layout: 1.7-2.4x
+        MKL's GEMM for this one wide matmul (49k-152k outputs) at batch 1-32. The blocked copy is
+        made again whenever the weight changes (an optimizer step, a weight update)."""
+        weight = self.model.lm_head.weight
+        key = (weight.data_ptr(), weight._version)
+        if key != self._head_key:
+            self._head_blocked, self._head_key = weight.detach().to_mkldnn(), key
+        return torch.ops.aten.mkldnn_linear(
+            hidden.contiguous().to_mkldnn(), self._head_blocked, None
+        ).to_dense()
 
     def _slots(self, pages: list[int], start: int, end: int) -> list[int]:
         ps = self.page_size
@@ -111,14 +133,22 @@ class Runner:
             packed.cu_seqlens.to(dev), bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         )
         cache = self.cache
+        ids, pos = packed.input_ids.to(dev), packed.position_ids.to(dev)
+        last = torch.tensor(bounds[1:], device=dev) - 1
+        if self.fused is not None:  # K/V stored by the fused layers; attention to the new tokens
+
+            def attend_fused(i, q, k, v):
+                return prefill_attention(q, k, v.reshape(k.shape), layout)
+
+            hidden = self.fused.hidden(ids, pos, slots_t, attend_fused, rotated_k=True)
+            return self.fused.logits(hidden.index_select(0, last))
 
         def attend(i, q, k, v):
             store_kv(cache.k[i], cache.v[i], slots_t, k, v)
             return prefill_attention(q, k, v, layout)
 
         with self._autocast():
-            hidden = self._hidden(packed.input_ids.to(dev), packed.position_ids.to(dev), attend)
-            last = torch.tensor(bounds[1:], device=dev) - 1
+            hidden = self._hidden(ids, pos, attend)
             return self._logits(hidden.index_select(0, last))
 
     def _prefill_after_prefix(self, jobs: list[PrefillJob]) -> torch.Tensor:
@@ -141,14 +171,21 @@ class Runner:
             torch.tensor(k_bounds, dtype=torch.int32, device=dev),
         )
 
-        def attend(i, q, k, v):
-            store_kv(cache.k[i], cache.v[i], new_t, k, v)
+        def read_back(i, q):  # the whole context's K/V, the new tokens' just stored
             k_all, v_all = cache.k[i].index_select(0, every_t), cache.v[i].index_select(0, every_t)
             return prefix_prefill_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), q_bounds, k_bounds, cu)
 
+        def attend(i, q, k, v):
+            store_kv(cache.k[i], cache.v[i], new_t, k, v)
+            return read_back(i, q)
+
+        ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        last = torch.tensor(q_bounds[1:], device=dev) - 1
+        if self.fused is not None:
+            hidden = self.fused.hidden(ids_t, pos_t, new_t, lambda i, q, k, v: read_back(i, q))
+            return self.fused.logits(hidden.index_select(0, last))
         with self._autocast():
-            hidden = self._hidden(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attend)
-            last = torch.tensor(q_bounds[1:], device=dev) - 1
+            hidden = self._hidden(ids_t, pos_t, attend)
             return self._logits(hidden.index_select(0, last))
 
     def _decode_inputs(
@@ -194,7 +231,10 @@ class Runner:
         Otherwise the forward is a graph and the draw runs after it."""
         b, steps = len(seqs), max(limits)
         graphs = self.use_graphs and b <= self.max_batch
-        rows = next(x for x in self.buckets if x >= b) if graphs else b
+        # the fused step pads to the buckets with graphs or without, so the shapes (and the kernels'
+        # summation orders) are the same either way
+        padded = b <= self.max_batch and (graphs or self.fused is not None)
+        rows = next(x for x in self.buckets if x >= b) if padded else b
         host = self._decode_inputs(seqs, table, rows, limits)
         device_draw = sampled.device_draw() if self.fused is not None and steps <= self.decode_steps else None
         if device_draw is not None:
@@ -227,7 +267,7 @@ class Runner:
 
     def _decode_on_device(self, b, rows, steps, host, sampled: SampledRun, device_draw, graphs) -> None:
         mode, temperature, stops = device_draw
-        capacity = max(16, 1 << (max(1, stops.numel()) - 1).bit_length())
+        capacity = max(1024, 1 << (stops.numel() - 1).bit_length())  # stop ids the buffer holds
         state = self._step_state(rows, capacity) if graphs else self._new_step_state(rows, capacity)
         for name in ("ids", "pos", "limit", "table"):
             state[name].copy_(host[name], non_blocking=True)
@@ -239,7 +279,7 @@ class Runner:
         state["stops"].fill_(-1)
         state["stops"][: stops.numel()].copy_(stops)
         if graphs:
-            key = (rows, mode, capacity)
+            key = (rows, mode)
             if key not in self.step_graphs:
                 self._capture_step(key, state)
             graph = self.step_graphs[key]
@@ -267,12 +307,12 @@ class Runner:
         """Views of the graphs' static step state for `rows` rows (grown to `capacity` stop ids)."""
         full = self.static.get("step_state")
         if full is None or full["stops"].numel() < capacity:
-            if full is not None:  # the captured graphs hold the old buffers' addresses
-                self.step_graphs.clear()
+            if full is not None:  # captured graphs hold the old buffers' addresses: all go, with
+                self.drop_graphs()  # their memory pool (a pool no graph holds cannot be reused)
             full = self._new_step_state(self.max_batch, capacity)
             self.static["step_state"] = full
         state = {k: v[:rows] for k, v in full.items() if k not in ("step", "inv_t", "stops", "run")}
-        state.update(step=full["step"], inv_t=full["inv_t"], stops=full["stops"][:capacity])
+        state.update(step=full["step"], inv_t=full["inv_t"], stops=full["stops"])
         state["run"] = full["run"].view(-1)[: self.decode_steps * 4 * rows].view(self.decode_steps, 4, rows)
         return state
 
@@ -281,7 +321,8 @@ class Runner:
         """Capture one whole decode step (warm-up first: kernels compiled outside the capture). The
         warm-up runs on the state as set for the coming run: it writes only to the scratch page 0
         (its limit check) and the record, which the run rewrites; its position advance is undone."""
-        rows, mode, _ = key
+        rows, mode = key
+        start = time.perf_counter()
         saved = {k: state[k].clone() for k in ("ids", "pos", "step")}
         limit = state["limit"].clone()
         state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
@@ -295,6 +336,7 @@ class Runner:
             state[k].copy_(v)
         state["limit"].copy_(limit)
         self.step_graphs[key] = graph
+        self.capture_seconds += time.perf_counter() - start
 
     @torch.no_grad()
     def _capture(self, bucket: int) -> None:
@@ -302,17 +344,19 @@ class Runner:
         pool is new, so only the buckets in use are captured again). Graphs share one memory pool:
         they never run concurrently and each output is consumed before the next replay."""
         dev, n = self.device, self.max_batch
-        if not self.static:
-            self.static = {
-                "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-                "pos": torch.zeros(n, dtype=torch.int64, device=dev),
-                "slots": torch.zeros(n, dtype=torch.int64, device=dev),
-                "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
-                "table": torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
-            }
-        for tensor in self.static.values():  # the warm-up below writes to the scratch page 0 only,
-            tensor.zero_()  # never to a page that a live sequence owns
-        args = [self.static[k][:bucket] for k in ("ids", "pos", "slots", "ctx", "table")]
+        start = time.perf_counter()
+        names = ("ids", "pos", "slots", "ctx", "table")
+        if "ids" not in self.static:  # (the whole-step graphs keep their state beside these)
+            self.static.update(
+                ids=torch.zeros(n, dtype=torch.int64, device=dev),
+                pos=torch.zeros(n, dtype=torch.int64, device=dev),
+                slots=torch.zeros(n, dtype=torch.int64, device=dev),
+                ctx=torch.zeros(n, dtype=torch.int32, device=dev),
+                table=torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev),
+            )
+        for name in names:  # the warm-up below writes to the scratch page 0 only, never to a page
+            self.static[name].zero_()  # that a live sequence owns
+        args = [self.static[k][:bucket] for k in names]
         self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -320,6 +364,7 @@ class Runner:
             logits = self._decode_step(*args)
         self._graph_pool = graph.pool()
         self.graphs[bucket] = (graph, logits)
+        self.capture_seconds += time.perf_counter() - start
 
     def drop_graphs(self) -> None:
         self.graphs.clear()

@@ -94,6 +94,7 @@ def _rope_store_kernel(
     pos_ptr,  # [B] int64
     slots_ptr,  # [B] int64
     q_out_ptr,  # [B, Hq, D] compute dtype
+    k_out_ptr,  # [B, Hkv, D] the rotated k as well (K_OUT: prefill attends to it directly)
     k_cache_ptr,  # [S, Hkv, D]
     v_cache_ptr,
     qn_ptr,  # [D] q_norm weight (QK_NORM)
@@ -106,6 +107,7 @@ def _rope_store_kernel(
     eps,
     QK_NORM: tl.constexpr,
     X_BF16: tl.constexpr,
+    K_OUT: tl.constexpr,
     HALF: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -147,6 +149,10 @@ def _rope_store_kernel(
         dst = k_cache_ptr + (slot * kv_heads + kv) * 2 * HALF
         tl.store(dst + d, o1)
         tl.store(dst + HALF + d, o2)
+        if K_OUT:
+            k_dst = k_out_ptr + (b * kv_heads + kv) * 2 * HALF
+            tl.store(k_dst + d, o1)
+            tl.store(k_dst + HALF + d, o2)
         v_src = v_ptr + b * stride_v + kv * 2 * HALF
         v_dst = v_cache_ptr + (slot * kv_heads + kv) * 2 * HALF
         tl.store(v_dst + d, tl.load(v_src + d))
@@ -168,18 +174,21 @@ def rope_store(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_out: torch.Tensor | None = None,
 ) -> None:
     """q [B, Hq*D], k/v [B, Hkv*D] (rows may be strided: views of one QKV output); cos/sin [T, D];
     pos, slots [B] -> q_out [B, Hq, D] rotated; k rotated and v into k/v_cache [S, Hkv, D] at slots.
-    q_norm/k_norm [D]: the per-head RMSNorm of Qwen3, before rotary."""
+    q_norm/k_norm [D]: the per-head RMSNorm of Qwen3, before rotary. k_out [B, Hkv, D]: gets the
+    rotated k too."""
     b, q_heads, head_dim = q_out.shape
     kv_heads = k_cache.shape[1]
     qk_norm = q_norm is not None
     _rope_store_kernel[(b, q_heads + kv_heads)](
-        q, k, v, cos, sin, pos, slots, q_out, k_cache, v_cache,
+        q, k, v, cos, sin, pos, slots, q_out, k_out if k_out is not None else q_out, k_cache, v_cache,
         q_norm if qk_norm else cos, k_norm if qk_norm else cos,
         q.stride(0), k.stride(0), v.stride(0), q_heads, kv_heads, eps,
-        QK_NORM=qk_norm, X_BF16=cos.dtype == torch.bfloat16, HALF=head_dim // 2, num_warps=1,
+        QK_NORM=qk_norm, X_BF16=cos.dtype == torch.bfloat16, K_OUT=k_out is not None, HALF=head_dim // 2,
+        num_warps=1,
     )  # fmt: skip
 
 
@@ -260,5 +269,5 @@ def prepare_step(
     rows = pos.shape[0]
     _prepare_step_kernel[(1,)](
         step, pos, limit, table, seeds, generated, slots, ctx, keys, rows, table.stride(0),
-        PAGE=page_size, BLOCK=min(1024, triton.next_power_of_2(rows)), num_warps=4,
+        PAGE=page_size, BLOCK=128, num_warps=4,  # one compiled kernel for every batch size
     )  # fmt: skip

@@ -117,11 +117,11 @@ def _merge_kernel(
     ids_ptr,  # FINISH: [R] int64 the next step's input tokens
     pos_ptr,  # FINISH: [R] int64 positions, advanced for rows still within their limit
     limit_ptr,  # FINISH: [R] int64
-    stops_ptr,  # FINISH: [STOPS] int64 stop token ids, padded with -1
+    stops_ptr,  # FINISH: [n_stops] int64 stop token ids, padded with -1
+    n_stops,
     GREEDY: tl.constexpr,
-    SPLITS: tl.constexpr,  # power of two >= splits
+    SPLITS: tl.constexpr,  # a power of two >= splits (MAX_SPLITS: one compiled kernel for all)
     FINISH: tl.constexpr,  # record the draw and advance the rows (a decode step's last kernel)
-    STOPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     s = tl.arange(0, SPLITS)
@@ -151,8 +151,13 @@ def _merge_kernel(
         sampled = w_win - lse_w
     if FINISH:
         k = tl.load(step_ptr) - 1
-        stops = tl.load(stops_ptr + tl.arange(0, STOPS))
-        stop = tl.sum((stops == token.to(tl.int64)).to(tl.int32), 0) > 0
+        hits = 0
+        for start in range(0, n_stops, 64):
+            stops = tl.load(
+                stops_ptr + start + tl.arange(0, 64), mask=start + tl.arange(0, 64) < n_stops, other=-1
+            )
+            hits += tl.sum((stops == token.to(tl.int64)).to(tl.int32), 0)
+        stop = hits > 0
         rec = run_ptr + k * stride_run + row
         tl.store(rec, token.to(tl.float64))
         tl.store(rec + batch, sampled.to(tl.float64))
@@ -190,8 +195,8 @@ def sample_triton(
         GREEDY=greedy, T_PTR=False, UNSCALED=inv_t == 1.0, BLOCK=block,
     )  # fmt: skip
     _merge_kernel[(b,)](
-        part, part_idx, tokens, lps, splits, b, *([part] * 7), GREEDY=greedy,
-        SPLITS=triton.next_power_of_2(splits), FINISH=False, STOPS=1,
+        part, part_idx, tokens, lps, splits, b, *([part] * 7), 0, GREEDY=greedy,
+        SPLITS=MAX_SPLITS, FINISH=False,
     )  # fmt: skip
     return tokens, lps[0], lps[1]
 
@@ -216,7 +221,7 @@ def sample_step_triton(
     """A decode step's draw, recorded and fed back on the device (nothing returns to the host):
     logits [R, V]; mode 'greedy', 'unit' (temperature 1) or 'scaled' (inv_temperature [1] float32,
     read on the device); keys [R]. `state`: step [1] (one past this step), run [steps, 4, R]
-    float64, ids, pos, limit [R], stops [S] (stop ids padded with -1, S a power of two)."""
+    float64, ids, pos, limit [R], stops [S] (stop ids, padded with -1)."""
     b, vocab = logits.shape
     splits, span = _splits(b, vocab, block, programs_target)
     part = torch.empty(b, splits, 7, dtype=torch.float32, device=logits.device)
@@ -229,6 +234,6 @@ def sample_step_triton(
     )  # fmt: skip
     _merge_kernel[(b,)](
         part, part_idx, part, part, splits, b, state["step"], run, run.stride(0), state["ids"],
-        state["pos"], state["limit"], state["stops"], GREEDY=greedy,
-        SPLITS=triton.next_power_of_2(splits), FINISH=True, STOPS=state["stops"].numel(),
+        state["pos"], state["limit"], state["stops"], state["stops"].numel(), GREEDY=greedy,
+        SPLITS=MAX_SPLITS, FINISH=True,
     )  # fmt: skip

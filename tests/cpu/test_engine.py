@@ -282,7 +282,8 @@ def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
     env = os.environ | {"TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("same tokens and stops True") == 4
+    assert done.stdout.count("same tokens and stops True") == 6
+    assert done.stdout.count("from the prefix cache (True)") == 2
     assert "same tokens as a fresh engine True" in done.stdout
 
 

@@ -43,6 +43,16 @@ for family, own_copy in (("qwen2", True), ("qwen3", False)):  # fused projection
         print(f"fused decode {family} {name}: same tokens and stops {same} ({stopped} stopped), "
               f"log-prob max abs err {err:.2e}")  # fmt: skip
         failed |= not same or err > 1e-5 or ("stops" in name and not stopped)
+    # the same prompts again: prefilled from the prefix cache's pages (the fused layers store only
+    # the new tokens' K/V, attention reads the whole context back)
+    before = fused_engine.prefix_cache_stats()["cached_tokens"]
+    a, b = fused_engine.generate(PROMPTS, cases["greedy"]), plain_engine.generate(PROMPTS, cases["greedy"])
+    hit = fused_engine.prefix_cache_stats()["cached_tokens"] > before
+    same = [x.token_ids for x in a] == [y.token_ids for y in b]
+    err = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs))
+    print(f"fused decode {family} from the prefix cache ({hit}): same tokens and stops {same}, "
+          f"log-prob max abs err {err:.2e}")  # fmt: skip
+    failed |= not same or not hit or err > 1e-5
     if own_copy:  # new weights land in the fused tensors the step reads
         other = from_hf_model(tiny_model(family, seed=9))
         fused_engine.update_weights(other.named_parameters())
