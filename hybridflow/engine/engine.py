@@ -124,9 +124,12 @@ class Engine:
             max_context=c.max_context_tokens,
             cuda_graphs=c.cuda_graphs,
             compile_layers=c.compile_layers,
-            # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests)
+            # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests); their
+            # tiles span a head in two halves of a power-of-two size
             fused_decode=c.fused_decode
-            and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
+            and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+            and mc.head_dim >= 4
+            and mc.head_dim & (mc.head_dim - 1) == 0,
             decode_steps=c.decode_steps,
         )
         self.asleep = False

@@ -41,7 +41,7 @@ def _fuse(linears: list[nn.Linear]) -> None:
     module's parameter a view of its rows."""
     for name in ("weight", "bias"):
         parts = [getattr(m, name) for m in linears]
-        if parts[0] is None:
+        if any(p is None for p in parts):  # (biases on some only: they stay apart, as the weights' matmul)
             continue
         whole = torch.cat([p.detach() for p in parts])
         start = 0
@@ -60,13 +60,6 @@ def fuse_projections(model: NativeCausalLM) -> None:
         _fuse([m.gate_proj, m.up_proj])
 
 
-def _bias(linears: list[nn.Linear]) -> torch.Tensor | None:
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return None
-    return _adjacent(biases) if all(b is not None for b in biases) else None
-
-
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
@@ -80,11 +73,16 @@ class LayerWeights:
 
 
 def _group(linears: list[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight, bias) over `linears` where their weights, and biases if any, lie back to back
+    (fuse_projections made them so); else one pair per module."""
     weight = _adjacent([m.weight for m in linears])
-    has_bias = [m.bias is not None for m in linears]
-    if weight is not None and (not any(has_bias) or (all(has_bias) and _bias(linears) is not None)):
-        return [(weight, _bias(linears))]
-    return [(m.weight, m.bias) for m in linears]
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        bias, fused = None, weight is not None
+    else:
+        bias = _adjacent(biases) if all(b is not None for b in biases) else None
+        fused = weight is not None and bias is not None
+    return [(weight, bias)] if fused else [(m.weight, m.bias) for m in linears]
 
 
 def layer_weights(model: NativeCausalLM) -> list[LayerWeights]:
@@ -126,10 +124,10 @@ class FusedDecode:
         self.q_heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.qkv_widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
         self.mlp_widths = [c.intermediate_size] * 2
-        self.refresh()
 
-    def refresh(self) -> None:
-        """Look up the weights again (after fuse_projections, or when parameters were replaced)."""
+    def _look_up_weights(self) -> None:
+        """The model's current tensors, at every forward (and so at every graph capture): a module
+        whose parameters were replaced is never run with the old ones."""
         self.layers = layer_weights(self.model)
         self.embed = self.model.model.embed_tokens.weight
         self.final_norm = self.model.model.norm.weight
@@ -142,6 +140,7 @@ class FusedDecode:
         `rotated_k` (else None), v the projection's [N, Hkv * D] (a view)."""
         from hybridflow.engine.triton_layer import rms_norm, rope_store, silu_mul
 
+        self._look_up_weights()
         rows, cdt, cache, dev = ids.shape[0], self.compute_dtype, self.cache, ids.device
         hidden = self.embed.shape[1]
         x = torch.empty(rows, hidden, dtype=self.embed.dtype, device=dev)  # residual stream
