@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-M31 = 0x7FFFFFFF
+from hybridflow.engine.triton_sampler import _mix31  # the sampler's noise hash, shared
 
 
 @triton.jit
@@ -211,13 +211,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, *, block: 
     _silu_mul_kernel[(b, triton.cdiv(width, block))](
         gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=block, num_warps=4
     )
-
-
-@triton.jit
-def _mix31(x):
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0x7FFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0x7FFFFFFF
-    return (x >> 16) ^ x
 
 
 @triton.jit
