@@ -1,6 +1,7 @@
 """Prefill and decode steps of our model over the paged KV cache; decode steps replay CUDA graphs
 captured at bucketed batch sizes. The layers are the trainer's own modules (`before_attention` /
-`after_attention`), so rollout and trainer compute the same numbers."""
+`after_attention`), or on CUDA the fused layers (fused_decode.py) that round as they do, so rollout
+and trainer compute the same numbers."""
 
 from __future__ import annotations
 
@@ -323,6 +324,7 @@ class Runner:
         (its limit check) and the record, which the run rewrites; its position advance is undone."""
         rows, mode = key
         start = time.perf_counter()
+        self.fused.forget_weights()
         saved = {k: state[k].clone() for k in ("ids", "pos", "step")}
         limit = state["limit"].clone()
         state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
@@ -345,6 +347,8 @@ class Runner:
         they never run concurrently and each output is consumed before the next replay."""
         dev, n = self.device, self.max_batch
         start = time.perf_counter()
+        if self.fused is not None:
+            self.fused.forget_weights()
         names = ("ids", "pos", "slots", "ctx", "table")
         if "ids" not in self.static:  # (the whole-step graphs keep their state beside these)
             self.static.update(
@@ -367,6 +371,8 @@ class Runner:
         self.capture_seconds += time.perf_counter() - start
 
     def drop_graphs(self) -> None:
+        if self.fused is not None:
+            self.fused.forget_weights()
         self.graphs.clear()
         self.step_graphs.clear()
         self.static.clear()
