@@ -55,7 +55,8 @@ class EngineConfig:
     fused_decode: bool = True
     """On CUDA, run the fused layers (engine/fused_decode.py: nine kernels a layer where the trainer's
     modules launch ~45) in prefill and decode, and a decode step's draw and record inside its graph;
-    False: the trainer's modules."""
+    on CPU in fp32, the trainer's modules with their matmuls on oneDNN-packed weights
+    (engine/cpu_layers.py, 2-4x MKL's matmuls); False: the trainer's modules as they are."""
     compute_dtype: str = "auto"
     """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
     progress: bool = False
@@ -130,6 +131,7 @@ class Engine:
             and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
             and mc.head_dim >= 4
             and mc.head_dim & (mc.head_dim - 1) == 0,
+            onednn_layers=c.fused_decode,
             decode_steps=c.decode_steps,
         )
         self.asleep = False

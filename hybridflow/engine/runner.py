@@ -1,7 +1,8 @@
 """Prefill and decode steps of our model over the paged KV cache; decode steps replay CUDA graphs
 captured at bucketed batch sizes. The layers are the trainer's own modules (`before_attention` /
-`after_attention`), or on CUDA the fused layers (fused_decode.py) that round as they do, so rollout
-and trainer compute the same numbers."""
+`after_attention`), or on CUDA the fused layers (fused_decode.py) that round as they do, or on CPU
+in fp32 the same modules with their matmuls on oneDNN-packed weights (cpu_layers.py), so rollout and
+trainer compute the same numbers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from hybridflow.engine.attention import (
     prefix_prefill_attention,
     store_kv,
 )
+from hybridflow.engine.cpu_layers import OneDNNLayers
+from hybridflow.engine.cpu_layers import supports as cpu_layers_supported
 from hybridflow.engine.fused_decode import FusedDecode
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.sampled import SampledRun
@@ -45,6 +48,7 @@ class Runner:
         cuda_graphs: bool,
         compile_layers: bool = False,
         fused_decode: bool = False,
+        onednn_layers: bool = False,
         decode_steps: int = 8,
     ) -> None:
         self.model, self.cache, self.page_size = model, cache, cache.page_size
@@ -75,11 +79,14 @@ class Runner:
         self.fused = FusedDecode(model, cache, self.cos, self.sin, compute_dtype) if fused_decode else None
         self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode) -> graph
         self.capture_seconds = 0.0  # spent capturing graphs (warm-ups included), since made
-        self._onednn_head = (
-            self.device.type == "cpu" and torch.backends.mkldnn.is_available() and model.lm_head.bias is None
+        # on CPU in fp32: the same layers with their matmuls through oneDNN on packed weights
+        self.cpu_layers = (
+            OneDNNLayers(model)
+            if onednn_layers
+            and self.fused is None
+            and cpu_layers_supported(model, self.device, compute_dtype)
+            else None
         )
-        self._head_key: tuple | None = None
-        self._head_blocked: torch.Tensor | None = None
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -88,9 +95,11 @@ class Runner:
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
+        if self.cpu_layers is not None:
+            return self.cpu_layers.hidden(input_ids, cos, sin, attend)
         backbone = self.model.model
         x = backbone.embed_tokens(input_ids)  # [N, H]
-        cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
         for i, (before_attention, after_attention) in enumerate(self.layer_parts):
             q, k, v = before_attention(x, cos, sin)
             x = after_attention(x, attend(i, q, k, v))
@@ -98,22 +107,9 @@ class Runner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, V] in the compute dtype: the sampler reads them in float32, as the trainer does."""
-        head = self.model.lm_head
-        if hidden.dtype == head.weight.dtype == torch.float32 and self._onednn_head:
-            return self._cpu_head(hidden)
-        return head(hidden)
-
-    def _cpu_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on CPU through oneDNN with its weight in oneDNN's blocked layout: 1.7-2.4x
-        MKL's GEMM for this one wide matmul (49k-152k outputs) at batch 1-32. The blocked copy is
-        made again whenever the weight changes (an optimizer step, a weight update)."""
-        weight = self.model.lm_head.weight
-        key = (weight.data_ptr(), weight._version)
-        if key != self._head_key:
-            self._head_blocked, self._head_key = weight.detach().to_mkldnn(), key
-        return torch.ops.aten.mkldnn_linear(
-            hidden.contiguous().to_mkldnn(), self._head_blocked, None
-        ).to_dense()
+        if self.cpu_layers is not None:
+            return self.cpu_layers.logits(hidden)
+        return self.model.lm_head(hidden)
 
     def _slots(self, pages: list[int], start: int, end: int) -> list[int]:
         ps = self.page_size

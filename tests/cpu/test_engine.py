@@ -167,6 +167,65 @@ def test_sampling_frequencies_match_the_distribution(params):
     assert chi2 < critical, (chi2, counts.tolist(), expected.tolist())
 
 
+def test_sampler_noise_in_int32_is_the_int64_hash_and_both_draws_agree():
+    """The noise is computed in int32 (the low 31 bits of a wrapping product are the int64
+    product's): equal to mix31 in int64 at the edges of the 31-bit range and over a vocabulary that is
+    no multiple of the vector width; the dense draw (plain sampling) picks what the pruned draw (only
+    entries within GUMBEL_SPAN of the best get noise, top-k / top-p's path) picks."""
+    from hybridflow.engine.sampler import GUMBEL_SPAN, gumbel_noise, mix31, step_keys
+
+    keys = torch.tensor([0, 1, 12345, 2**30 + 7, 2**31 - 2, 2**31 - 1])[:, None]  # [6, 1]
+    cols = torch.arange(1003)
+    bits = mix31(keys ^ cols) >> 7
+    assert torch.equal(gumbel_noise(keys, cols), -torch.log(-torch.log((bits.float() + 0.5) / (1 << 24))))
+    torch.manual_seed(0)
+    for scale, temperature in ((0.5, 1.0), (4.0, 1.0), (4.0, 0.7)):
+        logits = torch.randn(16, 1003) * scale
+        seeds, steps = torch.randint(0, 2**40, (16,)), torch.randint(0, 999, (16,))
+        params = SamplingParams(temperature=temperature)
+        tokens, logp, unscaled = sample_reference(logits, params, seeds, steps)
+        warped = torch.log_softmax(logits / temperature, -1)
+        rows, hit = (warped >= warped.max(-1, keepdim=True).values - GUMBEL_SPAN).nonzero(as_tuple=True)
+        scores = torch.full_like(warped, float("-inf"))
+        scores[rows, hit] = warped[rows, hit] + gumbel_noise(step_keys(seeds, steps)[rows], hit)
+        assert torch.equal(tokens, scores.argmax(-1))
+        assert_close(logp, warped.gather(-1, tokens[:, None])[:, 0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
+def test_cpu_onednn_layers_equal_the_trainers_modules_and_follow_weight_changes(family):
+    """On CPU in fp32 the engine runs its matmuls through oneDNN on packed copies of the weights
+    (engine/cpu_layers.py): the same tokens and log-probs as the trainer's modules (qwen2: biased
+    q/k/v; qwen3: q/k norms; llama3: untied head), and new packed copies once the shared module's
+    weights change in place (an optimizer step) or a parameter is replaced."""
+    from hybridflow.engine.cpu_layers import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    model = from_hf_model(tiny_model(family, seed=5))
+    packed = _engine(model, max_context_tokens=64)
+    plain = _engine(model, max_context_tokens=64, fused_decode=False)
+    assert packed.runner.cpu_layers is not None and plain.runner.cpu_layers is None
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=2)
+
+    def same(a, b):
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        for x, y in zip(a, b):
+            assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+    before = packed.generate(PROMPTS, params)
+    same(before, plain.generate(PROMPTS, params))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    after = packed.generate(PROMPTS, params)
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+    same(after, plain.generate(PROMPTS, params))
+    down = model.model.layers[-1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.randn_like(down.weight), requires_grad=False)
+    same(packed.generate(PROMPTS, params), plain.generate(PROMPTS, params))
+
+
 def test_prompt_pages_are_shared_then_copied_on_write():
     cache = KVCache(
         num_layers=1,

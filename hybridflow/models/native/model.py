@@ -106,6 +106,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        return self.position(q, k, v, cos, sin)
+
+    def position(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ):
+        """The projections q [N, Hq, D], k and v [N, Hkv, D] -> q and k normed (Qwen3) and rotated."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
