@@ -5,7 +5,7 @@ Shapes use B = sequences, N = total tokens of a packed micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -34,37 +34,54 @@ class Rollouts:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     response_logprobs: list[list[float]]
-    """Log-prob of each sampled token under the sampling distribution, as the rollout saw it."""
+    """Log-prob of each sampled token under the sampling distribution, as the rollout saw it (0.0 on
+    tokens the policy did not sample: see `loss_masks`)."""
     finish_reasons: list[str]
     """'stop' (EOS or stop token) or 'length' (hit max tokens)."""
     group_ids: list[int]
     """Sequences sampled from the same prompt share a group id (the prompt's position in the step)."""
     prompts: list[Prompt]
     """The prompt of each sequence (repeated n times for n samples)."""
+    loss_masks: list[list[int]] | None = None
+    """Per response token: 1 where the policy sampled it (trained), 0 where it did not (a tool's output,
+    an environment's answer, the template's tokens between turns in a multi-turn episode). None: every
+    response token was sampled (single-turn), the same as masks of ones."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def masks(self) -> list[list[int]]:
+        """The loss mask of every response (ones where `loss_masks` is None)."""
+        if self.loss_masks is not None:
+            return self.loss_masks
+        return [[1] * len(r) for r in self.response_ids]
+
+    def sampled_ids(self) -> list[list[int]]:
+        """Each response's tokens that the policy sampled (mask 1), in order: what the reward judges,
+        so that a tool's or environment's text never earns the policy a score it did not write."""
+        if self.loss_masks is None:
+            return self.response_ids
+        return [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(self.response_ids, self.loss_masks)]
+
     def select(self, keep: list[int]) -> Rollouts:
-        return Rollouts(
-            prompt_ids=[self.prompt_ids[i] for i in keep],
-            response_ids=[self.response_ids[i] for i in keep],
-            response_logprobs=[self.response_logprobs[i] for i in keep],
-            finish_reasons=[self.finish_reasons[i] for i in keep],
-            group_ids=[self.group_ids[i] for i in keep],
-            prompts=[self.prompts[i] for i in keep],
-        )
+        """The sequences `keep`, every per-sequence field (fields() here: a new one is never dropped)."""
+        picked = {}
+        for f in fields(self):
+            rows = getattr(self, f.name)
+            picked[f.name] = None if rows is None else [rows[i] for i in keep]
+        return Rollouts(**picked)
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
-        return Rollouts(
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            response_ids=[x for p in parts for x in p.response_ids],
-            response_logprobs=[x for p in parts for x in p.response_logprobs],
-            finish_reasons=[x for p in parts for x in p.finish_reasons],
-            group_ids=[x for p in parts for x in p.group_ids],
-            prompts=[x for p in parts for x in p.prompts],
-        )
+        joined = {}
+        for f in fields(Rollouts):
+            if f.name == "loss_masks" and all(p.loss_masks is None for p in parts):
+                joined[f.name] = None
+            elif f.name == "loss_masks":
+                joined[f.name] = [m for p in parts for m in p.masks()]
+            else:
+                joined[f.name] = [x for p in parts for x in getattr(p, f.name)]
+        return Rollouts(**joined)
 
 
 @dataclass

@@ -148,13 +148,17 @@ def gpg(
 def discounted_returns(
     token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1}, the running return reset outside the mask (verl's REINFORCE++)."""
+    """G_t = r_t + gamma G_{t'} over the policy's tokens, t' the next masked-in position: a span the
+    policy did not sample (a tool's output between turns) carries the return across it undiscounted
+    (verl's REINFORCE++ since its multi-turn fix); trailing padding stays 0, as the scan starts at 0.
+    With contiguous masks (single-turn) this is the running return reset after the response."""
+    mask = response_mask.float()
     returns = torch.zeros_like(token_rewards, dtype=torch.float32)  # [B, T]
     running = torch.zeros(token_rewards.shape[0], device=token_rewards.device)  # [B]
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t].float() + gamma * running
+        stepped = token_rewards[:, t].float() + gamma * running
+        running = mask[:, t] * stepped + (1 - mask[:, t]) * running  # [B]
         returns[:, t] = running
-        running = running * response_mask[:, t]
     return returns
 
 

@@ -9,11 +9,15 @@ from hybridflow.config.schema import AlgorithmConfig
 
 
 def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Scores [B] placed on each response's last token -> [B, T]."""
+    """Scores [B] placed on each response's last token the policy sampled (its last masked-in
+    position: a multi-turn episode may end on a tool's or environment's tokens) -> [B, T]."""
     rewards = torch.zeros_like(mask)
-    lengths = mask.sum(-1).long()  # [B]
-    rows = torch.nonzero(lengths > 0)[:, 0]
-    rewards[rows, lengths[rows] - 1] = scores[rows].float()
+    if mask.shape[1] == 0:
+        return rewards
+    positions = torch.arange(mask.shape[1], device=mask.device)  # [T]
+    last = torch.where(mask > 0, positions, -1).amax(-1)  # [B], -1: no sampled token
+    rows = torch.nonzero(last >= 0)[:, 0]
+    rewards[rows, last[rows]] = scores[rows].float()
     return rewards
 
 

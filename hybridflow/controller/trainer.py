@@ -277,7 +277,7 @@ class RLTrainer:
                         self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
                     raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
-            mask = pad_ragged([[1.0] * len(r) for r in rollouts.response_ids])  # [B, T]
+            mask = pad_ragged(rollouts.masks())  # [B, T]: 1 on the tokens the policy sampled
             batch = TrainingBatch(
                 rollouts.prompt_ids,
                 rollouts.response_ids,

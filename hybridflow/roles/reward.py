@@ -152,10 +152,11 @@ class Reward:
 
     def submit(self, rollouts: Rollouts) -> tuple[Future, float]:
         """Start scoring (rule scores run in the pool while the caller goes on)."""
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
+        sampled = rollouts.sampled_ids()  # the policy's own tokens: a tool's output is not scored
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in sampled]
         infos = [p.extra_info for p in rollouts.prompts]
         if getattr(self.function, "wants_response_ids", False):  # TRL's completion_ids
-            infos = [{**info, RESPONSE_IDS_KEY: ids} for info, ids in zip(infos, rollouts.response_ids)]
+            infos = [{**info, RESPONSE_IDS_KEY: ids} for info, ids in zip(infos, sampled)]
         items = [(p.data_source, t, p.ground_truth, i) for p, t, i in zip(rollouts.prompts, texts, infos)]
         if not self.uses_rules:
             items = []
@@ -176,7 +177,7 @@ class Reward:
         latencies = torch.tensor([o.latency_ms for o in outcomes]) if outcomes else torch.zeros(1)
         metrics["reward/latency_p95_ms"] = torch.quantile(latencies, 0.95).item()
         if self.model is not None:
-            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.response_ids]
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollouts.sampled_ids()]
             prompts = [p.messages if p.messages is not None else p.text for p in rollouts.prompts]
             model_scores = self.model.score(prompts, texts)
             scores = scores + self.config.model_weight * model_scores

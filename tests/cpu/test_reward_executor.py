@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,28 @@ def test_reward_role_scores_builtins_with_metrics():
     assert result.preds[:3] == ["4", "5", "4"]
     assert result.metrics["reward/errors"] == 0 and result.metrics["reward/timeouts"] == 0
     assert "reward/latency_p95_ms" in result.metrics and "timing_s/reward" in result.metrics
+
+
+def test_reward_role_scores_only_what_the_policy_sampled():
+    """A multi-turn response whose tool output holds the answer: the scorer sees the policy's own
+    tokens (mask 1) only, so the tool's "4" earns nothing and the policy's own "4" does."""
+    tok = byte_tokenizer()
+    reward = Reward(tok, RewardConfig(num_workers=1), max_response_tokens=32)
+    tool = tok.encode(" 4", add_special_tokens=False)
+    tails = [tok.encode(" done", add_special_tokens=False), tok.encode(" it is 4", add_special_tokens=False)]
+    rollouts = _rollouts(tok, ["call", "call"])
+    rollouts.response_ids = [r + tool + tail for r, tail in zip(rollouts.response_ids, tails)]
+    rollouts.loss_masks = [
+        [1] * (len(r) - len(tool) - len(tail)) + [0] * len(tool) + [1] * len(tail)
+        for r, tail in zip(rollouts.response_ids, tails)
+    ]
+    try:
+        result = reward.score(rollouts)
+        unmasked = reward.score(replace(rollouts, loss_masks=None))  # "call 4 done" would score
+    finally:
+        reward.close()
+    assert result.raw_scores.tolist() == [0.0, 1.0]
+    assert unmasked.raw_scores.tolist() == [1.0, 1.0]
 
 
 def test_reward_model_is_weighted_in(tmp_path):
