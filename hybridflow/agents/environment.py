@@ -1,0 +1,88 @@
+"""Gym-style environments for agent loops: `reset(sample)` and `step(action)`; the model's turns are
+the actions, the environment's answers go back as user messages (not trained), and its rewards are
+the episode's step rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridflow.agents.conversation import Conversation
+from hybridflow.agents.tool_loop import prompt_messages
+from hybridflow.agents.trajectory import Trajectory
+from hybridflow.batch import Prompt
+
+
+class Environment(Protocol):
+    def reset(self, sample: Prompt) -> str | None:
+        """Start an episode for this sample; an observation to show before the first turn, or None."""
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        """The model's turn (its text) -> (observation or None, reward, done). May be async."""
+
+
+async def _maybe_await(fn, *args, timeout_s: float):
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args), timeout_s)
+    return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
+
+
+@dataclass
+class EnvAgentLoop:
+    """`await loop.run(sample, model)`: one fresh environment per episode (`make_env()`), turns until
+    it says done, `max_turns` or `max_response_tokens`. The episode's reward is the sum of the step
+    rewards. An environment that raises or misses `step_timeout_s` ends the episode ('error', its
+    rewards so far); the error is counted, the run goes on."""
+
+    tokenizer: object
+    make_env: Callable[[], Environment]
+    max_turns: int = 8
+    max_response_tokens: int = 1024
+    step_timeout_s: float = 30.0
+
+    async def run(self, sample: Prompt, model) -> list[Trajectory]:
+        env = self.make_env()
+        messages = prompt_messages(sample)
+        finish = "max_turns"
+        try:
+            first = await _maybe_await(env.reset, sample, timeout_s=self.step_timeout_s)
+        except Exception:
+            first, finish = None, "error"
+        if first is not None:
+            messages.append({"role": "user", "content": first})
+        conv = Conversation(self.tokenizer, messages)
+        rewards: list[float] = []
+        for _ in range(self.max_turns if finish != "error" else 0):
+            room = conv.room(self.max_response_tokens, model.max_context_tokens)
+            if room <= 0:
+                finish = "length"
+                break
+            completion = await model.generate(conv.tokens, max_tokens=room)
+            text = conv.add_model_turn(completion)
+            try:
+                observation, reward, done = await _maybe_await(env.step, text, timeout_s=self.step_timeout_s)
+            except Exception:
+                finish = "error"
+                break
+            rewards.append(float(reward))
+            conv.current.turn_rewards.append(float(reward))
+            if done:
+                finish = "stop"
+                break
+            if completion.finish_reason != "stop":
+                finish = "length"
+                break
+            # (no observation: the template's prompt for the next turn alone)
+            observed = [] if observation is None else [{"role": "user", "content": observation}]
+            if not conv.add_messages(
+                observed, room=conv.room(self.max_response_tokens, model.max_context_tokens)
+            ):
+                finish = "length"
+                break
+        for segment in conv.segments:
+            segment.reward = 0.0  # the outcome is the step rewards (turn_rewards)
+        conv.current.finish_reason = finish
+        return conv.segments

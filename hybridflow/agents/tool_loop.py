@@ -1,0 +1,127 @@
+"""The built-in tool-calling agent loop: the model writes tool calls in its chat template's format
+(Hermes `<tool_call>` for Qwen2.5/Qwen3, Mistral, Llama 3.1), the tools run, their results go back as
+tool messages, until the model answers without a call or a limit is reached."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hybridflow.agents.conversation import Conversation
+from hybridflow.agents.tools import Tool, ToolResult
+from hybridflow.agents.trajectory import Trajectory
+from hybridflow.batch import Prompt
+from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
+
+MALFORMED_POLICIES = ("feedback", "end")
+MALFORMED_MESSAGE = (
+    'error: the tool call could not be read; write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+)
+
+
+def prompt_messages(sample: Prompt) -> list[dict]:
+    """The sample's chat messages (a plain-text prompt becomes one user message)."""
+    if isinstance(sample.messages, list):
+        return [dict(m) for m in sample.messages]
+    return [{"role": "user", "content": sample.messages if sample.messages is not None else sample.text}]
+
+
+@dataclass
+class ToolAgentLoop:
+    """`await loop.run(sample, model)` -> the episode's segments.
+
+    tools: functions (or Tool objects); max_turns: model calls per episode; max_tool_calls: tool calls
+    per episode (calls beyond it are answered with an error); max_response_tokens: tokens after the
+    prompt, sampled and not, per episode; on_malformed: 'feedback' (an error message as the tool's
+    result, the episode goes on) or 'end' (the episode ends, `malformed_penalty` as a step reward);
+    max_concurrent_tools: tool calls running at once across every episode of the loop."""
+
+    tokenizer: object
+    tools: list[Callable | Tool]
+    max_turns: int = 8
+    max_tool_calls: int = 16
+    max_response_tokens: int = 1024
+    on_malformed: str = "feedback"
+    malformed_penalty: float = 0.0
+    tool_timeout_s: float = 30.0
+    max_tool_output_chars: int = 4000
+    max_concurrent_tools: int = 64
+    tool_format: str | None = None
+    """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template."""
+    tool_seconds: list[float] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.on_malformed not in MALFORMED_POLICIES:
+            raise ValueError(f"on_malformed={self.on_malformed!r}; choose one of {MALFORMED_POLICIES}")
+        self.tools = [t if isinstance(t, Tool) else Tool(t, timeout_s=self.tool_timeout_s,
+                                                           max_output_chars=self.max_tool_output_chars)
+                      for t in self.tools]  # fmt: skip
+        self.by_name = {t.name: t for t in self.tools}
+        self.format = self.tool_format or tool_format(getattr(self.tokenizer, "chat_template", None))
+        if self.format is None:
+            raise ValueError(
+                "the tokenizer's chat template renders no tools; pass tool_format='hermes' (or 'mistral', 'llama3')"
+            )
+        self._slots: tuple[object, asyncio.Semaphore] | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        """One per event loop (a semaphore belongs to the loop it first waited in)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.max_concurrent_tools))
+        return self._slots[1]
+
+    async def _call(self, call: dict) -> ToolResult:
+        fn = call["function"]
+        tool = self.by_name.get(fn["name"])
+        if tool is None:
+            return ToolResult(
+                f"error: no tool named {fn['name']!r}; tools: {', '.join(self.by_name)}", False, 0.0
+            )
+        async with self._semaphore():
+            result = await tool(fn["arguments"])
+        self.tool_seconds.append(result.seconds)
+        return result
+
+    async def run(self, sample: Prompt, model) -> list[Trajectory]:
+        conv = Conversation(self.tokenizer, prompt_messages(sample), tools=[t.schema for t in self.tools])
+        calls_left, finish = self.max_tool_calls, "max_turns"
+        for _ in range(self.max_turns):
+            room = conv.room(self.max_response_tokens, model.max_context_tokens)
+            if room <= 0:
+                finish = "length"
+                break
+            completion = await model.generate(conv.tokens, max_tokens=room)
+            text = conv.add_model_turn(completion)
+            if completion.finish_reason != "stop":
+                finish = "length"
+                break
+            content, calls = parse_tool_calls(text, self.format)
+            # a block that did not parse stays in the content
+            malformed = self.format == "hermes" and "<tool_call>" in (content or "")
+            if malformed and self.on_malformed == "end":
+                conv.current.tool_failures += 1
+                conv.current.turn_rewards.append(-self.malformed_penalty)
+                finish = "malformed"
+                break
+            if not calls and not malformed:
+                finish = "stop"
+                break
+            allowed, calls_left = calls[: max(calls_left, 0)], calls_left - len(calls)
+            results = list(await asyncio.gather(*(self._call(c) for c in allowed)))
+            results += [ToolResult(f"error: no more than {self.max_tool_calls} tool calls", False, 0.0)] * (
+                len(calls) - len(allowed)
+            )
+            if malformed:
+                results.append(ToolResult(MALFORMED_MESSAGE, False, 0.0))
+            conv.current.tool_calls += len(calls) + malformed
+            conv.current.tool_failures += sum(not r.ok for r in results)
+            if not conv.add_messages(
+                [{"role": "tool", "content": r.content} for r in results],
+                room=conv.room(self.max_response_tokens, model.max_context_tokens),
+            ):
+                finish = "length"
+                break
+        conv.current.finish_reason = finish
+        return conv.segments

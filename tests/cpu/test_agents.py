@@ -1,0 +1,346 @@
+"""Agent loops (issue #29): tools from typed functions, the exact token prefix across turns (and a
+history-rewriting template caught), malformed / hanging / crashing tool calls, environments, and many
+episodes at once on the engine with loss masks."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from hybridflow.agents import (
+    Completion,
+    Conversation,
+    EngineModel,
+    EnvAgentLoop,
+    Tool,
+    ToolAgentLoop,
+    run_episodes,
+)
+from hybridflow.batch import Prompt
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.engine.async_engine import AsyncEngine
+from hybridflow.models import byte_tokenizer, tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.rollout.sampling import SamplingParams
+
+# ChatML with Hermes tool calls (Qwen2.5's shape): tools in the system turn, results as
+# <tool_response> blocks in a user turn
+HERMES = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function.name') | join(', ') }}. "
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# ... and one that drops earlier turns' <think> blocks, as Qwen3's does
+STRIPS_THINKING = HERMES.replace(
+    "{{ m.content }}<|im_end|>\n{% endif %}",
+    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endif %}",
+)
+
+
+def _tokenizer(template=HERMES):
+    tok = byte_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+async def slow(seconds: float) -> str:
+    """Wait, then answer.
+
+    Args:
+        seconds: how long to wait
+    """
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+def crash(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("the tool broke")
+
+
+class Scripted:
+    """A model whose turns are given texts (each ends with <|im_end|>, as a model's turn does)."""
+
+    max_context_tokens = 4096
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.seen = tok, list(turns), []
+
+    async def generate(self, token_ids, *, max_tokens, stop_token_ids=()):
+        self.seen.append(list(token_ids))
+        ids = self.tok.encode(self.turns.pop(0), add_special_tokens=False)[: max_tokens - 1]
+        ids = ids + [self.tok.eos_token_id]
+        return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+
+def _prompt(text="What is 2 + 3?"):
+    return Prompt(0, [], "agent", ground_truth="5", messages=[{"role": "user", "content": text}])
+
+
+def test_tools_from_typed_functions_and_their_failures():
+    schema = Tool(add).schema["function"]
+    assert schema["name"] == "add" and schema["description"] == "Add two integers."
+    assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first number"}
+
+    async def calls():
+        return [
+            await Tool(add)('{"a": 2, "b": 3}'),
+            await Tool(add)('{"a": 2}'),
+            await Tool(add)("not json"),
+            await Tool(crash)({"x": 1}),
+            await Tool(slow, timeout_s=0.2)({"seconds": 30}),
+            await Tool(lambda_text, max_output_chars=10)({"n": 100}),
+        ]
+
+    start = time.perf_counter()
+    ok, missing, garbled, crashed, hung, long = asyncio.run(calls())
+    assert time.perf_counter() - start < 5  # the hanging tool was given up on at its deadline
+    assert (ok.content, ok.ok) == ("5", True)
+    assert not missing.ok and "missing ['b']" in missing.content
+    assert not garbled.ok and garbled.content.startswith("error: JSONDecodeError")
+    assert not crashed.ok and crashed.content == "error: RuntimeError: the tool broke"
+    assert not hung.ok and hung.content == "error: slow timed out after 0.2 s"
+    assert long.content == "x" * 10 + "... [90 more characters cut]"
+
+
+def lambda_text(n: int) -> str:
+    """n x's.
+
+    Args:
+        n: how many
+    """
+    return "x" * n
+
+
+def test_each_turn_extends_the_exact_prefix_and_only_sampled_tokens_are_trained():
+    tok = _tokenizer()
+    model = Scripted(
+        tok, ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is 5."]
+    )
+    loop = ToolAgentLoop(tok, [add])
+    (episode,) = asyncio.run(loop.run(_prompt(), model))
+    assert episode.finish_reason == "stop" and episode.turns == 2 and episode.tool_calls == 1
+    # the second call saw exactly: the first prompt, the sampled turn, the template's tool turn
+    whole = episode.prompt_ids + episode.response_ids
+    assert model.seen[1] == whole[: len(model.seen[1])]
+    messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        },
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    rendered = tok.apply_chat_template(messages, tools=[Tool(add).schema], tokenize=False)
+    assert tok.decode(whole, skip_special_tokens=False) == rendered.rstrip(
+        "\n"
+    )  # the last "\n" is not sampled
+    sampled = [t for t, m in zip(episode.response_ids, episode.loss_mask) if m]
+    observed = [t for t, m in zip(episode.response_ids, episode.loss_mask) if not m]
+    # the model's turns with the end-of-turn tokens it sampled
+    assert (
+        tok.decode(sampled, skip_special_tokens=False)
+        == messages[1]["content"] + "<|im_end|>It is 5.<|im_end|>"
+    )
+    assert tok.decode(observed, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert episode.logprobs == [-0.5 if m else 0.0 for m in episode.loss_mask]
+
+
+def test_a_template_that_rewrites_history_starts_a_new_segment():
+    tok = _tokenizer(STRIPS_THINKING)
+    conv = Conversation(tok, [{"role": "user", "content": "hi"}], tools=None)
+    ids = tok.encode("<think>hmm</think>Hello<|im_end|>", add_special_tokens=False)
+    conv.add_model_turn(Completion(ids, [-1.0] * len(ids), "stop", 3))
+    conv.add_messages([{"role": "user", "content": "again"}])
+    assert conv.rewrites == 1 and len(conv.segments) == 2
+    first, second = conv.segments
+    assert (
+        first.response_ids == ids
+        and first.loss_mask == [1] * len(ids)
+        and first.weight_versions == [3] * len(ids)
+    )
+    # the new segment's prompt is what the template now shows: the thinking is gone
+    assert tok.decode(second.prompt_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert conv.tokens == second.prompt_ids and second.response_ids == []
+    # a template that keeps the history: one segment
+    kept = Conversation(_tokenizer(), [{"role": "user", "content": "hi"}])
+    kept.add_model_turn(Completion(ids, [-1.0] * len(ids), "stop", 3))
+    kept.add_messages([{"role": "user", "content": "again"}])
+    assert kept.rewrites == 0 and len(kept.segments) == 1
+
+
+@pytest.mark.parametrize("policy", ["feedback", "end"])
+def test_malformed_tool_calls_are_fed_back_or_end_the_episode(policy):
+    tok = _tokenizer()
+    turns = ["<tool_call>{not json}</tool_call>", "Sorry: 5."]
+    loop = ToolAgentLoop(tok, [add], on_malformed=policy, malformed_penalty=0.5)
+    model = Scripted(tok, turns)
+    (episode,) = asyncio.run(loop.run(_prompt(), model))
+    assert episode.tool_failures == 1
+    if policy == "end":
+        assert episode.finish_reason == "malformed" and episode.turn_rewards == [-0.5] and episode.turns == 1
+    else:
+        assert episode.finish_reason == "stop" and episode.turns == 2
+        assert "error: the tool call could not be read" in tok.decode(
+            model.seen[1], skip_special_tokens=False
+        )
+
+
+def test_limits_end_episodes_and_errors_reach_the_model():
+    tok = _tokenizer()
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    three = call + call + call
+    loop = ToolAgentLoop(tok, [add, crash], max_turns=3, max_tool_calls=4)
+    model = Scripted(
+        tok, [three, '<tool_call>{"name": "crash", "arguments": {"x": 1}}</tool_call>' + call, call]
+    )
+    (episode,) = asyncio.run(loop.run(_prompt(), model))
+    assert episode.finish_reason == "max_turns" and episode.turns == 3 and episode.tool_calls == 6
+    seen = tok.decode(model.seen[2], skip_special_tokens=False)
+    assert "error: RuntimeError: the tool broke" in seen and "error: no more than 4 tool calls" in seen
+    assert episode.tool_failures == 2 + 1  # the crash, the call past the limit, then the 3rd turn's: not run
+    short = ToolAgentLoop(tok, [add], max_response_tokens=40)
+    (cut,) = asyncio.run(short.run(_prompt(), Scripted(tok, [call * 3, "x"])))
+    assert cut.finish_reason == "length" and len(cut.response_ids) <= 40
+
+
+class GuessTheNumber:
+    """Higher / lower; reward 1 for the right guess."""
+
+    def reset(self, sample):
+        self.secret, self.guesses = int(sample.ground_truth), 0
+        return "Guess a number from 1 to 9."
+
+    def step(self, action):
+        self.guesses += 1
+        guess = int(action.strip()[-1]) if action.strip()[-1:].isdigit() else -1
+        if guess == self.secret:
+            return None, 1.0, True
+        return ("higher" if guess < self.secret else "lower"), 0.0, False
+
+
+def test_environment_turns_rewards_and_a_failing_environment():
+    tok = _tokenizer()
+    loop = EnvAgentLoop(tok, GuessTheNumber, max_turns=5)
+    (episode,) = asyncio.run(loop.run(_prompt(), Scripted(tok, ["3", "7", "5"])))
+    assert episode.finish_reason == "stop" and episode.turns == 3 and episode.turn_rewards == [0.0, 0.0, 1.0]
+    assert episode.total_reward() == 1.0
+    text = tok.decode(episode.response_ids, skip_special_tokens=False)
+    assert "higher" in text and "lower" in text
+
+    class Broken(GuessTheNumber):
+        def step(self, action):
+            raise ValueError("env bug")
+
+    (broken,) = asyncio.run(EnvAgentLoop(tok, Broken).run(_prompt(), Scripted(tok, ["3"])))
+    assert broken.finish_reason == "error" and broken.total_reward() == 0.0
+
+
+def test_many_episodes_at_once_on_the_engine_with_a_slow_tool():
+    """64 episodes (8 prompts x 8) with a tool that takes 0.3 s: they run concurrently (the whole is
+    far less than 64 x the tool's time), every sampled token is the engine's, and the masks and
+    log-probs line up; the same seed gives the same episodes."""
+    tok = _tokenizer()
+    model = from_hf_model(tiny_model("qwen2", seed=1))
+    engine = Engine(
+        model, eos_token_ids=[tok.eos_token_id], config=EngineConfig(page_size=4, max_context_tokens=512)
+    )
+
+    async def wait(seconds: float) -> str:
+        """Wait.
+
+        Args:
+            seconds: how long
+        """
+        await asyncio.sleep(0.3)
+        return "ok"
+
+    class CallsOnce(ToolAgentLoop):
+        """Calls the tool once by itself (a random model would not), then lets the model answer."""
+
+        async def run(self, sample, model):
+            async def generate(token_ids, *, max_tokens, stop_token_ids=()):
+                if not hasattr(model, "called"):
+                    model.called = True
+                    ids = tok.encode('<tool_call>{"name": "wait", "arguments": {"seconds": 1}}</tool_call>',
+                                     add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+                    return Completion(ids, [0.0] * len(ids), "stop", 0)
+                return await real(token_ids, max_tokens=max_tokens)
+
+            real, model.generate = model.generate, generate
+            return await super().run(sample, model)
+
+    loop = CallsOnce(tok, [wait], max_turns=2, max_response_tokens=200)
+    prompts = [Prompt(i, [], "agent", messages=[{"role": "user", "content": f"q{i}"}]) for i in range(8)]
+    params = SamplingParams(n=8, temperature=1.0, seed=7)
+
+    async def both():
+        front = AsyncEngine(engine)
+        try:
+            start = time.perf_counter()
+            a = await run_episodes(loop, prompts, front, params)
+            seconds = time.perf_counter() - start
+            b = await run_episodes(loop, prompts, front, params)
+        finally:
+            await front.aclose()
+        return a, b, seconds
+
+    a, b, seconds = asyncio.run(both())
+    assert seconds < 64 * 0.3 / 2
+    r = a.rollouts
+    assert len(r) == 64 and r.group_ids == [i // 8 for i in range(64)]
+    assert a.metrics["agent/episodes"] == 64 and a.metrics["agent/tool_calls_mean"] == 1.0
+    for ids, mask, lps in zip(r.response_ids, r.loss_masks, r.response_logprobs):
+        assert len(ids) == len(mask) == len(lps) <= 200
+        assert sum(mask) > 70  # the scripted call, then the engine's own turn
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
+    assert r.response_ids == b.rollouts.response_ids  # reproducible beside other episodes
+    assert len({tuple(x) for x in r.response_ids}) > 8
+    assert all(s is None for s in a.scores)  # no outcome from the loop: the reward role scores them
+
+
+def test_engine_model_records_each_tokens_weight_version():
+    tok = _tokenizer()
+    model = from_hf_model(tiny_model("qwen2", seed=1))
+    engine = Engine(
+        model, eos_token_ids=[tok.eos_token_id], config=EngineConfig(page_size=4, max_context_tokens=128)
+    )
+
+    async def go():
+        front = AsyncEngine(engine)
+        try:
+            handle = EngineModel(front, SamplingParams(temperature=1.0, seed=3))
+            first = await handle.generate([5, 6, 7], max_tokens=6)
+            await front.between_steps(lambda e: e.update_weights([]))
+            second = await handle.generate([5, 6, 7], max_tokens=6)
+        finally:
+            await front.aclose()
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert (first.weight_version, second.weight_version) == (0, 1)
+    assert len(first.token_ids) == len(first.logprobs) <= 6
+    assert torch.tensor(first.logprobs).le(0).all()
