@@ -46,6 +46,12 @@ class Rollouts:
     """Per response token: 1 where the policy sampled it (trained), 0 where it did not (a tool's output,
     an environment's answer, the template's tokens between turns in a multi-turn episode). None: every
     response token was sampled (single-turn), the same as masks of ones."""
+    scores: list[float | None] | None = None
+    """Per sequence, the outcome reward its agent loop gave (an environment's), used instead of the
+    reward function; None (a row or the whole field): the reward function scores it."""
+    agent_stats: list[dict[str, float]] | None = None
+    """Per sequence, its episode segment's counts (turns, tool_calls, tool_failures, segment), for
+    the agent/* metrics; None for single-turn rollouts."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -75,13 +81,21 @@ class Rollouts:
     def concat(parts: list[Rollouts]) -> Rollouts:
         joined = {}
         for f in fields(Rollouts):
-            if f.name == "loss_masks" and all(p.loss_masks is None for p in parts):
+            if f.name in _OPTIONAL_ROWS and all(getattr(p, f.name) is None for p in parts):
                 joined[f.name] = None
             elif f.name == "loss_masks":
                 joined[f.name] = [m for p in parts for m in p.masks()]
+            elif f.name in _OPTIONAL_ROWS:  # a part without them: its rows' neutral value
+                empty = _OPTIONAL_ROWS[f.name]
+                joined[f.name] = [
+                    x for p in parts for x in (getattr(p, f.name) or [empty() for _ in range(len(p))])
+                ]
             else:
                 joined[f.name] = [x for p in parts for x in getattr(p, f.name)]
         return Rollouts(**joined)
+
+
+_OPTIONAL_ROWS = {"loss_masks": None, "scores": lambda: None, "agent_stats": dict}  # None: whole field absent
 
 
 @dataclass

@@ -40,6 +40,8 @@ class EnvAgentLoop:
     tokenizer: object
     make_env: Callable[[], Environment]
     max_turns: int = 8
+    max_tokens_per_turn: int = 0
+    """Most tokens of one model call (0: all the episode has left)."""
     max_response_tokens: int = 1024
     step_timeout_s: float = 30.0
 
@@ -60,7 +62,9 @@ class EnvAgentLoop:
             if room <= 0:
                 finish = "length"
                 break
-            completion = await model.generate(conv.tokens, max_tokens=room)
+            completion = await model.generate(
+                conv.tokens, max_tokens=min(room, self.max_tokens_per_turn or room)
+            )
             text = conv.add_model_turn(completion)
             try:
                 observation, reward, done = await _maybe_await(env.step, text, timeout_s=self.step_timeout_s)
@@ -72,7 +76,7 @@ class EnvAgentLoop:
             if done:
                 finish = "stop"
                 break
-            if completion.finish_reason != "stop":
+            if conv.room(self.max_response_tokens, model.max_context_tokens) <= 0:
                 finish = "length"
                 break
             # (no observation: the template's prompt for the next turn alone)

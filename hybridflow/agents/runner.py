@@ -55,8 +55,8 @@ async def run_episodes(
             tasks.append(loop.run(prompt, model))
     results = await asyncio.gather(*tasks)
     episodes = [r if isinstance(r, list) else [r] for r in results]
-    rows: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_logprobs",
-                                             "finish_reasons", "group_ids", "prompts", "loss_masks")}  # fmt: skip
+    rows: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_logprobs", "finish_reasons",
+                                             "group_ids", "prompts", "loss_masks", "agent_stats")}  # fmt: skip
     scores: list[float | None] = []
     for e, segments in enumerate(episodes):
         prompt = prompts[e // n]
@@ -70,23 +70,29 @@ async def run_episodes(
             rows["group_ids"].append(first_group + e // n)
             rows["prompts"].append(prompt)
             rows["loss_masks"].append(s.loss_mask)
+            rows["agent_stats"].append(
+                {"turns": s.turns, "tool_calls": s.tool_calls, "tool_failures": s.tool_failures,
+                 "first_segment": float(s is segments[0])}
+            )  # fmt: skip
             scores.append(total)
-    return Episodes(Rollouts(**rows), scores, episodes, episode_metrics(episodes))
+    rollouts = Rollouts(**rows)
+    return Episodes(rollouts, scores, episodes, agent_metrics(rollouts))
 
 
-def episode_metrics(episodes: list[list[Trajectory]]) -> dict[str, float]:
-    """agent/*: turns, tool calls and failures, segments (history rewrites), finish reasons."""
-    count = max(len(episodes), 1)
-    flat = [s for e in episodes for s in e]
+def agent_metrics(rollouts: Rollouts) -> dict[str, float]:
+    """agent/*: per episode, turns, tool calls and failures, segments (history rewrites), sampled
+    tokens; the share of each way episodes ended."""
+    stats = rollouts.agent_stats or []
+    episodes = max(sum(s.get("first_segment", 0.0) for s in stats), 1.0)
+    masks = rollouts.masks()
     out = {
-        "agent/episodes": float(len(episodes)),
-        "agent/turns_mean": sum(s.turns for s in flat) / count,
-        "agent/tool_calls_mean": sum(s.tool_calls for s in flat) / count,
-        "agent/tool_failures_mean": sum(s.tool_failures for s in flat) / count,
-        "agent/segments_mean": len(flat) / count,
-        "agent/history_rewrites": float(len(flat) - len(episodes)),
-        "agent/sampled_tokens_mean": sum(s.sampled_tokens for s in flat) / count,
+        "agent/episodes": episodes,
+        "agent/turns_mean": sum(s.get("turns", 0) for s in stats) / episodes,
+        "agent/tool_calls_mean": sum(s.get("tool_calls", 0) for s in stats) / episodes,
+        "agent/tool_failures_mean": sum(s.get("tool_failures", 0) for s in stats) / episodes,
+        "agent/segments_mean": len(stats) / episodes,
+        "agent/sampled_tokens_mean": sum(sum(m) for m in masks) / episodes,
     }
-    reasons = Counter(e[-1].finish_reason for e in episodes)
-    out |= {f"agent/finish/{k}": v / count for k, v in sorted(reasons.items())}
+    ends = Counter(r for r in rollouts.finish_reasons if r != "segment")
+    out |= {f"agent/finish/{k}": v / episodes for k, v in sorted(ends.items())}
     return out

@@ -40,6 +40,8 @@ class ToolAgentLoop:
     tokenizer: object
     tools: list[Callable | Tool]
     max_turns: int = 8
+    max_tokens_per_turn: int = 0
+    """Most tokens of one model call (0: all the episode has left)."""
     max_tool_calls: int = 16
     max_response_tokens: int = 1024
     on_malformed: str = "feedback"
@@ -92,7 +94,9 @@ class ToolAgentLoop:
             if room <= 0:
                 finish = "length"
                 break
-            completion = await model.generate(conv.tokens, max_tokens=room)
+            completion = await model.generate(
+                conv.tokens, max_tokens=min(room, self.max_tokens_per_turn or room)
+            )
             text = conv.add_model_turn(completion)
             if completion.finish_reason != "stop":
                 finish = "length"

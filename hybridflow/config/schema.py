@@ -112,6 +112,52 @@ class DataConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn episodes instead of one response per sample (hybridflow/agents): the model calls
+    tools or plays an environment across turns; only the tokens it sampled are trained."""
+
+    loop: str = ""
+    """'' (off: one response per sample), 'tools' (call `tools` in the chat template's format) or
+    'environment' (turns against `environment`)."""
+    tools: list[str] = field(default_factory=list)
+    """Built-in names ('calculator') or FILE.py:FUNCTION, typed Python functions with a Google-style
+    docstring (their schema is read from it, as TRL's tools= does)."""
+    environment: str = ""
+    """A built-in name ('guess_number') or FILE.py:CLASS with reset(sample) and step(action)."""
+    max_turns: int = 8
+    """Model calls per episode."""
+    max_tokens_per_turn: int = 0
+    """Most tokens of one model call (0: what the episode's data.max_response_tokens leaves). With
+    an environment, a turn cut here is still its action; the template closes it."""
+    max_tool_calls: int = 16
+    """Tool calls per episode; those past it are answered with an error."""
+    on_malformed: str = "feedback"
+    """A tool call that does not parse: 'feedback' (an error as the tool's result, the episode goes
+    on) or 'end' (the episode ends, minus malformed_penalty)."""
+    malformed_penalty: float = 0.0
+    tool_timeout_s: float = 30.0
+    max_tool_output_chars: int = 4000
+    max_concurrent_tools: int = 64
+    """Tool calls running at once over all episodes of a step."""
+    step_timeout_s: float = 30.0
+    """An environment's reset or step past it ends the episode ('error')."""
+
+    def __post_init__(self) -> None:
+        if self.loop not in ("", "tools", "environment"):
+            raise ValueError(f"rollout.agent.loop={self.loop!r}: choose '', 'tools' or 'environment'")
+        if self.loop == "tools" and not self.tools:
+            raise ValueError("rollout.agent.loop=tools needs rollout.agent.tools (e.g. [calculator])")
+        if self.loop == "environment" and not self.environment:
+            raise ValueError(
+                "rollout.agent.loop=environment needs rollout.agent.environment (e.g. guess_number)"
+            )
+        if self.on_malformed not in ("feedback", "end"):
+            raise ValueError(f"rollout.agent.on_malformed={self.on_malformed!r}: choose 'feedback' or 'end'")
+        if self.max_turns < 1 or self.max_tool_calls < 0:
+            raise ValueError("rollout.agent.max_turns must be >= 1 and max_tool_calls >= 0")
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "auto"
     """'native' (the built-in engine: paged KV cache, continuous batching, CUDA graphs), 'hf'
@@ -143,6 +189,7 @@ class RolloutConfig:
     """Native engine: keep full KV pages by their token prefix across requests (a shared system
     prompt, a conversation's next turn, a preempted sequence) and prefill only what is new; dropped
     at every weight update."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
     server: bool = False
     """Native engine, one training worker: also serve the policy being trained over the OpenAI API
     (`hybridflow serve`'s routes and /metrics) at http://server_host:server_port/v1, written to

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from hybridflow.agents.setup import agent_loop
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import (
@@ -176,7 +177,8 @@ class HybridWorker:
             compile_native_models(
                 [m for m in dict.fromkeys((model, ref_model, critic_model)) if m is not None]
             )
-        self.rollout = Rollout(backend) if colocated else None
+        agent = agent_loop(c.rollout.agent, self.tokenizer, c.data.max_response_tokens)
+        self.rollout = Rollout(backend, agent) if colocated else None
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers

@@ -50,6 +50,10 @@ def data_metrics(
         len(rollouts), 1
     )
     out |= stats("prompt_length", torch.tensor([len(p) for p in rollouts.prompt_ids], dtype=torch.float32))
+    if rollouts.agent_stats is not None:
+        from hybridflow.agents.runner import agent_metrics
+
+        out |= agent_metrics(rollouts)
     out["rollout/prompts"] = float(len(set(rollouts.group_ids)))
     out["rollout/responses"] = float(len(rollouts))
     return out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.agents.setup import agent_loop
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import policy_model, rollout_backend
@@ -35,7 +36,7 @@ class RolloutWorker:
         del hf_model, policy
         if hasattr(backend, "resize_pool"):
             backend.resize_pool()  # the policy it was copied from is gone: room for more KV
-        self.rollout = Rollout(backend)
+        self.rollout = Rollout(backend, agent_loop(c.rollout.agent, tokenizer, c.data.max_response_tokens))
         self.weight_sync: WeightSync | None = None
         self.peak = 0.0
 

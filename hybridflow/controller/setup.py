@@ -18,6 +18,11 @@ def sequences_per_step(config: Config) -> int:
 def check_config(config: Config) -> None:
     """Names that must exist and batch sizes that must divide, with the arithmetic spelled out."""
     algo, actor = config.algorithm, config.actor
+    if config.rollout.agent.loop and config.rollout.backend in ("hf", "vllm"):
+        raise UserError(
+            f"rollout.agent.loop={config.rollout.agent.loop} runs its episodes on the built-in engine, not "
+            f"rollout.backend={config.rollout.backend}: set rollout.backend=native"
+        )
     for key, value, table in (
         ("algorithm.adv_estimator", algo.adv_estimator, ESTIMATORS),
         ("actor.policy_loss", actor.policy_loss, POLICY_LOSSES),

@@ -127,7 +127,8 @@ class RLTrainer:
             device=self.device,
             function=reward_function,
         )
-        self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
+        if c.rollout.agent.loop != "environment":  # an environment gives the rewards itself
+            self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
         self.has_critic = c.algorithm.adv_estimator == "gae"
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first

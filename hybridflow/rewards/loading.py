@@ -9,24 +9,29 @@ from pathlib import Path
 from hybridflow.errors import UserError
 
 
-def load_custom_function(path: str, name: str) -> Callable:
-    """Import `name` from the Python file at `path` (only the path the user configured)."""
+def load_custom_function(
+    path: str,
+    name: str,
+    *,
+    key: str = "reward.custom_function_path",
+    name_key: str = "reward.custom_function_name",
+) -> Callable:
+    """Import `name` from the Python file at `path` (only the path the user configured); errors name
+    the config keys `key` (the file) and `name_key` (the name)."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(f"reward.custom_function_path: file not found: {file}")
+        raise UserError(f"{key}: file not found: {file}")
     spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except SystemExit as e:  # a module that exits at import would end the run without a word
-        raise UserError(f"reward.custom_function_path: importing {file} called sys.exit({e.code!r})") from e
+        raise UserError(f"{key}: importing {file} called sys.exit({e.code!r})") from e
     except Exception as e:
-        raise UserError(
-            f"reward.custom_function_path: importing {file} failed: {type(e).__name__}: {e}"
-        ) from e
+        raise UserError(f"{key}: importing {file} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"reward.custom_function_name: {file} defines no function {name!r}")
+        raise UserError(f"{name_key}: {file} defines no function {name!r}")
     return fn
 
 

@@ -158,16 +158,21 @@ class Reward:
         if getattr(self.function, "wants_response_ids", False):  # TRL's completion_ids
             infos = [{**info, RESPONSE_IDS_KEY: ids} for info, ids in zip(infos, sampled)]
         items = [(p.data_source, t, p.ground_truth, i) for p, t, i in zip(rollouts.prompts, texts, infos)]
+        if rollouts.scores is not None:  # rows whose agent loop gave the outcome are not scored again
+            items = [item for item, given in zip(items, rollouts.scores) if given is None]
         if not self.uses_rules:
             items = []
         return self.executor.submit(items), time.perf_counter()
 
     def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
         future, start = pending
-        outcomes = self.executor.result(future, len(rollouts.response_ids)) or [
-            Outcome() for _ in rollouts.response_ids
+        given = rollouts.scores or [None] * len(rollouts)
+        scored = self.executor.result(future, sum(g is None for g in given)) or [
+            Outcome() for g in given if g is None
         ]
-        self._report_errors(outcomes)
+        self._report_errors(scored)
+        fresh = iter(scored)
+        outcomes = [next(fresh) if g is None else Outcome(score=float(g)) for g in given]
         raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
         scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
         metrics = {

@@ -22,11 +22,21 @@ class RolloutBackend(Protocol):
 class Rollout:
     """Generates `params.n` responses per prompt; sequences of one prompt share a group id."""
 
-    def __init__(self, backend: RolloutBackend) -> None:
-        self.backend = backend
+    def __init__(self, backend: RolloutBackend, agent=None) -> None:
+        """`agent`: an agent loop (hybridflow.agents): each sample is a multi-turn episode."""
+        self.backend, self.agent = backend, agent
+        self.agent_metrics: dict[str, float] = {}  # the last call's agent/* metrics
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, *, first_group: int = 0) -> Rollouts:
         self.backend.wake()  # no-op unless the backend slept to give training its memory
+        if self.agent is not None:
+            from hybridflow.agents.setup import episodes_on
+
+            episodes = episodes_on(self.backend, self.agent, prompts, params, first_group)
+            self.agent_metrics = episodes.metrics
+            rollouts = episodes.rollouts
+            rollouts.scores = episodes.scores if any(s is not None for s in episodes.scores) else None
+            return rollouts
         generations = self.backend.generate([p.token_ids for p in prompts], params)
         return Rollouts(
             prompt_ids=[prompts[g.prompt_index].token_ids for g in generations],
