@@ -5,6 +5,7 @@ tool messages, until the model answers without a call or a limit is reached."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,16 @@ MALFORMED_POLICIES = ("feedback", "end")
 MALFORMED_MESSAGE = (
     'error: the tool call could not be read; write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 )
+
+
+def tools_system_text(schemas: list[dict]) -> str:
+    """The tools and how to call them, for a chat template that does not render tools itself."""
+    listed = "\n".join(json.dumps(s) for s in schemas)
+    return (
+        "You can call these tools (JSON schemas):\n<tools>\n" + listed + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>; its result comes '
+        "back in the next message. When you know the answer, reply without a tool call."
+    )
 
 
 def prompt_messages(sample: Prompt) -> list[dict]:
@@ -50,7 +61,8 @@ class ToolAgentLoop:
     max_tool_output_chars: int = 4000
     max_concurrent_tools: int = 64
     tool_format: str | None = None
-    """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template."""
+    """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template (one that renders
+    no tools: Hermes, with the tools described in the system message)."""
     tool_seconds: list[float] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -61,10 +73,10 @@ class ToolAgentLoop:
                       for t in self.tools]  # fmt: skip
         self.by_name = {t.name: t for t in self.tools}
         self.format = self.tool_format or tool_format(getattr(self.tokenizer, "chat_template", None))
-        if self.format is None:
-            raise ValueError(
-                "the tokenizer's chat template renders no tools; pass tool_format='hermes' (or 'mistral', 'llama3')"
-            )
+        # a template that renders no tools (SmolLM2's, plain ChatML): they are described in the
+        # system message, to be called in the Hermes format
+        self.describe_tools = self.format is None
+        self.format = self.format or "hermes"
         self._slots: tuple[object, asyncio.Semaphore] | None = None
 
     def _semaphore(self) -> asyncio.Semaphore:
@@ -86,8 +98,17 @@ class ToolAgentLoop:
         self.tool_seconds.append(result.seconds)
         return result
 
+    def _messages(self, sample: Prompt) -> list[dict]:
+        messages = prompt_messages(sample)
+        if not self.describe_tools:
+            return messages
+        text = tools_system_text([t.schema for t in self.tools])
+        if messages and messages[0]["role"] == "system":
+            return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+        return [{"role": "system", "content": text}, *messages]
+
     async def run(self, sample: Prompt, model) -> list[Trajectory]:
-        conv = Conversation(self.tokenizer, prompt_messages(sample), tools=[t.schema for t in self.tools])
+        conv = Conversation(self.tokenizer, self._messages(sample), tools=[t.schema for t in self.tools])
         calls_left, finish = self.max_tool_calls, "max_turns"
         for _ in range(self.max_turns):
             room = conv.room(self.max_response_tokens, model.max_context_tokens)

@@ -32,7 +32,9 @@ def sample_rows(
             {
                 "step": step,
                 "data_source": prompt.data_source,
-                "prompt": prompt.text or tokenizer.decode(rollouts.prompt_ids[i]),
+                # an agent's episode starts from its own rendering (tools in the system turn, say)
+                "prompt": (prompt.text if rollouts.agent_stats is None else "")
+                or tokenizer.decode(rollouts.prompt_ids[i]),
                 "response": tokenizer.decode(rollouts.response_ids[i], skip_special_tokens=True),
                 "score": round(float(scores[i]), 4),
                 "advantage": round(float(mean_advantage[i]), 4),

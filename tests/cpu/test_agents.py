@@ -192,6 +192,16 @@ def test_a_template_that_rewrites_history_starts_a_new_segment():
     assert kept.rewrites == 0 and len(kept.segments) == 1
 
 
+def test_a_template_without_tools_gets_them_in_the_system_message():
+    tok = byte_tokenizer()  # plain ChatML: renders no tools
+    model = Scripted(tok, ['<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>', "42"])
+    (episode,) = asyncio.run(ToolAgentLoop(tok, [add]).run(_prompt(), model))
+    first = tok.decode(model.seen[0], skip_special_tokens=False)
+    assert first.startswith("<|im_start|>system\nYou can call these tools") and '"name": "add"' in first
+    assert episode.tool_calls == 1 and episode.tool_failures == 0
+    assert "<|im_start|>tool\n42<|im_end|>" in tok.decode(model.seen[1], skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("policy", ["feedback", "end"])
 def test_malformed_tool_calls_are_fed_back_or_end_the_episode(policy):
     tok = _tokenizer()

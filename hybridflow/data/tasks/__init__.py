@@ -1,22 +1,25 @@
-"""Built-in tasks that write a dataset offline from a seed: arithmetic and countdown."""
+"""Built-in tasks that write a dataset offline from a seed: arithmetic, countdown, guess_number."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from hybridflow.data.files import write_rows
-from hybridflow.data.tasks import arithmetic, countdown
+from hybridflow.data.tasks import arithmetic, countdown, guess_number
 from hybridflow.errors import UserError
 
 TASKS = {
     "arithmetic": (arithmetic.make_rows, arithmetic.ArithmeticSpec),
     "countdown": (countdown.make_rows, countdown.CountdownSpec),
+    "guess_number": (guess_number.make_rows, guess_number.GuessNumberSpec),
 }
 
 
 def _row_key(task: str, row: dict) -> str:
     if task == "arithmetic":
         return row["extra_info"]["expression"]
+    if task == "guess_number":  # each row is a game of its own
+        return row["extra_info"]["game"]
     gt = row["reward_model"]["ground_truth"]
     return f"{sorted(gt['numbers'])}->{gt['target']}"
 
