@@ -143,18 +143,16 @@ class AgentConfig:
     """An environment's reset or step past it ends the episode ('error')."""
 
     def __post_init__(self) -> None:
-        if self.loop not in ("", "tools", "environment"):
-            raise ValueError(f"rollout.agent.loop={self.loop!r}: choose '', 'tools' or 'environment'")
+        _check_choice("rollout.agent", "loop", self.loop, ("", "tools", "environment"))
         if self.loop == "tools" and not self.tools:
-            raise ValueError("rollout.agent.loop=tools needs rollout.agent.tools (e.g. [calculator])")
+            raise UserError("rollout.agent.loop=tools needs rollout.agent.tools (e.g. [calculator])")
         if self.loop == "environment" and not self.environment:
-            raise ValueError(
+            raise UserError(
                 "rollout.agent.loop=environment needs rollout.agent.environment (e.g. guess_number)"
             )
-        if self.on_malformed not in ("feedback", "end"):
-            raise ValueError(f"rollout.agent.on_malformed={self.on_malformed!r}: choose 'feedback' or 'end'")
+        _check_choice("rollout.agent", "on_malformed", self.on_malformed, ("feedback", "end"))
         if self.max_turns < 1 or self.max_tool_calls < 0:
-            raise ValueError("rollout.agent.max_turns must be >= 1 and max_tool_calls >= 0")
+            raise UserError("rollout.agent.max_turns must be >= 1 and max_tool_calls >= 0")
 
 
 @dataclass

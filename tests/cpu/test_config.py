@@ -111,11 +111,32 @@ def test_docs_table_lists_every_alias():
     assert markdown_table() in doc, "docs/config.md's table is not aliases.markdown_table() as rendered now"
 
 
-@pytest.mark.parametrize("recipe", ["demo_arithmetic_grpo", "gsm8k_grpo", "gsm8k_ppo", "countdown_dapo"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "demo_arithmetic_grpo",
+        "gsm8k_grpo",
+        "gsm8k_ppo",
+        "countdown_dapo",
+        "tool_arithmetic_grpo",
+        "guess_game_grpo",
+    ],
+)
 def test_built_in_recipes_load_and_pass_start_checks(recipe):
     from hybridflow.controller.setup import check_config
 
     check_config(load_config(recipe))
+
+
+def test_agent_settings_are_checked_at_load():
+    with pytest.raises(UserError, match="rollout.agent.loop=tools needs rollout.agent.tools"):
+        load_config(None, ["rollout.agent.loop=tools"])
+    with pytest.raises(UserError, match="rollout.agent.loop='tool' is not one of"):
+        load_config(None, ["rollout.agent.loop=tool"])
+    from hybridflow.controller.setup import check_config
+
+    with pytest.raises(UserError, match="set rollout.backend=native"):
+        check_config(load_config("tool_arithmetic_grpo", ["rollout.backend=hf"]))
 
 
 def test_python_api_exports():
