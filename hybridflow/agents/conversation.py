@@ -54,6 +54,15 @@ class Conversation:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    async def model_turn(self, model, max_response_tokens: int, max_tokens_per_turn: int = 0):
+        """The model's next turn, appended: (its text, the Completion); None when the response budget
+        or the context has no token left."""
+        room = self.room(max_response_tokens, model.max_context_tokens)
+        if room <= 0:
+            return None
+        completion = await model.generate(self.tokens, max_tokens=min(room, max_tokens_per_turn or room))
+        return self.add_model_turn(completion), completion
+
     def add_model_turn(self, completion: Completion) -> str:
         """Append the sampled tokens; returns the turn's text (its final stop token left out), which
         the history holds as the assistant's message, exactly as the model wrote it."""

@@ -56,22 +56,17 @@ class EnvAgentLoop:
         if first is not None:
             messages.append({"role": "user", "content": first})
         conv = Conversation(self.tokenizer, messages)
-        rewards: list[float] = []
         for _ in range(self.max_turns if finish != "error" else 0):
-            room = conv.room(self.max_response_tokens, model.max_context_tokens)
-            if room <= 0:
+            turn = await conv.model_turn(model, self.max_response_tokens, self.max_tokens_per_turn)
+            if turn is None:
                 finish = "length"
                 break
-            completion = await model.generate(
-                conv.tokens, max_tokens=min(room, self.max_tokens_per_turn or room)
-            )
-            text = conv.add_model_turn(completion)
+            text, _ = turn
             try:
                 observation, reward, done = await _maybe_await(env.step, text, timeout_s=self.step_timeout_s)
             except Exception:
                 finish = "error"
                 break
-            rewards.append(float(reward))
             conv.current.turn_rewards.append(float(reward))
             if done:
                 finish = "stop"

@@ -111,14 +111,11 @@ class ToolAgentLoop:
         conv = Conversation(self.tokenizer, self._messages(sample), tools=[t.schema for t in self.tools])
         calls_left, finish = self.max_tool_calls, "max_turns"
         for _ in range(self.max_turns):
-            room = conv.room(self.max_response_tokens, model.max_context_tokens)
-            if room <= 0:
+            turn = await conv.model_turn(model, self.max_response_tokens, self.max_tokens_per_turn)
+            if turn is None:
                 finish = "length"
                 break
-            completion = await model.generate(
-                conv.tokens, max_tokens=min(room, self.max_tokens_per_turn or room)
-            )
-            text = conv.add_model_turn(completion)
+            text, completion = turn
             if completion.finish_reason != "stop":
                 finish = "length"
                 break
