@@ -363,15 +363,23 @@ def test_a_kill_between_a_save_and_its_metrics_leaves_no_step_missing(setup, tmp
 
 
 @pytest.mark.trials
-def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_path):
+def test_sigkill_anywhere_then_resume_ends_as_the_uninterrupted_run(setup, tmp_path, monkeypatch, request):
     """SIGKILL (no handler can run) while a checkpoint is half-written, then twice more at random
     moments of later steps; each time the same command resumes from the latest complete checkpoint,
-    and the run ends with the uninterrupted run's metrics and weights (CPU, fixed seed)."""
+    and the run ends with the uninterrupted run's metrics and weights (CPU, fixed seed). Every run
+    uses the same torch thread count: left to the start's busy-core check, a loaded machine gives
+    one run fewer threads, and results then differ in the last bits."""
     import random
     import signal
     import time
 
     import torch
+
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))  # the subprocesses' start, and no busy-core check
+    before = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(before))
+    torch.set_num_threads(threads)
     from rl_run import config, read_metrics
     from safetensors.torch import load_file
 
