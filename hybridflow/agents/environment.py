@@ -4,14 +4,13 @@ the episode's step rewards."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from hybridflow.agents.conversation import Conversation
 from hybridflow.agents.tool_loop import prompt_messages
+from hybridflow.agents.tools import call_with_deadline
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.batch import Prompt
 
@@ -22,12 +21,6 @@ class Environment(Protocol):
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         """The model's turn (its text) -> (observation or None, reward, done). May be async."""
-
-
-async def _maybe_await(fn, *args, timeout_s: float):
-    if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout_s)
-    return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
 
 
 @dataclass
@@ -50,7 +43,7 @@ class EnvAgentLoop:
         messages = prompt_messages(sample)
         finish = "max_turns"
         try:
-            first = await _maybe_await(env.reset, sample, timeout_s=self.step_timeout_s)
+            first = await call_with_deadline(env.reset, sample, timeout_s=self.step_timeout_s)
         except Exception:
             first, finish = None, "error"
         if first is not None:
@@ -63,7 +56,9 @@ class EnvAgentLoop:
                 break
             text, _ = turn
             try:
-                observation, reward, done = await _maybe_await(env.step, text, timeout_s=self.step_timeout_s)
+                observation, reward, done = await call_with_deadline(
+                    env.step, text, timeout_s=self.step_timeout_s
+                )
             except Exception:
                 finish = "error"
                 break

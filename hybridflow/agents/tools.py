@@ -12,6 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+async def call_with_deadline(fn: Callable, *args, timeout_s: float, **kwargs):
+    """`fn(*args, **kwargs)` awaited (a coroutine function, cancelled at the deadline) or run in a
+    worker thread (given up on at the deadline: Python cannot stop a thread)."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+    return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
+
+
 @dataclass
 class ToolResult:
     content: str
@@ -53,10 +61,7 @@ class Tool:
         start = time.perf_counter()
         try:
             args = self._arguments(arguments)
-            if inspect.iscoroutinefunction(self.fn):
-                out = await asyncio.wait_for(self.fn(**args), self.timeout_s)
-            else:
-                out = await asyncio.wait_for(asyncio.to_thread(self.fn, **args), self.timeout_s)
+            out = await call_with_deadline(self.fn, timeout_s=self.timeout_s, **args)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             return ToolResult(
                 f"error: {self.name} timed out after {self.timeout_s:g} s", False, time.perf_counter() - start

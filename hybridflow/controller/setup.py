@@ -23,6 +23,11 @@ def check_config(config: Config) -> None:
             f"rollout.agent.loop={config.rollout.agent.loop} runs its episodes on the built-in engine, not "
             f"rollout.backend={config.rollout.backend}: set rollout.backend=native"
         )
+    if config.rollout.agent.loop == "environment" and config.reward.custom_function_path:
+        raise UserError(
+            "rollout.agent.loop=environment scores every episode with the environment's rewards, so "
+            f"reward.custom_function_path={config.reward.custom_function_path} would never be called: remove it"
+        )
     for key, value, table in (
         ("algorithm.adv_estimator", algo.adv_estimator, ESTIMATORS),
         ("actor.policy_loss", actor.policy_loss, POLICY_LOSSES),

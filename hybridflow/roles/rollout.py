@@ -25,7 +25,6 @@ class Rollout:
     def __init__(self, backend: RolloutBackend, agent=None) -> None:
         """`agent`: an agent loop (hybridflow.agents): each sample is a multi-turn episode."""
         self.backend, self.agent = backend, agent
-        self.agent_metrics: dict[str, float] = {}  # the last call's agent/* metrics
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, *, first_group: int = 0) -> Rollouts:
         self.backend.wake()  # no-op unless the backend slept to give training its memory
@@ -33,7 +32,6 @@ class Rollout:
             from hybridflow.agents.setup import episodes_on
 
             episodes = episodes_on(self.backend, self.agent, prompts, params, first_group)
-            self.agent_metrics = episodes.metrics
             rollouts = episodes.rollouts
             rollouts.scores = episodes.scores if any(s is not None for s in episodes.scores) else None
             return rollouts
