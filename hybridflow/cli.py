@@ -134,9 +134,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     # The optional recipe is positional, so a first `key=value` lands there: it is an override.
-    if args.recipe is not None and "=" in args.recipe:
-        return None, [args.recipe, *args.overrides]
-    return args.recipe, list(args.overrides)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:
+        recipe, overrides = None, [recipe, *overrides]
+    name = getattr(args, "config_name", None)
+    if name is None:
+        if getattr(args, "config_path", None) is not None:
+            raise UserError("--config-path needs --config-name (the YAML in it, as Hydra's)")
+        return recipe, overrides
+    if recipe is not None:
+        raise UserError(f"give the recipe once: {recipe!r} or --config-name {name!r}, not both")
+    # Hydra's way (verl's commands): --config-path DIR --config-name NAME is DIR/NAME.yaml
+    path = Path(args.config_path or ".") / name
+    return str(path if path.suffix in (".yaml", ".yml") else path.with_suffix(".yaml")), overrides
+
+
+def _hydra_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config-path",
+        help="with --config-name: the recipe is CONFIG_PATH/CONFIG_NAME.yaml (Hydra's, as verl's commands give it)",
+    )
+    parser.add_argument("--config-name", help="see --config-path")
 
 
 def _resolve(args: argparse.Namespace):
@@ -304,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start over: delete this run's earlier checkpoints and metrics",
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar (trainer.progress=false)")
+    _hydra_options(train)
     train.set_defaults(func=cmd_train)
 
     for name, about in (
@@ -330,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory-gib", type=float, help="memory of one GPU (default: this machine's GPU, else 80)"
     )
+    _hydra_options(plan)
     plan.set_defaults(func=cmd_plan)
 
     report = sub.add_parser(
@@ -362,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = config.add_parser("show", help="print the resolved config of a recipe with overrides")
     show.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name)")
     show.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optim.lr=1e-6")
+    _hydra_options(show)
     show.set_defaults(func=cmd_config_show)
 
     data = sub.add_parser("data", help="make or preprocess datasets").add_subparsers(

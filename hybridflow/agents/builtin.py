@@ -56,5 +56,6 @@ class GuessNumber:
         return ("Higher." if guess < self.secret else "Lower."), 0.0, False
 
 
-TOOLS = {"calculator": calculator}
+TOOLS = {"calculator": calculator, "python": None}
+"""`python` is made per run (agents/code_tool.py): its sandbox limits come from the config."""
 ENVIRONMENTS = {"guess_number": GuessNumber}

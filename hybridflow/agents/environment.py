@@ -33,6 +33,9 @@ class EnvAgentLoop:
     tokenizer: object
     make_env: Callable[[], Environment]
     max_turns: int = 8
+    max_tool_turns: int = 0
+    """Environment answers per episode (0: no limit but max_turns); the model's turn after the last
+    one is the episode's last (verl's max_user_turns)."""
     max_tokens_per_turn: int = 0
     """Most tokens of one model call (0: all the episode has left)."""
     max_response_tokens: int = 1024
@@ -49,7 +52,7 @@ class EnvAgentLoop:
         if first is not None:
             messages.append({"role": "user", "content": first})
         conv = Conversation(self.tokenizer, messages)
-        for _ in range(self.max_turns if finish != "error" else 0):
+        for turn_index in range(self.max_turns if finish != "error" else 0):
             turn = await conv.model_turn(model, self.max_response_tokens, self.max_tokens_per_turn)
             if turn is None:
                 finish = "length"
@@ -66,6 +69,8 @@ class EnvAgentLoop:
             if done:
                 finish = "stop"
                 break
+            if self.max_tool_turns and turn_index >= self.max_tool_turns:
+                break  # 'max_turns': its answers are spent
             if conv.room(self.max_response_tokens, model.max_context_tokens) <= 0:
                 finish = "length"
                 break

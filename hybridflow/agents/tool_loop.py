@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridflow.agents.conversation import Conversation
-from hybridflow.agents.tools import Tool, ToolResult
+from hybridflow.agents.tools import Tool, ToolResult, set_current_sample
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.batch import Prompt
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
@@ -42,8 +42,10 @@ def prompt_messages(sample: Prompt) -> list[dict]:
 class ToolAgentLoop:
     """`await loop.run(sample, model)` -> the episode's segments.
 
-    tools: functions (or Tool objects); max_turns: model calls per episode; max_tool_calls: tool calls
-    per episode (calls beyond it are answered with an error); max_response_tokens: tokens after the
+    tools: functions (or Tool objects); max_turns: model calls per episode; max_tool_turns: turns of
+    tool results per episode (0: no limit), the model's turn after the last one ends it; max_tool_calls:
+    tool calls per episode and max_parallel_calls per turn (0: no limit; calls beyond either are
+    answered with an error); max_response_tokens: tokens after the
     prompt, sampled and not, per episode; on_malformed: 'feedback' (an error message as the tool's
     result, the episode goes on) or 'end' (the episode ends, `malformed_penalty` as a step reward);
     max_concurrent_tools: tool calls running at once across every episode of the loop."""
@@ -54,11 +56,14 @@ class ToolAgentLoop:
     max_tokens_per_turn: int = 0
     """Most tokens of one model call (0: all the episode has left)."""
     max_tool_calls: int = 16
+    max_tool_turns: int = 0
+    max_parallel_calls: int = 0
     max_response_tokens: int = 1024
     on_malformed: str = "feedback"
     malformed_penalty: float = 0.0
     tool_timeout_s: float = 30.0
     max_tool_output_chars: int = 4000
+    tool_output_keep: str = "start"
     max_concurrent_tools: int = 64
     tool_format: str | None = None
     """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template (one that renders
@@ -69,14 +74,15 @@ class ToolAgentLoop:
         if self.on_malformed not in MALFORMED_POLICIES:
             raise ValueError(f"on_malformed={self.on_malformed!r}; choose one of {MALFORMED_POLICIES}")
         self.tools = [t if isinstance(t, Tool) else Tool(t, timeout_s=self.tool_timeout_s,
-                                                           max_output_chars=self.max_tool_output_chars)
+                                                           max_output_chars=self.max_tool_output_chars,
+                                                           output_keep=self.tool_output_keep)
                       for t in self.tools]  # fmt: skip
         self.by_name = {t.name: t for t in self.tools}
-        self.format = self.tool_format or tool_format(getattr(self.tokenizer, "chat_template", None))
+        rendered = tool_format(getattr(self.tokenizer, "chat_template", None))
         # a template that renders no tools (SmolLM2's, plain ChatML): they are described in the
-        # system message, to be called in the Hermes format
-        self.describe_tools = self.format is None
-        self.format = self.format or "hermes"
+        # system message, to be called in the Hermes format unless one is given
+        self.describe_tools = rendered is None
+        self.format = self.tool_format or rendered or "hermes"
         self._slots: tuple[object, asyncio.Semaphore] | None = None
 
     def _semaphore(self) -> asyncio.Semaphore:
@@ -98,6 +104,17 @@ class ToolAgentLoop:
         self.tool_seconds.append(result.seconds)
         return result
 
+    async def _results(self, calls: list[dict], calls_left: int) -> list[ToolResult]:
+        """One turn's calls run at once; those past the episode's or the turn's limit get an error."""
+        allowed = min(max(calls_left, 0), self.max_parallel_calls or len(calls))
+        results = list(await asyncio.gather(*(self._call(c) for c in calls[:allowed])))
+        limit = (
+            f"no more than {self.max_parallel_calls} tool calls in one turn"
+            if allowed < calls_left
+            else f"no more than {self.max_tool_calls} tool calls"
+        )
+        return results + [ToolResult(f"error: {limit}", False, 0.0)] * (len(calls) - allowed)
+
     def _messages(self, sample: Prompt) -> list[dict]:
         messages = prompt_messages(sample)
         if not self.describe_tools:
@@ -108,9 +125,10 @@ class ToolAgentLoop:
         return [{"role": "system", "content": text}, *messages]
 
     async def run(self, sample: Prompt, model) -> list[Trajectory]:
+        set_current_sample(sample)  # this episode's task: what current_sample() gives its tools
         conv = Conversation(self.tokenizer, self._messages(sample), tools=[t.schema for t in self.tools])
         calls_left, finish = self.max_tool_calls, "max_turns"
-        for _ in range(self.max_turns):
+        for turn_index in range(self.max_turns):
             turn = await conv.model_turn(model, self.max_response_tokens, self.max_tokens_per_turn)
             if turn is None:
                 finish = "length"
@@ -130,11 +148,11 @@ class ToolAgentLoop:
             if not calls and not malformed:
                 finish = "stop"
                 break
-            allowed, calls_left = calls[: max(calls_left, 0)], calls_left - len(calls)
-            results = list(await asyncio.gather(*(self._call(c) for c in allowed)))
-            results += [ToolResult(f"error: no more than {self.max_tool_calls} tool calls", False, 0.0)] * (
-                len(calls) - len(allowed)
-            )
+            if self.max_tool_turns and turn_index >= self.max_tool_turns:
+                finish = "max_turns"  # its tool turns are spent: this call is not answered
+                break
+            results = await self._results(calls, calls_left)
+            calls_left -= len(calls)
             if malformed:
                 results.append(ToolResult(MALFORMED_MESSAGE, False, 0.0))
             conv.current.tool_calls += len(calls) + malformed

@@ -5,6 +5,7 @@ deadline and its output capped, and a failure comes back as text for the model, 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
 import time
@@ -20,6 +21,38 @@ async def call_with_deadline(fn: Callable, *args, timeout_s: float, **kwargs):
     return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
 
 
+_SAMPLE: contextvars.ContextVar = contextvars.ContextVar("hybridflow_agent_sample")
+OUTPUT_KEEP = ("start", "end", "ends")
+
+
+def current_sample():
+    """The sample (hybridflow.batch.Prompt: messages, ground_truth, extra_info) of the episode whose
+    tool call is running, for a tool that needs it (one that checks an answer, a per-task database).
+    Each episode is its own asyncio task, so this is that episode's, in threads too."""
+    try:
+        return _SAMPLE.get()
+    except LookupError:
+        raise RuntimeError("current_sample() is only known inside an agent episode's tool call") from None
+
+
+def set_current_sample(sample) -> None:
+    _SAMPLE.set(sample)
+
+
+def cut_output(text: str, max_chars: int, keep: str) -> str:
+    """At most `max_chars` of `text` kept: its start, its end, or both ends (verl's
+    tool_response_truncate_side left / right / middle); the cut is said where it was made."""
+    if len(text) <= max_chars:
+        return text
+    cut = f"... [{len(text) - max_chars} characters cut] ..."
+    if keep == "start":
+        return text[:max_chars] + cut
+    if keep == "end":
+        return cut + text[len(text) - max_chars :]
+    half = max_chars // 2
+    return text[:half] + cut + text[len(text) - (max_chars - half) :]
+
+
 @dataclass
 class ToolResult:
     content: str
@@ -27,18 +60,37 @@ class ToolResult:
     seconds: float
 
 
+class ToolFailure(Exception):
+    """Raised by a tool whose message is what the model should read, as it is."""
+
+
 class Tool:
     """`Tool(fn, timeout_s=..., max_output_chars=...)`; `await tool(arguments_json)` -> ToolResult.
+
+    `schema`: an OpenAI function schema to use instead of the one read from `fn` (a verl tool YAML's
+    `tool_schema`); `fn` is then called with the arguments it names.
 
     An async function is cancelled at its deadline. A plain function runs in a worker thread: at its
     deadline the episode gets the timeout and goes on, but Python cannot stop the thread, so a tool
     that may hang or runs untrusted code belongs in the reward sandbox (a process it can kill)."""
 
-    def __init__(self, fn: Callable, *, timeout_s: float = 30.0, max_output_chars: int = 4000) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        timeout_s: float = 30.0,
+        max_output_chars: int = 4000,
+        output_keep: str = "start",
+        schema: dict | None = None,
+    ) -> None:
         from transformers.utils import get_json_schema
 
+        if output_keep not in OUTPUT_KEEP:
+            raise ValueError(f"output_keep={output_keep!r}; choose one of {OUTPUT_KEEP}")
         self.fn, self.timeout_s, self.max_output_chars = fn, timeout_s, max_output_chars
-        self.schema = get_json_schema(fn)  # {"type": "function", "function": {name, description, parameters}}
+        self.output_keep = output_keep
+        # {"type": "function", "function": {name, description, parameters}}
+        self.schema = schema or get_json_schema(fn)
         self.name = self.schema["function"]["name"]
         params = self.schema["function"]["parameters"]
         self._known = set(params.get("properties", {}))
@@ -66,12 +118,10 @@ class Tool:
             return ToolResult(
                 f"error: {self.name} timed out after {self.timeout_s:g} s", False, time.perf_counter() - start
             )
+        except ToolFailure as e:  # a message written for the model
+            return ToolResult(str(e), False, time.perf_counter() - start)
         except Exception as e:  # the model sees what went wrong and may try again
             return ToolResult(f"error: {type(e).__name__}: {e}", False, time.perf_counter() - start)
         text = out if isinstance(out, str) else json.dumps(out, default=str)
-        if len(text) > self.max_output_chars:
-            text = (
-                text[: self.max_output_chars]
-                + f"... [{len(text) - self.max_output_chars} more characters cut]"
-            )
+        text = cut_output(text, self.max_output_chars, self.output_keep)
         return ToolResult(text, True, time.perf_counter() - start)

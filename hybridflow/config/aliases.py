@@ -46,7 +46,7 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.model.override_config.attention_dropout": by_value(
         r.dropout,
         "(no effect at 0)",
-        "the native model has no dropout: 0 is accepted, other values r.refused",
+        "the native model has no dropout: 0 is accepted, other values refused",
     ),
     f"{_ARR}.model.override_config.embd_pdrop": by_value(
         r.dropout, "(no effect at 0)", "as attention_dropout"
@@ -70,7 +70,7 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.rollout.name": by_value(
         r.rollout_name,
         "`rollout.backend`",
-        "`vllm`, `hf` and `native` (the built-in engine); sglang and trtllm are r.refused by name. vLLM must be installed: the start checks it before any work",
+        "`vllm`, `hf` and `native` (the built-in engine); `sglang` runs on the built-in engine (said at start: the same sampling, continuous batching and prefix cache); trtllm is refused. vLLM must be installed: the start checks it before any work",
     ),
     f"{_ARR}.rollout.max_num_seqs": rename("rollout.max_batch_sequences"),
     f"{_ARR}.rollout.max_num_batched_tokens": rename(
@@ -92,7 +92,7 @@ VERL: dict[str, Entry] = {
         "the old-policy log-probs use actor.max_tokens_per_microbatch"
     ),
     f"{_ARR}.rollout.mode": no_effect(
-        "single-turn rollouts are the same in verl's sync and async modes; the engine batches requests continuously"
+        "rollouts, single- and multi-turn, are the same in verl's sync and async modes; the engine batches requests continuously and runs every episode as its own task"
     ),
     f"{_ARR}.rollout.load_format": no_effect(
         "the engine receives the actor's weights in place at the first sync"
@@ -100,7 +100,67 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.rollout.layered_summon": no_effect(
         "weights always reach the engine one decoder layer at a time"
     ),
-    f"{_ARR}.rollout.multi_turn.format": no_effect("multi-turn rollouts are not enabled (issue #29)"),
+    f"{_ARR}.hybrid_engine": by_value(
+        r.hybrid_engine,
+        "(no effect when True)",
+        "True: the engine shares the training GPUs (our default); False is refused: use resources.rollout_workers",
+    ),
+    f"{_ARR}.rollout.multi_stage_wake_up": no_effect("an SGLang option; SGLang is not used"),
+    f"{_ARR}.rollout.over_sample_rate": no_effect(
+        "no request is aborted early: every response of a step is generated to its end"
+    ),
+    # multi-turn (verl's ToolAgentLoop): rollout.agent
+    f"{_ARR}.rollout.multi_turn.enable": by_value(
+        r.multi_turn_enable,
+        "`rollout.agent.loop`",
+        "True: tool-calling episodes (`rollout.agent.loop=tools`)",
+    ),
+    f"{_ARR}.rollout.multi_turn.tool_config_path": by_value(
+        r.unless_null("rollout.agent.tool_config"),
+        "`rollout.agent.tool_config`",
+        "verl's tool YAML as it is: SandboxFusionTool runs in our code sandbox, Gsm8kTool checks answers; other classes are verl code and refused",
+    ),
+    f"{_ARR}.rollout.multi_turn.max_assistant_turns": by_value(
+        r.assistant_turns, "`rollout.agent.max_turns`", "null: no limit but the response length"
+    ),
+    f"{_ARR}.rollout.multi_turn.max_user_turns": by_value(
+        r.unless_null("rollout.agent.max_tool_turns", int), "`rollout.agent.max_tool_turns`", "null: no limit"
+    ),
+    f"{_ARR}.rollout.multi_turn.max_parallel_calls": by_value(
+        r.unless_null("rollout.agent.max_parallel_calls", int),
+        "`rollout.agent.max_parallel_calls`",
+        "calls past it are answered with an error, where verl drops them unanswered",
+    ),
+    f"{_ARR}.rollout.multi_turn.max_tool_response_length": by_value(
+        r.unless_null("rollout.agent.max_tool_output_chars", int),
+        "`rollout.agent.max_tool_output_chars`",
+        "characters, as in verl",
+    ),
+    f"{_ARR}.rollout.multi_turn.tool_response_truncate_side": by_value(
+        r.truncate_side,
+        "`rollout.agent.tool_output_keep`",
+        "left / right / middle keep the start / the end / both ends",
+    ),
+    f"{_ARR}.rollout.multi_turn.format": by_value(
+        r.tool_format, "`rollout.agent.tool_format`", "hermes, llama3_json (as `llama3`), mistral"
+    ),
+    f"{_ARR}.rollout.multi_turn.interaction_config_path": by_value(
+        r.interaction,
+        "(refused unless null)",
+        "verl interactions run only inside verl: write an environment (reset(sample), step(action)) for `rollout.agent.environment`",
+    ),
+    f"{_ARR}.rollout.multi_turn.use_inference_chat_template": no_effect(
+        "episodes keep the tokens the model sampled, never re-rendered; a template that rewrites history starts a new segment (agent/segments_mean)"
+    ),
+    f"{_ARR}.rollout.multi_turn.tokenization_sanity_check_mode": no_effect(
+        "every turn's tokens are checked against the template's rendering of the whole conversation; a mismatch starts a new segment"
+    ),
+    f"{_ARR}.rollout.multi_turn.num_repeat_rollouts": no_effect(
+        "rollout.n episodes per prompt form its group"
+    ),
+    f"{_ARR}.rollout.agent.num_workers": no_effect(
+        "every episode of a step runs as an asyncio task on one continuously batched engine"
+    ),
     f"{_ARR}.rollout.engine_kwargs.vllm.swap_space": no_effect("vLLM engine options are not passed through"),
     f"{_ARR}.rollout.engine_kwargs.sglang.attention_backend": no_effect("SGLang is not used"),
     f"{_ARR}.rollout.val_kwargs.n": rename("rollout.val_samples_per_prompt"),
@@ -117,7 +177,7 @@ VERL: dict[str, Entry] = {
     ),
     # actor
     f"{_ARR}.actor.strategy": by_value(
-        r.strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron r.refused"
+        r.strategy("actor"), "(no effect)", "fsdp / fsdp2 accepted (FSDP2 always); megatron refused"
     ),
     f"{_ARR}.actor.optim.lr": rename("actor.optim.lr"),
     f"{_ARR}.actor.optim.weight_decay": rename("actor.optim.weight_decay"),
@@ -168,7 +228,7 @@ VERL: dict[str, Entry] = {
         "model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=r.dtype
     ),
     f"{_ARR}.actor.fsdp_config.fsdp_size": by_value(
-        r.fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes r.refused"
+        r.fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes refused"
     ),
     f"{_ARR}.actor.policy_loss.loss_mode": rename("actor.policy_loss"),
     f"{_ARR}.actor.profiler.enable": no_effect(r.PROFILE),
@@ -227,7 +287,7 @@ VERL: dict[str, Entry] = {
     "data.truncation": by_value(
         lambda v: Translation(),
         "`data.overlong_prompts`",
-        "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` r.refused",
+        "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` refused",
     ),
     "data.return_raw_chat": no_effect("prompts keep their chat messages"),
     "data.apply_chat_template_kwargs.reasoning_effort": rename(
@@ -247,7 +307,7 @@ VERL: dict[str, Entry] = {
         "`algorithm.filter_groups.max_generation_rounds`",
         "positive limits; at the limit hybridflow trains on the groups it kept (verl raises)",
     ),
-    "algorithm.use_pf_ppo": by_value(r.pf_ppo, "(r.refused when True)", "PF-PPO is not implemented"),
+    "algorithm.use_pf_ppo": by_value(r.pf_ppo, "(refused when True)", "PF-PPO is not implemented"),
     "algorithm.pf_ppo.reweight_method": refused("PF-PPO is not implemented in hybridflow"),
     "algorithm.pf_ppo.weight_pow": refused("PF-PPO is not implemented in hybridflow"),
     # reward
@@ -312,7 +372,7 @@ VERL: dict[str, Entry] = {
     "trainer.resume_mode": by_value(
         r.resume_mode,
         "`trainer.resume`",
-        "auto / disable; resume_path r.refused with the way to start from a checkpoint",
+        "auto / disable; resume_path refused with the way to start from a checkpoint",
     ),
     "trainer.n_gpus_per_node": rename(
         "resources.n_gpus_per_node", "must be GPUs this machine has: the start checks"
@@ -325,6 +385,9 @@ VERL: dict[str, Entry] = {
     "global_profiler.steps": no_effect(r.PROFILE),
     "global_profiler.profile_continuous_steps": no_effect(r.PROFILE),
     "global_profiler.global_tool_config.nsys.discrete": no_effect(r.PROFILE),
+    "global_profiler.save_path": no_effect(r.PROFILE),
+    "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": no_effect(r.PROFILE),
+    "global_profiler.global_tool_config.torch_memory.stack_depth": no_effect(r.PROFILE),
 }
 
 

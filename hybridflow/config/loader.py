@@ -93,7 +93,25 @@ def _read_recipe(recipe: str) -> list[tuple[str, Any]]:
         return []
     if not isinstance(tree, dict):
         raise UserError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
-    return _flatten(tree)
+    if "defaults" not in tree:
+        return _flatten(tree)
+    return _hydra_defaults(path, tree) + _flatten(
+        {k: v for k, v in tree.items() if k not in ("defaults", "hydra")}
+    )
+
+
+def _hydra_defaults(path: Path, tree: dict) -> list[tuple[str, Any]]:
+    """A verl config file (`defaults: [ppo_trainer, _self_]`, with `hydra.searchpath` pointing at
+    verl's own configs): verl's defaults, then the file. Nothing else of Hydra is read."""
+    defaults = tree["defaults"]
+    names = defaults if isinstance(defaults, list) else [defaults]
+    others = [d for d in names if d not in ("ppo_trainer", "_self_")]
+    if others or names[-1:] != ["_self_"] and "_self_" in names:
+        raise UserError(
+            f"recipe {path}: defaults {names}: only verl's [ppo_trainer, _self_] is read (its keys, then this "
+            "file's); put the other files' keys in this one"
+        )
+    return _read_recipe(VERL_BASE) if "ppo_trainer" in names else []
 
 
 def _parse_override(item: str) -> list[tuple[str, Any]]:

@@ -120,39 +120,67 @@ class AgentConfig:
     """'' (off: one response per sample), 'tools' (call `tools` in the chat template's format) or
     'environment' (turns against `environment`)."""
     tools: list[str] = field(default_factory=list)
-    """Built-in names ('calculator') or FILE.py:FUNCTION, typed Python functions with a Google-style
-    docstring (their schema is read from it, as TRL's tools= does)."""
+    """Built-in names ('calculator'; 'python': programs run in the code sandbox) or FILE.py:FUNCTION,
+    typed Python functions with a Google-style docstring (their schema is read from it, as TRL's
+    tools= does)."""
+    tool_config: str = ""
+    """A verl tool YAML (`tools: [{class_name, config, tool_schema}]`, verl's
+    multi_turn.tool_config_path): its SandboxFusionTool runs in the code sandbox, its Gsm8kTool checks
+    the answer against the sample's; other classes are verl code and are refused."""
+    tool_format: str = ""
+    """'' (read from the chat template; Hermes where it renders no tools), 'hermes', 'mistral' or
+    'llama3' (verl's multi_turn.format: hermes, llama3_json)."""
     environment: str = ""
     """A built-in name ('guess_number') or FILE.py:CLASS with reset(sample) and step(action)."""
     max_turns: int = 8
     """Model calls per episode."""
+    max_tool_turns: int = 0
+    """Turns of tool results (or environment answers) per episode; the model's turn after the last
+    one ends the episode (verl's max_user_turns). 0: no limit but max_turns."""
     max_tokens_per_turn: int = 0
     """Most tokens of one model call (0: what the episode's data.max_response_tokens leaves). With
     an environment, a turn cut here is still its action; the template closes it."""
     max_tool_calls: int = 16
     """Tool calls per episode; those past it are answered with an error."""
+    max_parallel_calls: int = 0
+    """Tool calls run from one model turn; those past it are answered with an error (verl runs the
+    first max_parallel_calls and drops the rest unanswered). 0: no limit but max_tool_calls."""
     on_malformed: str = "feedback"
     """A tool call that does not parse: 'feedback' (an error as the tool's result, the episode goes
     on) or 'end' (the episode ends, minus malformed_penalty)."""
     malformed_penalty: float = 0.0
     tool_timeout_s: float = 30.0
+    """One tool call's deadline, its wait for a free slot included; a sandboxed program is stopped at it."""
     max_tool_output_chars: int = 4000
+    tool_output_keep: str = "start"
+    """What is kept of a longer tool output: its 'start', its 'end', or both 'ends' (verl's
+    tool_response_truncate_side left / right / middle)."""
     max_concurrent_tools: int = 64
     """Tool calls running at once over all episodes of a step."""
+    code_tool_concurrency: int = 0
+    """Sandboxed programs (the python tool) running at once; 0: one per CPU core."""
+    code_tool_memory_mb: int = 1024
+    """Memory of one sandboxed program (with its child processes)."""
     step_timeout_s: float = 30.0
     """An environment's reset or step past it ends the episode ('error')."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout.agent", "loop", self.loop, ("", "tools", "environment"))
-        if self.loop == "tools" and not self.tools:
-            raise UserError("rollout.agent.loop=tools needs rollout.agent.tools (e.g. [calculator])")
+        if self.loop == "tools" and not (self.tools or self.tool_config):
+            raise UserError(
+                "rollout.agent.loop=tools (verl: multi_turn.enable=True) needs rollout.agent.tools (e.g. [python]) "
+                "or rollout.agent.tool_config (verl: multi_turn.tool_config_path)"
+            )
         if self.loop == "environment" and not self.environment:
             raise UserError(
                 "rollout.agent.loop=environment needs rollout.agent.environment (e.g. guess_number)"
             )
         _check_choice("rollout.agent", "on_malformed", self.on_malformed, ("feedback", "end"))
-        if self.max_turns < 1 or self.max_tool_calls < 0:
-            raise UserError("rollout.agent.max_turns must be >= 1 and max_tool_calls >= 0")
+        _check_choice("rollout.agent", "tool_format", self.tool_format, ("", "hermes", "mistral", "llama3"))
+        _check_choice("rollout.agent", "tool_output_keep", self.tool_output_keep, ("start", "end", "ends"))
+        counts = ("max_tool_turns", "max_tool_calls", "max_parallel_calls", "code_tool_concurrency")
+        if self.max_turns < 1 or any(getattr(self, k) < 0 for k in counts):
+            raise UserError(f"rollout.agent.max_turns must be >= 1 and {', '.join(counts)} >= 0")
 
 
 @dataclass

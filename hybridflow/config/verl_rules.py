@@ -73,6 +73,11 @@ def dtype(value: Any) -> str:
 def rollout_name(value: Any) -> Translation:
     if value in ("vllm", "hf", "native"):
         return Translation({"rollout.backend": value})
+    if value == "sglang":
+        return Translation(
+            {"rollout.backend": "native"},
+            note="SGLang is not used: the built-in engine generates (the same sampling, continuous batching, prefix cache)",
+        )
     return Translation(
         refusal=f"rollout engine {value!r} is not available here; use native (the built-in engine), vllm or hf"
     )
@@ -131,4 +136,57 @@ def fsdp_size(value: Any) -> Translation:
         return Translation(note="FSDP2 shards over all training workers")
     return Translation(
         refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)"
+    )
+
+
+def unless_null(ours: str, convert: Callable[[Any], Any] | None = None) -> Callable[[Any], Translation]:
+    """verl's `null` (its default: no limit, no file) leaves ours as it is."""
+    return lambda v: (
+        Translation() if v in (None, "null", "None") else Translation({ours: convert(v) if convert else v})
+    )
+
+
+def multi_turn_enable(value: Any) -> Translation:
+    return Translation({"rollout.agent.loop": "tools"}) if truthy(value) else Translation()
+
+
+def truncate_side(value: Any) -> Translation:
+    keep = {"left": "start", "right": "end", "middle": "ends"}
+    if value not in keep:
+        return Translation(refusal=f"tool_response_truncate_side={value!r}: choose left, right or middle")
+    return Translation({"rollout.agent.tool_output_keep": keep[value]})
+
+
+def tool_format(value: Any) -> Translation:
+    ours = {"hermes": "hermes", "llama3_json": "llama3", "mistral": "mistral"}
+    if value not in ours:
+        return Translation(
+            refusal=f"multi_turn.format={value!r}: tool calls are read in hermes, llama3_json or mistral"
+        )
+    return Translation({"rollout.agent.tool_format": ours[value]})
+
+
+def interaction(value: Any) -> Translation:
+    if value in (None, "null", "None"):
+        return Translation()
+    return Translation(
+        refusal="multi_turn.interaction_config_path: verl interactions are verl code; write an environment class "
+        "with reset(sample) and step(action) and set rollout.agent.loop=environment rollout.agent.environment=FILE.py:CLASS"
+    )
+
+
+def hybrid_engine(value: Any) -> Translation:
+    if truthy(value):
+        return Translation(note="the rollout engine shares the training GPUs (the default here)")
+    return Translation(
+        refusal="hybrid_engine=False: give the engine GPUs of its own with resources.rollout_workers=N"
+    )
+
+
+NO_TURN_LIMIT = 1_000_000  # verl's null: episodes end by the response length alone
+
+
+def assistant_turns(value: Any) -> Translation:
+    return Translation(
+        {"rollout.agent.max_turns": NO_TURN_LIMIT if value in (None, "null", "None") else int(value)}
     )

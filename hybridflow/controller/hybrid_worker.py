@@ -39,6 +39,7 @@ from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
 from hybridflow.parallel.weight_sync import WeightSync, pack
+from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.actor import Actor
 from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
@@ -177,7 +178,7 @@ class HybridWorker:
             compile_native_models(
                 [m for m in dict.fromkeys((model, ref_model, critic_model)) if m is not None]
             )
-        agent = agent_loop(c.rollout.agent, self.tokenizer, c.data.max_response_tokens)
+        agent = agent_loop(c.rollout.agent, self.tokenizer, c.data.max_response_tokens, hidden_paths(c))
         self.rollout = Rollout(backend, agent) if colocated else None
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))

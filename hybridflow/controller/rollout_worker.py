@@ -15,6 +15,7 @@ from hybridflow.controller.role_models import policy_model, rollout_backend
 from hybridflow.devices import DTYPES, resolve_device
 from hybridflow.models import load_causal_lm
 from hybridflow.parallel.weight_sync import WeightSync, unpack
+from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.rollout import Rollout
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -36,7 +37,9 @@ class RolloutWorker:
         del hf_model, policy
         if hasattr(backend, "resize_pool"):
             backend.resize_pool()  # the policy it was copied from is gone: room for more KV
-        self.rollout = Rollout(backend, agent_loop(c.rollout.agent, tokenizer, c.data.max_response_tokens))
+        self.rollout = Rollout(
+            backend, agent_loop(c.rollout.agent, tokenizer, c.data.max_response_tokens, hidden_paths(c))
+        )
         self.weight_sync: WeightSync | None = None
         self.peak = 0.0
 

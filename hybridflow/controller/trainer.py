@@ -41,6 +41,7 @@ from hybridflow.devices import resolve_device, use_free_cores
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
+from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
@@ -119,11 +120,7 @@ class RLTrainer:
             c.reward,
             max_response_tokens=c.data.max_response_tokens,
             # model-written code never sees the run's files, nor the data with its answers
-            hide=(
-                str(self.run_dir.resolve()),
-                *(str(f) for f in [*c.data.train_files, *c.data.val_files]),
-                *([str(cache)] if cache else []),
-            ),
+            hide=hidden_paths(c),
             device=self.device,
             function=reward_function,
         )

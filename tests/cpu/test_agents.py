@@ -118,7 +118,7 @@ def test_tools_from_typed_functions_and_their_failures():
     assert not garbled.ok and garbled.content.startswith("error: JSONDecodeError")
     assert not crashed.ok and crashed.content == "error: RuntimeError: the tool broke"
     assert not hung.ok and hung.content == "error: slow timed out after 0.2 s"
-    assert long.content == "x" * 10 + "... [90 more characters cut]"
+    assert long.content == "x" * 10 + "... [90 characters cut] ..."
 
 
 def lambda_text(n: int) -> str:

@@ -86,6 +86,9 @@ trainer.save_freq=5 trainer.total_epochs=1 trainer.default_local_dir=$CKPTS trai
 """
 
 
+MULTI_TURN_BY_VALUE = ("enable", "format", "tool_response_truncate_side", "max_assistant_turns")
+
+
 def words(command: str, **paths: str) -> list[str]:
     for name, value in paths.items():
         command = command.replace(f"${name}", value)
@@ -143,6 +146,7 @@ def test_each_table_entry_does_what_it_says(key):
             "data.filter_overlong_prompts",
             "data.truncation",
             f"{'actor_rollout_ref'}.actor.use_token_level_loss",
+            *(f"actor_rollout_ref.rollout.multi_turn.{k}" for k in MULTI_TURN_BY_VALUE),
         ):
             return  # by value: their own tests below
         value = sample if sample is not None else _sample(target) if target in ours else "v"
