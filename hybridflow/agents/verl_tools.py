@@ -73,6 +73,11 @@ def tools_from_verl_yaml(
         schema = {"type": "function", "function": dict(schema["function"])}
         name, cls = schema["function"]["name"], entry.get("class_name", "")
         config = entry.get("config") or {}
+        if cls not in (SANDBOX_FUSION, GSM8K):
+            raise UserError(
+                f"{at}: class {cls!r} is verl code (a BaseTool) that runs only inside verl; write the tool as a "
+                "typed Python function and name it in rollout.agent.tools=[FILE.py:FUNCTION]"
+            )
         argument = _string_argument(schema, f"{at} ({name})")
         if cls == SANDBOX_FUSION:
             language = config.get("default_language", "python")
@@ -85,13 +90,8 @@ def tools_from_verl_yaml(
                 name=name, argument=argument,
             )  # fmt: skip
             fn, deadline = sandbox.function, max(timeout_s, wall_s)
-        elif cls == GSM8K:
-            fn, deadline = _answer_check(name, argument), timeout_s
         else:
-            raise UserError(
-                f"{at}: class {cls!r} is verl code (a BaseTool) that runs only inside verl; write the tool as a "
-                "typed Python function and name it in rollout.agent.tools=[FILE.py:FUNCTION]"
-            )
+            fn, deadline = _answer_check(name, argument), timeout_s
         tools.append(Tool(fn, timeout_s=deadline, max_output_chars=max_output_chars, output_keep=output_keep,
                           schema=schema))  # fmt: skip
     return tools

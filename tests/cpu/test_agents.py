@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from agent_helpers import STRIPS_THINKING, Scripted, _prompt, _tokenizer, add, crash, slow  # noqa: E402
 
 from hybridflow.agents import (
     Completion,
@@ -23,76 +24,6 @@ from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.models import byte_tokenizer, tiny_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.rollout.sampling import SamplingParams
-
-# ChatML with Hermes tool calls (Qwen2.5's shape): tools in the system turn, results as
-# <tool_response> blocks in a user turn
-HERMES = (
-    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function.name') | join(', ') }}. "
-    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
-    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# ... and one that drops earlier turns' <think> blocks, as Qwen3's does
-STRIPS_THINKING = HERMES.replace(
-    "{{ m.content }}<|im_end|>\n{% endif %}",
-    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
-    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endif %}",
-)
-
-
-def _tokenizer(template=HERMES):
-    tok = byte_tokenizer()
-    tok.chat_template = template
-    return tok
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
-async def slow(seconds: float) -> str:
-    """Wait, then answer.
-
-    Args:
-        seconds: how long to wait
-    """
-    await asyncio.sleep(seconds)
-    return "done"
-
-
-def crash(x: int) -> int:
-    """Always fails.
-
-    Args:
-        x: anything
-    """
-    raise RuntimeError("the tool broke")
-
-
-class Scripted:
-    """A model whose turns are given texts (each ends with <|im_end|>, as a model's turn does)."""
-
-    max_context_tokens = 4096
-
-    def __init__(self, tok, turns):
-        self.tok, self.turns, self.seen = tok, list(turns), []
-
-    async def generate(self, token_ids, *, max_tokens, stop_token_ids=()):
-        self.seen.append(list(token_ids))
-        ids = self.tok.encode(self.turns.pop(0), add_special_tokens=False)[: max_tokens - 1]
-        ids = ids + [self.tok.eos_token_id]
-        return Completion(ids, [-0.5] * len(ids), "stop", 0)
-
-
-def _prompt(text="What is 2 + 3?"):
-    return Prompt(0, [], "agent", ground_truth="5", messages=[{"role": "user", "content": text}])
 
 
 def test_tools_from_typed_functions_and_their_failures():
