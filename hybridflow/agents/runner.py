@@ -72,6 +72,7 @@ async def run_episodes(
             rows["loss_masks"].append(s.loss_mask)
             rows["agent_stats"].append(
                 {"turns": s.turns, "tool_calls": s.tool_calls, "tool_failures": s.tool_failures,
+                 "tool_seconds": sum(s.tool_seconds), "tool_seconds_max": max(s.tool_seconds, default=0.0),
                  "first_segment": float(s is segments[0])}
             )  # fmt: skip
             scores.append(total)
@@ -81,7 +82,7 @@ async def run_episodes(
 
 def agent_metrics(rollouts: Rollouts) -> dict[str, float]:
     """agent/*: per episode, turns, tool calls and failures, segments (history rewrites), sampled
-    tokens; the share of each way episodes ended."""
+    tokens; a tool call's latency (mean, max); the share of each way episodes ended."""
     stats = rollouts.agent_stats or []
     episodes = max(sum(s.get("first_segment", 0.0) for s in stats), 1.0)
     masks = rollouts.masks()
@@ -93,6 +94,10 @@ def agent_metrics(rollouts: Rollouts) -> dict[str, float]:
         "agent/segments_mean": len(stats) / episodes,
         "agent/sampled_tokens_mean": sum(sum(m) for m in masks) / episodes,
     }
+    calls = sum(s.get("tool_calls", 0) for s in stats)
+    if calls:  # latency of a call, its wait for a free slot included
+        out["agent/tool_seconds_mean"] = sum(s.get("tool_seconds", 0.0) for s in stats) / calls
+        out["agent/tool_seconds_max"] = max(s.get("tool_seconds_max", 0.0) for s in stats)
     ends = Counter(r for r in rollouts.finish_reasons if r != "segment")
     out |= {f"agent/finish/{k}": v / episodes for k, v in sorted(ends.items())}
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hybridflow.agents.conversation import Conversation
 from hybridflow.agents.tools import Tool, ToolResult, set_current_sample
@@ -68,7 +68,6 @@ class ToolAgentLoop:
     tool_format: str | None = None
     """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template (one that renders
     no tools: Hermes, with the tools described in the system message)."""
-    tool_seconds: list[float] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.on_malformed not in MALFORMED_POLICIES:
@@ -101,7 +100,6 @@ class ToolAgentLoop:
             )
         async with self._semaphore():
             result = await tool(fn["arguments"])
-        self.tool_seconds.append(result.seconds)
         return result
 
     async def _results(self, calls: list[dict], calls_left: int) -> list[ToolResult]:
@@ -153,6 +151,7 @@ class ToolAgentLoop:
                 break
             results = await self._results(calls, calls_left)
             calls_left -= len(calls)
+            conv.current.tool_seconds += [r.seconds for r in results[: len(calls)]]
             if malformed:
                 results.append(ToolResult(MALFORMED_MESSAGE, False, 0.0))
             conv.current.tool_calls += len(calls) + malformed

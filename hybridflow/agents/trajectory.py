@@ -30,6 +30,8 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_seconds: list[float] = field(default_factory=list)
+    """Each tool call's latency (its wait for a free slot included)."""
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float], weight_version: int) -> None:
         self.response_ids += token_ids

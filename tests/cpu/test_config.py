@@ -129,7 +129,10 @@ def test_built_in_recipes_load_and_pass_start_checks(recipe):
 
 
 def test_agent_settings_are_checked_at_load():
-    with pytest.raises(UserError, match=r"rollout.agent.loop=tools \(verl: multi_turn.enable=True\) needs rollout.agent.tools"):
+    with pytest.raises(
+        UserError,
+        match=r"rollout.agent.loop=tools \(verl: multi_turn.enable=True\) needs rollout.agent.tools",
+    ):
         load_config(None, ["rollout.agent.loop=tools"])
     with pytest.raises(UserError, match="rollout.agent.loop='tool' is not one of"):
         load_config(None, ["rollout.agent.loop=tool"])
