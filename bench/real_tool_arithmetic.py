@@ -21,8 +21,8 @@ from hybridflow.config import load_config
 from hybridflow.controller.trainer import RLTrainer
 
 INSTRUCTIONS = {
-    "tool": 'Use the calculator tool. Give the final answer after "####".',
-    "alone": 'Compute the value. Give the final answer after "####".',
+    "tool": 'Call the calculator tool in a <tool_call> block. Then end your answer with "#### <number>".',
+    "alone": 'Compute the value. End your answer with "#### <number>".',
 }
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
     for m in rows:
         shown = {k: round(v, 3) for k, v in m.items()
-                 if k.startswith("val/") or k in ("critic/score/mean", "agent/tool_calls_mean",
+                 if k.startswith("val-core/") or k in ("critic/score/mean", "agent/tool_calls_mean",
                                                                    "agent/turns_mean", "timing/step")}  # fmt: skip
         if shown:
             print(m.get("step"), shown, flush=True)

@@ -70,7 +70,7 @@ def main() -> None:
     total_s = time.time() - start
     metrics = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
-        held_out = {k: round(v, 3) for k, v in m.items() if k.startswith("val/") and "score" in k}
+        held_out = {k: round(v, 3) for k, v in m.items() if k.startswith("val-core/")}
         agent = {k: round(m[k], 3) for k in ("agent/tool_calls_mean", "critic/score/mean") if k in m}
         if held_out or agent:
             print(m.get("step"), held_out, agent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import sys
 
 from hybridflow.agents.builtin import ENVIRONMENTS, TOOLS
 from hybridflow.agents.code_tool import python_tool
@@ -59,6 +60,7 @@ def agent_loop(
                 malformed_penalty=config.malformed_penalty, tool_timeout_s=config.tool_timeout_s,
                 max_tool_output_chars=config.max_tool_output_chars, tool_output_keep=config.tool_output_keep,
                 max_concurrent_tools=config.max_concurrent_tools, tool_format=config.tool_format or None,
+                fenced_calls=config.fenced_tool_calls,
             )  # fmt: skip
         except ValueError as e:  # no tool format in the template, a tool without a typed docstring
             raise UserError(f"rollout.agent: {e}") from e
@@ -75,12 +77,13 @@ def episodes_on(backend, loop: AgentLoop, prompts, params, first_group: int) -> 
     (rollout.server), else on a driver of their own for this call."""
     from hybridflow.engine import Engine
     from hybridflow.engine.async_engine import AsyncEngine
-    from hybridflow.serve.served_backend import CALL_TIMEOUT_S, ServedEngine
 
-    if isinstance(backend, ServedEngine):
+    # a served backend's module is loaded already; importing it otherwise would pull in the HTTP stack
+    served = sys.modules.get("hybridflow.serve.served_backend")
+    if served is not None and isinstance(backend, served.ServedEngine):
         front = backend.server.front
         return backend.server.run(lambda: run_episodes(loop, prompts, front, params, first_group=first_group),
-                                  CALL_TIMEOUT_S)  # fmt: skip
+                                  served.CALL_TIMEOUT_S)  # fmt: skip
     if not isinstance(backend, Engine):
         raise UserError(
             f"rollout.agent runs on the native engine, not {type(backend).__name__}: set rollout.backend=native"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from hybridflow.batch import Prompt
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
 
 MALFORMED_POLICIES = ("feedback", "end")
+_FENCE = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
 MALFORMED_MESSAGE = (
     'error: the tool call could not be read; write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 )
@@ -65,6 +67,9 @@ class ToolAgentLoop:
     max_tool_output_chars: int = 4000
     tool_output_keep: str = "start"
     max_concurrent_tools: int = 64
+    fenced_calls: bool = True
+    """Also read a call written as a fenced JSON block ```json {"name": TOOL, "arguments": {...}}```
+    naming one of the tools: what Qwen2.5-Coder-1.5B-Instruct writes instead of <tool_call>."""
     tool_format: str | None = None
     """'hermes', 'mistral' or 'llama3'; None: read from the tokenizer's chat template (one that renders
     no tools: Hermes, with the tools described in the system message)."""
@@ -102,6 +107,26 @@ class ToolAgentLoop:
             result = await tool(fn["arguments"])
         return result
 
+    def _fenced(self, text: str) -> list[dict]:
+        calls = []
+        for block in _FENCE.findall(text):
+            try:
+                obj = json.loads(block)
+            except json.JSONDecodeError:
+                continue
+            if (
+                isinstance(obj, dict)
+                and obj.get("name") in self.by_name
+                and isinstance(obj.get("arguments"), dict)
+            ):
+                calls.append(
+                    {
+                        "type": "function",
+                        "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+                    }
+                )
+        return calls
+
     async def _results(self, calls: list[dict], calls_left: int) -> list[ToolResult]:
         """One turn's calls run at once; those past the episode's or the turn's limit get an error."""
         allowed = min(max(calls_left, 0), self.max_parallel_calls or len(calls))
@@ -136,6 +161,8 @@ class ToolAgentLoop:
                 finish = "length"
                 break
             content, calls = parse_tool_calls(text, self.format)
+            if not calls and self.fenced_calls:
+                calls = self._fenced(text)
             # a block that did not parse stays in the content
             malformed = self.format == "hermes" and "<tool_call>" in (content or "")
             if malformed and self.on_malformed == "end":

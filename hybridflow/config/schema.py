@@ -130,6 +130,10 @@ class AgentConfig:
     tool_format: str = ""
     """'' (read from the chat template; Hermes where it renders no tools), 'hermes', 'mistral' or
     'llama3' (verl's multi_turn.format: hermes, llama3_json)."""
+    fenced_tool_calls: bool = True
+    """Also take a call written as a fenced JSON block ({"name": TOOL, "arguments": {...}} in
+    ```json ... ```) that names one of the tools: what some models write instead of their template's
+    format (Qwen2.5-Coder-1.5B-Instruct, always). False: such a block is plain text."""
     environment: str = ""
     """A built-in name ('guess_number') or FILE.py:CLASS with reset(sample) and step(action)."""
     max_turns: int = 8

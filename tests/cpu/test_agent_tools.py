@@ -169,3 +169,17 @@ def test_verls_multi_turn_command_resolves_as_written():
         )
     with pytest.raises(UserError, match="multi_turn.enable=True\\) needs rollout.agent.tools"):
         resolve_config(recipe, ["data.train_files=/d/t.parquet"])
+
+
+def test_a_call_in_a_fenced_json_block_is_read_when_it_names_a_tool():
+    """Qwen2.5-Coder-1.5B-Instruct writes its calls this way, never in <tool_call> (seen on the H200)."""
+    tok = _tokenizer()
+    fenced = '```json\n{\n  "name": "add",\n  "arguments": {"a": 2, "b": 3}\n}\n```'
+    model = Scripted(tok, [fenced, "#### 5"])
+    (episode,) = _run(ToolAgentLoop(tok, [add]).run(_prompt(), model))
+    assert episode.tool_calls == 1 and "<tool_response>\n5\n</tool_response>" in tok.decode(model.seen[1])
+    other = '```json\n{"name": "multiply", "arguments": {"a": 2}}\n```'  # no such tool: plain text
+    (episode,) = _run(ToolAgentLoop(tok, [add]).run(_prompt(), Scripted(tok, [other])))
+    assert episode.tool_calls == 0 and episode.finish_reason == "stop"
+    (episode,) = _run(ToolAgentLoop(tok, [add], fenced_calls=False).run(_prompt(), Scripted(tok, [fenced])))
+    assert episode.tool_calls == 0
