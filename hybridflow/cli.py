@@ -180,6 +180,11 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
     resolved = _resolve(args)
     _announce(resolved, comment="# ")
+    if args.explain is not None:
+        from hybridflow.config.explain import explain
+
+        print(explain(resolved.config, args.explain or None))
+        return
     print(to_yaml(resolved.config), end="")
 
 
@@ -382,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = config.add_parser("show", help="print the resolved config of a recipe with overrides")
     show.add_argument("recipe", nargs="?", help="recipe YAML (or built-in recipe name)")
     show.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optim.lr=1e-6")
+    show.add_argument(
+        "--explain", nargs="?", const="", metavar="KEY",
+        help="each field (of KEY: a field or a section) with its value, default and description",
+    )  # fmt: skip
     _hydra_options(show)
     show.set_defaults(func=cmd_config_show)
 

@@ -25,6 +25,7 @@ from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
+from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native, save_hf
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.roles.actor import build_optimizer, optimizer_step
@@ -33,11 +34,36 @@ from hybridflow.tracking.progress import bar
 from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
 
 
+def refuse_unsupported(c: Config, command: str) -> None:
+    """The offline trainers run one process on one device with full weights: a setting they would not
+    honour stops the run at once, naming it, rather than being ignored."""
+    ignored = {
+        "model.lora_rank": c.model.lora_rank,
+        "model.lora_adapter_path": c.model.lora_adapter_path,
+        "model.compile": c.model.compile,
+        "actor.offload_params": c.actor.offload_params,
+        "actor.offload_optimizer": c.actor.offload_optimizer,
+        "actor.sequence_parallel_size": c.actor.sequence_parallel_size
+        if c.actor.sequence_parallel_size > 1
+        else 0,
+        "resources.num_workers": c.resources.num_workers if c.resources.num_workers > 1 else 0,
+        "resources.n_gpus_per_node": c.resources.n_gpus_per_node if c.resources.n_gpus_per_node > 1 else 0,
+        "resources.nnodes": c.resources.nnodes if c.resources.nnodes > 1 else 0,
+    }
+    named = [f"{k}={v}" for k, v in ignored.items() if v]
+    if named:
+        raise UserError(
+            f"hybridflow {command} trains full weights in one process on one device; it does not do "
+            f"{', '.join(named)}: remove {'it' if len(named) == 1 else 'them'} (the RL trainer does)"
+        )
+
+
 class OfflineTrainer:
     name = "offline"
 
     def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
         c = self.config = config
+        refuse_unsupported(c, self.name)
         self.run_dir, self.run_lock = prepare_run_dir(c, overwrite=overwrite)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)

@@ -223,3 +223,42 @@ def test_every_verl_key_from_the_issue_is_accepted():
         c.reward.custom_function_path,
         c.reward.custom_function_name,
     ) == (7, "hf", "/r.py", "fn")
+
+
+def _sections(cls, seen=None):
+    import dataclasses
+    import typing
+
+    seen = seen if seen is not None else []
+    seen.append(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and hints[f.name] not in seen:
+            _sections(hints[f.name], seen)
+    return seen
+
+
+def test_every_config_field_says_what_it_does():
+    import dataclasses
+
+    from hybridflow.config import Config
+    from hybridflow.config.explain import field_docs
+
+    missing = [f"{cls.__name__}.{f.name}" for cls in _sections(Config) for f in dataclasses.fields(cls)
+               if not field_docs(cls).get(f.name)]  # fmt: skip
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_config_show_explain_prints_values_defaults_and_descriptions(capsys):
+    from hybridflow.cli import main
+
+    assert main(["config", "show", "gsm8k_grpo", "--explain", "actor.kl_loss_type"]) == 0
+    out = capsys.readouterr().out
+    assert "actor.kl_loss_type = 'low_var_kl'" in out and "Its estimator" in out
+    assert main(["config", "show", "--explain", "actor.optim"]) == 0
+    out = capsys.readouterr().out
+    assert "actor.optim.lr = " in out and "Peak learning rate of AdamW." in out
+    assert main(["config", "show", "--explain", "actor_rollout_ref.rollout.n"]) == 0
+    assert "-> `rollout.samples_per_prompt`" in capsys.readouterr().out
+    assert main(["config", "show", "--explain", "actor.polcy_loss"]) != 0
+    assert "did you mean 'actor.policy_loss'" in capsys.readouterr().err

@@ -136,3 +136,14 @@ def test_sigterm_finishes_the_step_saves_and_returns(sft_setup, tmp_path, capsys
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
     SFTTrainer(_sft_config(sft_setup, run, "trainer.total_training_steps=6")).fit()
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_settings_the_offline_trainers_would_not_honour_are_refused(sft_setup, tmp_path):
+    """LoRA, offload, compile and more than one worker are RL-trainer features: `hybridflow sft`
+    stops at once naming them, instead of training full weights on one device as if they were set."""
+    from hybridflow.errors import UserError
+
+    config = _sft_config(sft_setup, tmp_path / "run", "model.lora_rank=8", "actor.offload_optimizer=true")
+    with pytest.raises(UserError, match=r"does not do model.lora_rank=8, actor.offload_optimizer=True: remove them"):
+        SFTTrainer(config)
+    assert not (tmp_path / "run").exists()  # refused before anything was written

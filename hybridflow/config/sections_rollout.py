@@ -1,0 +1,159 @@
+"""Generation: the rollout backend, sampling, the engine, multi-turn agents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.config.checks import check_choice, check_positive
+from hybridflow.errors import UserError
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn episodes instead of one response per sample (hybridflow/agents): the model calls
+    tools or plays an environment across turns; only the tokens it sampled are trained."""
+
+    loop: str = ""
+    """'' (off: one response per sample), 'tools' (call `tools` in the chat template's format) or
+    'environment' (turns against `environment`)."""
+    tools: list[str] = field(default_factory=list)
+    """Built-in names ('calculator'; 'python': programs run in the code sandbox) or FILE.py:FUNCTION,
+    typed Python functions with a Google-style docstring (their schema is read from it, as TRL's
+    tools= does)."""
+    tool_config: str = ""
+    """A verl tool YAML (`tools: [{class_name, config, tool_schema}]`, verl's
+    multi_turn.tool_config_path): its SandboxFusionTool runs in the code sandbox, its Gsm8kTool checks
+    the answer against the sample's; other classes are verl code and are refused."""
+    tool_format: str = ""
+    """'' (read from the chat template; Hermes where it renders no tools), 'hermes', 'mistral' or
+    'llama3' (verl's multi_turn.format: hermes, llama3_json)."""
+    fenced_tool_calls: bool = True
+    """Also take a call written as a fenced JSON block ({"name": TOOL, "arguments": {...}} in
+    ```json ... ```) that names one of the tools: what some models write instead of their template's
+    format (Qwen2.5-Coder-1.5B-Instruct, always). False: such a block is plain text."""
+    environment: str = ""
+    """A built-in name ('guess_number') or FILE.py:CLASS with reset(sample) and step(action)."""
+    max_turns: int = 8
+    """Model calls per episode."""
+    max_tool_turns: int = 0
+    """Turns of tool results (or environment answers) per episode; the model's turn after the last
+    one ends the episode (verl's max_user_turns). 0: no limit but max_turns."""
+    max_tokens_per_turn: int = 0
+    """Most tokens of one model call (0: what the episode's data.max_response_tokens leaves). With
+    an environment, a turn cut here is still its action; the template closes it."""
+    max_tool_calls: int = 16
+    """Tool calls per episode; those past it are answered with an error."""
+    max_parallel_calls: int = 0
+    """Tool calls run from one model turn; those past it are answered with an error (verl runs the
+    first max_parallel_calls and drops the rest unanswered). 0: no limit but max_tool_calls."""
+    on_malformed: str = "feedback"
+    """A tool call that does not parse: 'feedback' (an error as the tool's result, the episode goes
+    on) or 'end' (the episode ends, minus malformed_penalty)."""
+    malformed_penalty: float = 0.0
+    """Subtracted from the episode's reward when on_malformed=end ends it."""
+    tool_timeout_s: float = 30.0
+    """One tool call's deadline, its wait for a free slot included; a sandboxed program is stopped at it."""
+    max_tool_output_chars: int = 4000
+    """A tool's output is cut to this many characters (tool_output_keep says which part stays)."""
+    tool_output_keep: str = "start"
+    """What is kept of a longer tool output: its 'start', its 'end', or both 'ends' (verl's
+    tool_response_truncate_side left / right / middle)."""
+    max_concurrent_tools: int = 64
+    """Tool calls running at once over all episodes of a step."""
+    code_tool_concurrency: int = 0
+    """Sandboxed programs (the python tool) running at once; 0: one per CPU core."""
+    code_tool_memory_mb: int = 1024
+    """Memory of one sandboxed program (with its child processes)."""
+    step_timeout_s: float = 30.0
+    """An environment's reset or step past it ends the episode ('error')."""
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.agent", "loop", self.loop, ("", "tools", "environment"))
+        if self.loop == "tools" and not (self.tools or self.tool_config):
+            raise UserError(
+                "rollout.agent.loop=tools (verl: multi_turn.enable=True) needs rollout.agent.tools (e.g. [python]) "
+                "or rollout.agent.tool_config (verl: multi_turn.tool_config_path)"
+            )
+        if self.loop == "environment" and not self.environment:
+            raise UserError(
+                "rollout.agent.loop=environment needs rollout.agent.environment (e.g. guess_number)"
+            )
+        check_choice("rollout.agent", "on_malformed", self.on_malformed, ("feedback", "end"))
+        check_choice("rollout.agent", "tool_format", self.tool_format, ("", "hermes", "mistral", "llama3"))
+        check_choice("rollout.agent", "tool_output_keep", self.tool_output_keep, ("start", "end", "ends"))
+        counts = ("max_tool_turns", "max_tool_calls", "max_parallel_calls", "code_tool_concurrency")
+        if self.max_turns < 1 or any(getattr(self, k) < 0 for k in counts):
+            raise UserError(f"rollout.agent.max_turns must be >= 1 and {', '.join(counts)} >= 0")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "auto"
+    """'native' (the built-in engine: paged KV cache, continuous batching, CUDA graphs), 'hf'
+    (transformers generate, the reference), 'vllm', or 'auto' (native when the policy runs our model)."""
+    samples_per_prompt: int = 4
+    """Responses (or episodes) per prompt: GRPO's group size (verl's rollout.n)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts: the smallest set of tokens with this much probability; 1
+    disables."""
+    top_k: int = -1
+    """-1 disables top-k."""
+    gpu_memory_utilization: float = 0.5
+    """Native engine: the share of the GPU memory free when it starts that its KV pool may take (vLLM: of the
+    whole GPU)."""
+    max_batch_sequences: int = 256
+    """Most sequences generated together (the hf backend chunks larger batches)."""
+    max_prefill_tokens: int = 16384
+    """Native engine: token budget of one prefill step."""
+    kv_cache_tokens: int | None = None
+    """Native engine: KV pool size in tokens. Default: gpu_memory_utilization of the free GPU memory,
+    at most room for max_batch_sequences at full length; on CPU, room for one step's sequences."""
+    cuda_graphs: bool = True
+    """Native engine: replay decode steps as CUDA graphs."""
+    decode_steps: int = 8
+    """Native engine: decode steps the GPU runs between two looks of the host (the host plans and
+    records once per run; a sequence that stops inside a run computes to the run's end)."""
+    free_cache_engine: bool = True
+    """Colocated on a GPU: free the rollout's KV pool (and the engine's CUDA graphs) while the other
+    roles run, and allocate (and capture) them again for the next generation. false keeps them: no
+    re-allocation or graph capture each step, for a pool that fits beside training (a lower
+    gpu_memory_utilization or kv_cache_tokens; `hybridflow plan` counts it in every phase)."""
+    prefix_cache: bool = True
+    """Native engine: keep full KV pages by their token prefix across requests (a shared system
+    prompt, a conversation's next turn, a preempted sequence) and prefill only what is new; dropped
+    at every weight update."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes with tools or an environment (AgentConfig); off by default."""
+    server: bool = False
+    """Native engine, one training worker: also serve the policy being trained over the OpenAI API
+    (`hybridflow serve`'s routes and /metrics) at http://server_host:server_port/v1, written to
+    RUN_DIR/policy_server.json; the trainer's own generation then goes through the same engine."""
+    server_host: str = "127.0.0.1"
+    """Address of the policy server (rollout.server); 0.0.0.0 serves every interface."""
+    server_port: int = 0
+    """0: a free port."""
+    server_api_processes: int = 1
+    """HTTP front processes of the policy server (hundreds of concurrent agents: 4 or so)."""
+    val_samples_per_prompt: int = 1
+    """Responses per held-out prompt in validation (mean@n, best@n, maj@n)."""
+    val_temperature: float = 0.0
+    """0 means greedy."""
+    val_top_p: float = 1.0
+    """Validation's own top-p (verl's val_kwargs.top_p): rollout.top_p is not applied to validation."""
+    val_top_k: int = -1
+    """Validation's own top-k (verl's val_kwargs.top_k); -1 disables."""
+
+    def __post_init__(self) -> None:
+        check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
+        check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
+        check_positive("rollout", "decode_steps", self.decode_steps)
+        check_positive("rollout", "server_api_processes", self.server_api_processes)
+        check_positive("rollout", "temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"config rollout.top_p={self.top_p} must be in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(
+                f"config rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )

@@ -1,0 +1,106 @@
+"""The run: its steps, validation, checkpoints, logging, guards, and the resources it uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.config.checks import check_choice
+from hybridflow.errors import UserError
+
+
+@dataclass
+class GuardsConfig:
+    """Checks against training on wrong numbers, each on by default (controller/guards.py)."""
+
+    max_probs_gap: float = 0.1
+    """At an on-policy step, the largest mean |p_rollout - p_trainer| over response tokens; above it
+    the run stops (the two sides are not running one policy). 0: off."""
+    max_first_ppo_kl: float = 0.01
+    """Where old log-probs are recomputed, the largest |ppo_kl| of a step's first mini-batch (the
+    policy has not moved yet); above it the run stops. 0: off."""
+    weight_sync_check: bool = True
+    """After every weight sync, sampled elements of a few tensors must be equal in the trainer and in
+    every engine (LoRA: the merged adapted layers)."""
+    gap_growth_warning: bool = True
+    """Warn once when the rollout/trainer probability gap keeps growing, naming the step it began."""
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int | None = None
+    """None: run `total_epochs` passes over the training prompts."""
+    total_epochs: int = 1
+    """Passes over the training prompts when total_training_steps is None."""
+    save_freq: int = -1
+    """Save a checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps and at the end (-1: only before training, if val_before_train, and at the end)."""
+    val_before_train: bool = True
+    """Validate once before the first step (the step-0 numbers of the curves)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (WANDB_MODE=offline works),
+    prometheus (the last step's metrics on http://prometheus_host:prometheus_port/metrics)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address of the prometheus logger's /metrics."""
+    prometheus_port: int = 9400
+    """Port of the prometheus logger's /metrics."""
+    log_samples_freq: int = 10
+    """Every N steps (and at step 1) a few generations go to RUN_DIR/samples.jsonl; 0: never."""
+    log_samples: int = 4
+    """How many generations each time, each from a different prompt."""
+    progress: bool = True
+    """A progress bar over the steps (with ETA and the phase running) when stderr is a terminal."""
+    project_name: str = "hybridflow"
+    """Project name for the loggers (wandb's project)."""
+    experiment_name: str = "run"
+    """The run's name for the loggers and the default run directory."""
+    run_dir: str = "runs/${trainer.experiment_name}"
+    """Where the run writes its config, metrics, samples, report and checkpoints; it also resumes from there."""
+    resume: str = "auto"
+    """'auto' goes on from the run directory's latest checkpoint (refused when it was made with another
+    model, data or algorithm), 'force' goes on from it even then, 'disable' never resumes."""
+    resume_unverified: bool = False
+    """Resume from a checkpoint whose manifest.json is missing, empty or malformed (one written before
+    manifests existed); by default such a checkpoint is skipped, named, like a damaged one."""
+    keep_last_checkpoints: int = 1
+    """Checkpoints kept (the latest N; resuming needs only the latest). Each holds the weights and
+    optimizer state for resuming and the policy as a transformers directory: the run prints what
+    one costs."""
+    seed: int = 0
+    """Seeds the prompt order, the weights' random parts and the sampling streams: the same seed gives the same
+    run."""
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
+    """Checks that stop a run training on wrong numbers (GuardsConfig)."""
+    watchdog_s: float = 3600.0
+    """A phase of a step (generation, reward, an update, the weight sync, validation, a checkpoint)
+    running longer than this is stuck: every thread's stack goes to RUN_DIR/stacks-stepN.txt and the
+    run stops with a line naming the phase (exit status 3). 0 turns the watchdog off."""
+
+    def __post_init__(self) -> None:
+        check_choice("trainer", "resume", self.resume, ("auto", "disable", "force"))
+
+
+@dataclass
+class ResourcesConfig:
+    device: str = "auto"
+    """'auto' (cuda when present), 'cpu' or 'cuda'."""
+    n_gpus_per_node: int = 1
+    """GPUs used on each node (one worker each)."""
+    nnodes: int = 1
+    """Nodes of the Ray cluster used."""
+    num_workers: int = 1
+    """Workers on CPU (device=cpu): more than one runs them as Ray actors joined with gloo, the
+    distributed path on a laptop. On GPUs the worker count is n_gpus_per_node x nnodes."""
+    rollout_workers: int = 0
+    """0: the rollout engine shares every worker's GPU (the hybrid engine). N: the last N workers
+    hold only a rollout engine each (disaggregated) and receive the actor's weights by broadcast."""
+    ray_address: str | None = None
+    """An existing Ray cluster to join (multi-node); None starts a local one when needed."""
+    worker_timeout_s: float | None = None
+    """Longest wait for one call on the workers (None: no limit). Past it the run stops, naming the
+    ranks still busy, and the workers on this node write their stacks to their logs."""
+
+    def __post_init__(self) -> None:
+        check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.rollout_workers < 0:
+            raise UserError(f"config resources.rollout_workers={self.rollout_workers} must be >= 0")

@@ -1,0 +1,180 @@
+"""The updates: optimizer, actor, reference, critic, and the algorithm (advantages, KL, dynamic sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.config.checks import check_choice, check_positive
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2)."""
+    lr_scheduler: str = "constant"
+    """'constant', 'cosine' or 'linear' (decay to min_lr_ratio), each after a linear warmup."""
+    warmup_steps: int = 0
+    """Linear warmup over this many training steps (verl's unit: the schedule moves once per step,
+    whatever the mini-batches of a step)."""
+    warmup_ratio: float = 0.0
+    """With warmup_steps=0: warm up over this fraction of the run's training steps (verl's
+    lr_warmup_steps_ratio)."""
+    min_lr_ratio: float = 0.0
+    """Cosine and linear schedules end at lr * min_lr_ratio."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this before each optimizer step; 0 or less: no clipping."""
+
+    def __post_init__(self) -> None:
+        check_choice("optim", "lr_scheduler", self.lr_scheduler, ("constant", "cosine", "linear"))
+        check_positive("optim", "lr", self.lr, allow_zero=True)
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The policy's optimizer and learning-rate schedule."""
+    sequences_per_update: int | None = None
+    """Sequences per optimizer step (a mini-batch); None = the whole step's sequences (one update)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward/backward; gradients accumulate over micro-batches."""
+    sequences_per_microbatch: int | None = None
+    """Optional cap on sequences per micro-batch (verl's ppo_micro_batch_size_per_gpu)."""
+    ppo_epochs: int = 1
+    """Passes over a step's sequences (each pass in mini-batches of sequences_per_update)."""
+    policy_loss: str = "vanilla"
+    """The policy-gradient loss: 'vanilla' (PPO's clipped surrogate, dual-clipped), 'gspo', 'cispo', 'gpg',
+    'sapo', 'clip_cov', 'kl_cov', 'geo_mean' (docs/algorithms.md)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped at 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip range above 1: 1 + clip_ratio_high (DAPO's clip-higher sets it above clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant: for negative advantages the loss is capped at clip_ratio_c times the advantage."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number: 'token-mean' (over all tokens of the mini-batch), 'seq-mean-token-
+    mean' (per sequence, then over sequences), 'seq-mean-token-sum', 'seq-mean-token-sum-norm' (Dr. GRPO:
+    sums divided by max_response_tokens)."""
+    entropy_coeff: float = 0.0
+    """Weight of an entropy bonus in the actor loss (0: none)."""
+    use_kl_loss: bool = False
+    """Add a KL penalty against the reference policy to the actor loss (GRPO's way; needs the reference)."""
+    kl_loss_coef: float = 0.001
+    """Weight of that KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """Its estimator: 'kl'/'k1', 'abs', 'mse'/'k2', 'low_var_kl'/'k3'."""
+    compute_dtype: str = "auto"
+    """Autocast dtype for forward/backward: 'auto' (bfloat16 on CUDA, float32 on CPU, where bf16 matmuls
+    are only fast with AMX), 'bfloat16', 'float16' or 'float32' (no autocast)."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: split each packed micro-batch's tokens over this many workers (attention
+    heads exchanged by all-to-all)."""
+    offload_params: bool = False
+    """Keep the actor's sharded weights in CPU memory between uses (less GPU memory, slower steps)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state in CPU memory; the optimizer steps there."""
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "actor",
+            "loss_agg_mode",
+            self.loss_agg_mode,
+            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        )
+        check_choice("actor", "compute_dtype", self.compute_dtype, ("auto", "bfloat16", "float16", "float32"))
+        check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        check_positive("actor", "ppo_epochs", self.ppo_epochs)
+        check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)
+
+
+@dataclass
+class RefConfig:
+    model_path: str | None = None
+    """The reference policy (an HF directory with the policy's tokenizer); None: the policy's starting
+    weights."""
+    max_tokens_per_microbatch: int = 16384
+    """Token budget of one reference forward pass."""
+    offload_params: bool = False
+    """Keep the reference weights in CPU memory between uses."""
+
+
+@dataclass
+class CriticConfig:
+    model_path: str | None = None
+    """None initialises the critic from the policy's backbone."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The critic's optimizer (default lr 1e-5)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one critic forward/backward."""
+    cliprange_value: float = 0.5
+    """Value clipping: new values stay within this of the old ones in the clipped value loss."""
+    loss_agg_mode: str = "token-mean"
+    """How the value loss is aggregated (as actor.loss_agg_mode)."""
+    warmup_steps: int = 0
+    """RL steps during which only the critic is updated (verl's critic_warmup)."""
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """'fixed' (kl_coef throughout) or 'adaptive' (kl_coef moves toward target_kl over horizon, Ziegler et al.
+    2019)."""
+    kl_coef: float = 0.001
+    """Weight of the KL penalty in the reward (algorithm.use_kl_in_reward), the start value when adaptive."""
+    target_kl: float = 0.1
+    """Adaptive: the KL per token the coefficient steers toward."""
+    horizon: int = 10000
+    """Adaptive: the number of sequences over which the coefficient may change by up to 20%."""
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.kl_ctrl", "type", self.type, ("fixed", "adaptive"))
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose scores all agree, regenerate to fill the step."""
+    max_generation_rounds: int = 4
+    """Most generation rounds a step may take to fill itself with groups that carry signal; then the run stops,
+    naming the count."""
+    prompts_per_round: int | None = None
+    """Prompts sampled per generation round (verl's data.gen_batch_size); None: data.prompts_per_step."""
+    metric: str = "seq_reward"
+    """What must differ within a group to keep it: 'seq_reward' (the score after shaping), 'score'
+    (the function's score), 'acc' (the function's acc, else its score), 'seq_final_reward' (after a
+    KL penalty in the reward too)."""
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "algorithm.filter_groups",
+            "metric",
+            self.metric,
+            ("seq_reward", "score", "acc", "seq_final_reward"),
+        )
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """How advantages are computed: 'gae' (PPO with a critic), 'grpo', 'grpo_passk', 'rloo', 'opo', 'gpg',
+    'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'remax' (docs/algorithms.md)."""
+    gamma: float = 1.0
+    """Discount factor of returns (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE's lambda: 1 uses full returns, 0 one-step TD."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides each group's centred scores by their standard deviation; false: centred only (Dr. GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef x KL(policy || reference) from the token rewards (PPO's way; needs the
+    reference)."""
+    kl_penalty: str = "kl"
+    """The KL estimator of that penalty: 'kl'/'k1', 'abs', 'mse'/'k2', 'low_var_kl'/'k3'."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Its coefficient, fixed or adaptive."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
+    rollout_is_cap: float | None = None
+    """Truncated importance sampling cap for rollout/trainer log-prob mismatch; None disables."""
