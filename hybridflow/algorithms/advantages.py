@@ -9,7 +9,7 @@ zero outside the mask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -217,16 +217,3 @@ def gae(
         adv[:, t] = last_adv
     returns = (adv + values) * mask
     return masked_whiten(adv, mask) * mask, returns
-
-
-ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": gae,
-    "grpo": grpo,
-    "grpo_passk": grpo_passk,
-    "rloo": rloo,
-    "opo": opo,
-    "gpg": gpg,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-    "remax": remax,
-}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow import run_manifest
+from hybridflow.algorithms.estimators import estimator
 from hybridflow.api.configs import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLConfig, RLOOConfig
 from hybridflow.api.inputs import INPUTS, dataset_rows, is_path, is_verl_reward, with_rows_kept, write_model
 from hybridflow.api.trl_rewards import TRLRewards, keyword_callable
@@ -94,7 +95,7 @@ class Trainer:
             c.model.path = str(actor_model)
         if ref_model is not None and not (c.actor.use_kl_loss or c.algorithm.use_kl_in_reward):
             raise UserError("ref_model is the KL term's reference, and no KL term is on: set kl_coef > 0")
-        if critic_model is not None and c.algorithm.adv_estimator != "gae":
+        if critic_model is not None and not estimator(c.algorithm.adv_estimator).needs_critic:
             raise UserError(f"critic_model is for PPO (GAE); {type(self).__name__} trains no critic")
         for role, model, section in (("ref", ref_model, c.ref), ("critic", critic_model, c.critic)):
             if model is not None and not is_path(model):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import advantages as adv
+from hybridflow.algorithms.estimators import StepInputs, estimator
 from hybridflow.config.schema import AlgorithmConfig
 
 
@@ -32,14 +32,5 @@ def compute_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, T] with the estimator named by `config.adv_estimator`. Outcome
     estimators use the sequence total of token rewards (score, minus any KL-in-reward penalty)."""
-    name = config.adv_estimator
-    scores = (token_rewards * mask).sum(-1)  # [B]
-    if name == "gae":
-        return adv.gae(token_rewards, values, mask, gamma=config.gamma, lam=config.lam)
-    if name == "reinforce_plus_plus":
-        return adv.reinforce_plus_plus(token_rewards, mask, gamma=config.gamma)
-    if name == "remax":
-        return adv.remax(token_rewards, baselines, mask)
-    if name in ("grpo", "grpo_passk"):
-        return adv.ESTIMATORS[name](scores, group_ids, mask, norm_by_std=config.norm_adv_by_std_in_grpo)
-    return adv.ESTIMATORS[name](scores, group_ids, mask)
+    inputs = StepInputs(token_rewards, mask, group_ids, values, baselines)
+    return estimator(config.adv_estimator).compute(inputs, config)

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from hybridflow.agents.setup import agent_loop
+from hybridflow.algorithms.estimators import estimator
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import (
@@ -82,7 +83,9 @@ class HybridWorker:
                 "rollout.backend=native"
             )
         pad = self.tokenizer.pad_token_id
-        critic_model = value_model(c, model, self.device) if c.algorithm.adv_estimator == "gae" else None
+        critic_model = (
+            value_model(c, model, self.device) if estimator(c.algorithm.adv_estimator).needs_critic else None
+        )
         model = lora_policy(c, model)
         self.lora = has_adapters(model)
         if self.lora and (sharded or c.resources.rollout_workers):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.algorithms.estimators import estimator
 from hybridflow.config.schema import Config
 from hybridflow.devices import DTYPES
 
@@ -131,7 +132,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     if needs_ref and not c.ref.offload_params:
         resident["reference weights"] = master * p / w
     critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
-    if c.algorithm.adv_estimator == "gae":
+    if estimator(c.algorithm.adv_estimator).needs_critic:
         resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
     head_copy = shape.embedding  # a tied head gets its own bf16 copy; an untied one is a matmul
     matmul = p - shape.embedding * (1 if shape.tied else 2)
@@ -142,14 +143,14 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     static = sum(resident.values()) + CUDA_CONTEXT
     # the engine is built before FSDP shards anything: full copies of the trained models are there
     at_engine_build = master * p * (1 + needs_ref) + engine
-    if c.algorithm.adv_estimator == "gae":
+    if estimator(c.algorithm.adv_estimator).needs_critic:
         at_engine_build += master * critic_params
     offloaded = c.actor.offload_params or (needs_ref and c.ref.offload_params)
     if w > 1 or offloaded:  # the pool is sized again once the models are sharded (no grads or Adam yet)
         at_engine_build = (
             resident.get("actor weights", 0.0)
             + resident.get("reference weights", 0.0)
-            + (master * critic_params / w if c.algorithm.adv_estimator == "gae" else 0.0)
+            + (master * critic_params / w if estimator(c.algorithm.adv_estimator).needs_critic else 0.0)
             + engine
         )
     if apart:  # a rollout worker sizes its pool beside the engine alone
@@ -180,7 +181,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
             optimizer_for_update,
         ),
     }
-    if c.algorithm.adv_estimator == "gae":
+    if estimator(c.algorithm.adv_estimator).needs_critic:
         phases["update_critic"] = static + _activations(
             shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
         )

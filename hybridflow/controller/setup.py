@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.algorithms.advantages import ESTIMATORS
+from hybridflow.algorithms.estimators import ESTIMATORS, estimator
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.policy_losses import POLICY_LOSSES
 from hybridflow.config.schema import Config
@@ -51,7 +51,7 @@ def check_config(config: Config) -> None:
             f"resources.rollout_workers={config.resources.rollout_workers} runs our rollout engine on its "
             f"own workers; rollout.backend={config.rollout.backend!r} cannot receive weights there (use native)"
         )
-    if config.critic.warmup_steps and algo.adv_estimator != "gae":
+    if config.critic.warmup_steps and not estimator(algo.adv_estimator).needs_critic:
         raise UserError(
             "critic.warmup_steps is set but algorithm.adv_estimator is not 'gae' (no critic is built)"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
@@ -127,7 +128,7 @@ class RLTrainer:
         if c.rollout.agent.loop != "environment":  # an environment gives the rewards itself
             self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-        self.has_critic = c.algorithm.adv_estimator == "gae"
+        self.has_critic = estimator(c.algorithm.adv_estimator).needs_critic
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
             print_plan(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
@@ -271,7 +272,7 @@ class RLTrainer:
             with timer("gen"):
                 try:
                     rollouts, scored, metrics = self._generate()
-                    if c.algorithm.adv_estimator != "remax":
+                    if not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
                         self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
                     raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
@@ -314,7 +315,7 @@ class RLTrainer:
                     }
                     self.kl_ctl.update(current_kl, n_steps=c.data.prompts_per_step)
                 baselines = None
-                if c.algorithm.adv_estimator == "remax":
+                if estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
                     baselines = self._greedy_baselines(rollouts)
                     self.placement.sleep_rollout()
                 batch.advantages, batch.returns = compute_advantages(

@@ -8,7 +8,6 @@ import torch
 from torch.testing import assert_close
 
 from hybridflow.algorithms.advantages import (
-    ESTIMATORS,
     gae,
     gpg,
     grpo,
@@ -19,6 +18,7 @@ from hybridflow.algorithms.advantages import (
     remax,
     rloo,
 )
+from hybridflow.algorithms.estimators import ESTIMATORS
 
 T = torch.tensor
 
@@ -175,11 +175,13 @@ def test_group_ids_may_be_tensors_or_hashables():
     )
 
 
-def test_registry_names_are_verls():
+def test_registry_names_are_verls_and_each_says_what_it_needs():
     assert set(ESTIMATORS) == {
         "gae", "grpo", "grpo_passk", "rloo", "opo", "gpg",
         "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
     }  # fmt: skip
+    assert {n for n, e in ESTIMATORS.items() if e.needs_critic} == {"gae"}
+    assert {n for n, e in ESTIMATORS.items() if e.needs_greedy_baseline} == {"remax"}
 
 
 def test_bf16_scores_and_single_token_masks_stay_finite():

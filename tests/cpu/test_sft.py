@@ -144,6 +144,8 @@ def test_settings_the_offline_trainers_would_not_honour_are_refused(sft_setup, t
     from hybridflow.errors import UserError
 
     config = _sft_config(sft_setup, tmp_path / "run", "model.lora_rank=8", "actor.offload_optimizer=true")
-    with pytest.raises(UserError, match=r"does not do model.lora_rank=8, actor.offload_optimizer=True: remove them"):
+    with pytest.raises(
+        UserError, match=r"does not do model.lora_rank=8, actor.offload_optimizer=True: remove them"
+    ):
         SFTTrainer(config)
     assert not (tmp_path / "run").exists()  # refused before anything was written
