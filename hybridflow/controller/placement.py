@@ -10,6 +10,7 @@ import functools
 
 from hybridflow.config.schema import Config
 from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.rollout_worker import RolloutWorker
 from hybridflow.controller.weight_check import compare
 from hybridflow.controller.worker_group import WorkerGroup, worker_count, worker_group
 from hybridflow.errors import UserError
@@ -65,37 +66,40 @@ class Placement:
         block until all have joined, so the rollout side is started first."""
         master, size = self.train.address(), self.rollout.world_size + 1
         joining = self.rollout.submit_each(
-            "join_weight_sync", [(master, 1 + r, size) for r in range(self.rollout.world_size)]
+            RolloutWorker.join_weight_sync, [(master, 1 + r, size) for r in range(self.rollout.world_size)]
         )
         self.train.call_each(
-            "join_weight_sync", [(master if r == 0 else None, 0, size) for r in range(self.train.world_size)]
+            HybridWorker.join_weight_sync,
+            [(master if r == 0 else None, 0, size) for r in range(self.train.world_size)],
         )
         self.rollout.wait(joining)
-        self.manifest = self.train.call("weight_manifest")[0]
+        self.manifest = self.train.call(HybridWorker.weight_manifest)[0]
 
     def sleep_rollout(self) -> None:
         """Colocated engines free their KV cache while the other roles run; own GPUs keep theirs."""
         if self.rollout is None:
-            self.train.call("sleep_rollout")
+            self.train.call(HybridWorker.sleep_rollout)
 
     def sync_weights(self) -> None:
         """The actor's current weights into every rollout engine."""
         if self.rollout is None:
-            self.train.call("sync_weights")
+            self.train.call(HybridWorker.sync_weights)
             return
-        receiving = self.rollout.submit_each("receive_weights", [self.manifest] * self.rollout.world_size)
-        self.train.call("sync_weights")
+        receiving = self.rollout.submit_each(
+            RolloutWorker.receive_weights, [self.manifest] * self.rollout.world_size
+        )
+        self.train.call(HybridWorker.sync_weights)
         self.rollout.wait(receiving)
 
     def check_weight_sync(self, step: int) -> bool:
         """Sampled weights of the trainer and of every engine agree (WeightSyncMismatch otherwise);
         False where a backend does not expose its weights (vLLM): not checked."""
-        results = self.train.call("weight_samples", step)
+        results = self.train.call(HybridWorker.weight_samples, step)
         plan, trainer, _ = results[0]
         if self.rollout is None:
             engines = [(f"rank {r}'s rollout engine", engine) for r, (_, _, engine) in enumerate(results)]
         else:
-            samples = self.rollout.call("sampled_weights", plan)
+            samples = self.rollout.call(RolloutWorker.sampled_weights, plan)
             engines = [(f"rollout worker {r}", engine) for r, engine in enumerate(samples)]
         if any(engine is None for _, engine in engines):
             return False
@@ -106,7 +110,7 @@ class Placement:
     def memory_metrics(self) -> list[dict[str, float]]:
         """Every worker's peak memory per phase."""
         groups = [self.train] + ([self.rollout] if self.rollout is not None else [])
-        return [m for group in groups for m in group.call("take_memory_metrics")]
+        return [m for group in groups for m in group.call(HybridWorker.take_memory_metrics)]
 
     def shutdown(self) -> None:
         self.train.shutdown()

@@ -22,7 +22,7 @@ import torch
 
 from hybridflow.batch import balance_partitions
 from hybridflow.controller.dispatch import merge_rows
-from hybridflow.controller.worker_group import free_address
+from hybridflow.controller.worker_group import Method, free_address, method_name
 from hybridflow.errors import UserError
 
 
@@ -174,19 +174,20 @@ class RayWorkerGroup:
             with contextlib.suppress(Exception):
                 os.kill(ray.get(worker.pid.remote(), timeout=5), signal.SIGUSR1)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """The method on every worker with the same arguments; results by rank."""
         return self.wait(self.submit_each(method, [args] * self.world_size, **kwargs))
 
-    def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
+    def call_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         """`method(*per_rank[r], **kwargs)` on worker r; results by rank."""
         return self.wait(self.submit_each(method, per_rank, **kwargs))
 
-    def submit_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list:
+    def submit_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list:
         """Start `method(*per_rank[r], **kwargs)` on worker r without waiting: `wait` collects it.
         For calls that meet another group in a collective (the weight-sync broadcast)."""
         assert len(per_rank) == self.world_size
-        return [w.run.remote(method, args, kwargs) for w, args in zip(self.workers, per_rank)]
+        name = method_name(method)
+        return [w.run.remote(name, args, kwargs) for w, args in zip(self.workers, per_rank)]
 
     def wait(self, pending: list) -> list[Any]:
         """The results of submitted calls, by rank (errors and timeouts as for `call`)."""
@@ -197,7 +198,7 @@ class RayWorkerGroup:
         (address,) = self._results([self.workers[0].run.remote("address", (), {}, own=True)])
         return address
 
-    def call_split(self, method: str, batch: Any, lengths: Sequence[int], **kwargs: Any) -> Any:
+    def call_split(self, method: Method, batch: Any, lengths: Sequence[int], **kwargs: Any) -> Any:
         """Split `batch` (anything with `select(rows)`) by data-parallel rank, balanced on `lengths`;
         run `method(shard, **kwargs)` on each worker. Tensor results (first dim = shard rows) come
         back as one tensor in the batch's row order; any other results as a list by rank."""

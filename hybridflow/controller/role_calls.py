@@ -18,7 +18,9 @@ from hybridflow.controller.dispatch import (
     share,
     to_sequence_parallel_ranks,
 )
+from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.placement import Placement
+from hybridflow.controller.worker_group import Method
 from hybridflow.rollout.sampling import SamplingParams
 
 
@@ -36,16 +38,34 @@ class RoleCalls:
             (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
             for part, offset in shards
         ]
-        return Rollouts.concat(generators.call_each("generate", per_rank))
+        return Rollouts.concat(generators.call_each(HybridWorker.generate, per_rank))
 
-    def per_row(self, method: str, batch: TrainingBatch) -> torch.Tensor:
+    def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        """The actor's log-probs of the response tokens [B, T] (the old policy's, before the update)."""
+        return self.per_row(HybridWorker.log_probs, batch)
+
+    def ref_log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        """The reference policy's log-probs [B, T]."""
+        return self.per_row(HybridWorker.ref_log_probs, batch)
+
+    def values(self, batch: TrainingBatch) -> torch.Tensor:
+        """The critic's values [B, T]."""
+        return self.per_row(HybridWorker.values, batch)
+
+    def update_actor(self, batch: TrainingBatch) -> dict[str, float]:
+        return self.update(HybridWorker.update_actor, batch)
+
+    def update_critic(self, batch: TrainingBatch, *, epochs: int) -> dict[str, float]:
+        return self.update(HybridWorker.update_critic, batch, epochs=epochs)
+
+    def per_row(self, method: Method, batch: TrainingBatch) -> torch.Tensor:
         """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
         sp = self.config.actor.sequence_parallel_size
         parts = shard_rows(batch, self.workers.world_size // sp)
         per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)
         return merge_rows(self.workers.call_each(method, per_rank)[::sp], parts)
 
-    def update(self, method: str, batch: TrainingBatch, **kwargs) -> dict[str, float]:
+    def update(self, method: Method, batch: TrainingBatch, **kwargs) -> dict[str, float]:
         """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
         sp = self.config.actor.sequence_parallel_size
         shards = minibatch_shards(

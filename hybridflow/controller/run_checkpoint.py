@@ -15,6 +15,7 @@ from hybridflow.checkpoint import (
     set_rng_state,
 )
 from hybridflow.config import to_yaml
+from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.errors import UserError
 from hybridflow.tracking.sinks import jsonl_row, restore_last_row, truncate_jsonl
 
@@ -26,7 +27,7 @@ def save_run(trainer, metrics: dict[str, float] | None = None) -> Path:
     schedulers: dict = {}
 
     def write_models(directory: Path) -> None:
-        schedulers.update(trainer.workers.call("save", str(directory))[0])
+        schedulers.update(trainer.workers.call(HybridWorker.save, str(directory))[0])
 
     state = {
         "step": trainer.step,
@@ -45,7 +46,7 @@ def save_run(trainer, metrics: dict[str, float] | None = None) -> Path:
             trainer_state=state,
             config_yaml=to_yaml(trainer.config),
             keep_last=trainer.config.trainer.keep_last_checkpoints,
-            needed_bytes=sum(trainer.workers.call("checkpoint_bytes")),
+            needed_bytes=sum(trainer.workers.call(HybridWorker.checkpoint_bytes)),
         )
 
 
@@ -65,7 +66,7 @@ def resume_run(trainer) -> None:
             f"checkpoint {path} has no actor_state/ (written by an older hybridflow); start a new "
             "run from its policy/ directory (model.path) or pass --overwrite"
         )
-    trainer.workers.call("load", str(path), schedulers)
+    trainer.workers.call(HybridWorker.load, str(path), schedulers)
     trainer.placement.sync_weights()
     trainer.step, trainer.bad_steps = state["step"], state["bad_steps"]
     trainer.sampler.load_state_dict(state["sampler"])

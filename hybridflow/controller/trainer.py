@@ -290,7 +290,7 @@ class RLTrainer:
             )
             if not on_policy or c.algorithm.use_kl_in_reward:
                 with timer("old_log_prob"):
-                    batch.old_logprobs = self.roles.per_row("log_probs", batch)
+                    batch.old_logprobs = self.roles.log_probs(batch)
                 metrics |= probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
                 if c.algorithm.rollout_is_cap is not None:
                     batch.importance_weights = truncated_importance_weights(
@@ -298,11 +298,11 @@ class RLTrainer:
                     )
             if self.needs_ref:
                 with timer("ref"):
-                    batch.ref_logprobs = self.roles.per_row("ref_log_probs", batch)
+                    batch.ref_logprobs = self.roles.ref_log_probs(batch)
             values = None
             if self.has_critic:
                 with timer("values"):
-                    values = batch.old_values = self.roles.per_row("values", batch)
+                    values = batch.old_values = self.roles.values(batch)
             with timer("adv"):
                 token_rewards = token_level_rewards(scored.scores, mask)
                 if c.algorithm.use_kl_in_reward:
@@ -328,10 +328,10 @@ class RLTrainer:
                 )
             if self.has_critic:
                 with timer("update_critic"):
-                    metrics |= self.roles.update("update_critic", batch, epochs=c.actor.ppo_epochs)
+                    metrics |= self.roles.update_critic(batch, epochs=c.actor.ppo_epochs)
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
-                    metrics |= self.roles.update("update_actor", batch)
+                    metrics |= self.roles.update_actor(batch)
                 self._check_finite(metrics)
             with timer("update_weights"):
                 self.placement.sync_weights()

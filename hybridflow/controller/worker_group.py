@@ -7,14 +7,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+Method = Callable[..., Any] | str
+"""A worker method: the function itself as the worker class defines it (`HybridWorker.log_probs`), so a
+rename or a typo fails where it is written; or its name."""
+
+
+def method_name(method: Method) -> str:
+    return method if isinstance(method, str) else method.__name__
+
 
 class WorkerGroup(Protocol):
     world_size: int
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """`method(*args, **kwargs)` on every worker; results by rank."""
 
-    def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
+    def call_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         """`method(*per_rank[r], **kwargs)` on worker r; results by rank."""
 
     def address(self) -> tuple[str, int]:
@@ -31,12 +39,12 @@ class InProcessWorkerGroup:
     def __init__(self, factory: Callable[[int, int], Any]) -> None:
         self.worker = factory(0, 1)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **kwargs)]
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(self.worker, method_name(method))(*args, **kwargs)]
 
-    def call_each(self, method: str, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
+    def call_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         (args,) = per_rank
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        return [getattr(self.worker, method_name(method))(*args, **kwargs)]
 
     def address(self) -> tuple[str, int]:
         return free_address()
