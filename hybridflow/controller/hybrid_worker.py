@@ -14,22 +14,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from hybridflow.agents.setup import agent_loop
-from hybridflow.algorithms.estimators import estimator
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import (
     compile_native_models,
-    lora_policy,
-    policy_model,
-    rollout_backend,
-    value_model,
 )
 from hybridflow.controller.weight_check import Plan, make_plan, sample, trainer_tensors
+from hybridflow.controller.worker_models import build_models
 from hybridflow.devices import resolve_device
-from hybridflow.errors import UserError
-from hybridflow.models import load_causal_lm, native, save_hf
+from hybridflow.models import native, save_hf
 from hybridflow.models.lora import (
-    has_adapters,
     is_peft,
     lora_modules,
     merged_state_dict,
@@ -38,7 +32,6 @@ from hybridflow.models.lora import (
 )
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
-from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
 from hybridflow.parallel.weight_sync import WeightSync, pack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.actor import Actor
@@ -55,92 +48,16 @@ class HybridWorker:
         c = self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(c.resources.device)
-        torch.manual_seed(c.trainer.seed)
-        hf_model, self.tokenizer = load_causal_lm(
-            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
+        built = build_models(c, world_size, self.device)
+        self.tokenizer, self.hf_config, self.lora = built.tokenizer, built.hf_config, built.lora
+        self._own_process_group = built.own_process_group
+        model, ref_model, critic_model, backend = (
+            built.model,
+            built.ref_model,
+            built.critic_model,
+            built.backend,
         )
-        hf_model.to(self.device)
-        self.hf_config = hf_model.config
-        model = policy_model(c, hf_model)
-        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-        # FSDP2 shards over several workers; in one it is what offloads parameters to the CPU
-        shard_actor = world_size > 1 or c.actor.offload_params
-        shard_ref = needs_ref and (world_size > 1 or c.ref.offload_params)
-        sharded = shard_actor or shard_ref
-        if sharded and not isinstance(model, native.NativeModule):
-            raise UserError(
-                f"FSDP2 (more than one worker, or actor/ref.offload_params) needs our native model; model "
-                f"type {self.hf_config.model_type!r} has none (or model.impl=hf)"
-            )
-        if sharded and c.model.compile:
-            raise UserError(
-                "model.compile=true runs unsharded only for now (one worker, no offload_params); set "
-                "model.compile=false"
-            )
-        if sharded and c.rollout.backend == "vllm":
-            raise UserError(
-                "rollout.backend=vllm runs unsharded only (one worker, no offload_params); use "
-                "rollout.backend=native"
-            )
         pad = self.tokenizer.pad_token_id
-        critic_model = (
-            value_model(c, model, self.device) if estimator(c.algorithm.adv_estimator).needs_critic else None
-        )
-        model = lora_policy(c, model)
-        self.lora = has_adapters(model)
-        if self.lora and (sharded or c.resources.rollout_workers):
-            raise UserError(
-                "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
-            )
-        ref_model = None
-        if needs_ref and c.ref.model_path:
-            ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
-            ref_model = policy_model(c, ref_hf.to(self.device))
-        elif needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
-            ref_model = model if self.lora else copy.deepcopy(model)
-        # the rollout backend takes its own full copy before the trained models are sharded;
-        # disaggregated, the rollout workers hold the engines and this worker none
-        colocated = c.resources.rollout_workers == 0
-        backend = (
-            rollout_backend(
-                c,
-                hf_model,
-                model,
-                self.tokenizer,
-                self.device,
-                Path(c.trainer.run_dir),
-                share_weights=not shard_actor,
-            )
-            if colocated
-            else None
-        )
-        self._own_process_group = False
-        if sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from hybridflow.parallel import apply_fsdp
-
-            if not torch.distributed.is_initialized():  # one in-process worker
-                torch.distributed.init_process_group(
-                    "nccl" if self.device.type == "cuda" else "gloo",
-                    store=torch.distributed.HashStore(),
-                    rank=0,
-                    world_size=1,
-                    device_id=_indexed(self.device),
-                )
-                self._own_process_group = True
-            mesh = init_device_mesh(self.device.type, (world_size,))
-            if shard_actor:
-                apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
-            if shard_ref:
-                apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
-            if critic_model is not None and world_size > 1:
-                apply_fsdp(critic_model, mesh)
-        sp = init_sequence_parallel(c.actor.sequence_parallel_size)
-        if sp is not None:  # every trained (and reference) model splits its micro-batches' tokens
-            for m in (model, ref_model, critic_model):
-                if m is not None:
-                    apply_sequence_parallel(m, sp)
         self.actor = Actor(
             model,
             c.actor,
@@ -182,13 +99,14 @@ class HybridWorker:
                 [m for m in dict.fromkeys((model, ref_model, critic_model)) if m is not None]
             )
         agent = agent_loop(c.rollout.agent, self.tokenizer, c.data.max_response_tokens, hidden_paths(c))
-        self.rollout = Rollout(backend, agent) if colocated else None
+        self.rollout = Rollout(backend, agent) if built.layout.colocated else None
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
-        del hf_model  # the native engine has its own copy now (the hf backend keeps this one)
+        sharded = built.layout.sharded
+        del built  # the native engine has its own copy of the weights now (the hf backend keeps this one)
         if sharded and hasattr(backend, "resize_pool"):  # the native engine
             backend.resize_pool()  # built beside whole models, which are sharded or offloaded now
         if c.rollout.server and self.rollout is not None:  # agents reach the policy by URL
@@ -372,13 +290,6 @@ class HybridWorker:
             model.save_pretrained(directory)
         else:
             save_hf(model, self.tokenizer, directory)
-
-
-def _indexed(device: torch.device) -> torch.device | None:
-    """A CUDA device with its index, as a process group's device_id needs it (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -1,0 +1,160 @@
+"""What one training worker holds, built one way: the layout decided from the config and the group's
+size (reference or not, sharded or not, the engine here or on rollout workers), then the models in the
+order that matters (the engine copies the policy and the reference is copied from it before anything
+is sharded), then FSDP2 and sequence parallelism. HybridWorker wraps the result in its roles."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.algorithms.estimators import estimator
+from hybridflow.config.schema import Config
+from hybridflow.controller.role_models import lora_policy, policy_model, rollout_backend, value_model
+from hybridflow.errors import UserError
+from hybridflow.models import load_causal_lm, native
+from hybridflow.models.lora import has_adapters
+from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    needs_ref: bool
+    """A KL term (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the reference policy."""
+    needs_critic: bool
+    """The advantage estimator needs a critic's values."""
+    shard_actor: bool
+    """FSDP2 over the workers; in one worker, what offloads its parameters to the CPU."""
+    shard_ref: bool
+    colocated: bool
+    """The rollout engine on this worker (the hybrid engine); else on rollout workers of their own."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_actor or self.shard_ref
+
+    @classmethod
+    def of(cls, c: Config, world_size: int) -> WorkerLayout:
+        needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        return cls(
+            needs_ref=needs_ref,
+            needs_critic=estimator(c.algorithm.adv_estimator).needs_critic,
+            shard_actor=world_size > 1 or c.actor.offload_params,
+            shard_ref=needs_ref and (world_size > 1 or c.ref.offload_params),
+            colocated=c.resources.rollout_workers == 0,
+        )
+
+    def check(self, c: Config, model: torch.nn.Module, model_type: str) -> None:
+        """What a sharded layout cannot run yet, refused before anything is built on it."""
+        if not self.sharded:
+            return
+        if not isinstance(model, native.NativeModule):
+            raise UserError(
+                f"FSDP2 (more than one worker, or actor/ref.offload_params) needs our native model; model "
+                f"type {model_type!r} has none (or model.impl=hf)"
+            )
+        if c.model.compile:
+            raise UserError(
+                "model.compile=true runs unsharded only for now (one worker, no offload_params); set "
+                "model.compile=false"
+            )
+        if c.rollout.backend == "vllm":
+            raise UserError(
+                "rollout.backend=vllm runs unsharded only (one worker, no offload_params); use "
+                "rollout.backend=native"
+            )
+
+
+@dataclass
+class WorkerModels:
+    layout: WorkerLayout
+    tokenizer: Any
+    hf_config: Any
+    hf_model: torch.nn.Module
+    model: torch.nn.Module
+    """The policy (with LoRA adapters where asked), sharded per the layout."""
+    ref_model: torch.nn.Module | None
+    """The reference; `model` itself with LoRA (adapters off is the base)."""
+    critic_model: torch.nn.Module | None
+    backend: Any
+    """The rollout backend (colocated), holding its own full copy; None on a disaggregated worker."""
+    lora: bool
+    own_process_group: bool
+    """An in-process worker started a one-rank process group for FSDP2 (it ends it at shutdown)."""
+
+
+def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
+    torch.manual_seed(c.trainer.seed)
+    hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+    hf_model.to(device)
+    model = policy_model(c, hf_model)
+    layout = WorkerLayout.of(c, world_size)
+    layout.check(c, model, hf_model.config.model_type)
+    critic_model = value_model(c, model, device) if layout.needs_critic else None
+    model = lora_policy(c, model)
+    lora = has_adapters(model)
+    if lora and (layout.sharded or c.resources.rollout_workers):
+        raise UserError(
+            "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
+        )
+    ref_model = None
+    if layout.needs_ref and c.ref.model_path:
+        ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        ref_model = policy_model(c, ref_hf.to(device))
+    elif layout.needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
+        ref_model = model if lora else copy.deepcopy(model)
+    # the rollout backend takes its own full copy before the trained models are sharded
+    backend = (
+        rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
+                        share_weights=not layout.shard_actor)
+        if layout.colocated
+        else None
+    )  # fmt: skip
+    own_group = _shard(c, layout, world_size, device, model, ref_model, critic_model)
+    sp = init_sequence_parallel(c.actor.sequence_parallel_size)
+    if sp is not None:  # every trained (and reference) model splits its micro-batches' tokens
+        for m in (model, ref_model, critic_model):
+            if m is not None:
+                apply_sequence_parallel(m, sp)
+    return WorkerModels(layout, tokenizer, hf_model.config, hf_model, model, ref_model, critic_model, backend,
+                        lora, own_group)  # fmt: skip
+
+
+def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
+           critic_model) -> bool:  # fmt: skip
+    """FSDP2 per the layout; True when a one-rank process group was started for it here."""
+    if not layout.sharded:
+        return False
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridflow.parallel import apply_fsdp
+
+    own_group = False
+    if not torch.distributed.is_initialized():  # one in-process worker
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=torch.distributed.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=_indexed(device),
+        )
+        own_group = True
+    mesh = init_device_mesh(device.type, (world_size,))
+    if layout.shard_actor:
+        apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
+    if layout.shard_ref:
+        apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
+    if critic_model is not None and world_size > 1:
+        apply_fsdp(critic_model, mesh)
+    return own_group
+
+
+def _indexed(device: torch.device) -> torch.device | None:
+    """A CUDA device with its index, as a process group's device_id needs it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
