@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.algorithms.estimators import estimator
 from hybridflow.config.schema import Config
+from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.devices import DTYPES
 
 GIB = 2**30
@@ -128,29 +128,30 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         resident["actor gradients"] = master * p / w
         if not c.actor.offload_optimizer:  # offloaded: on the GPU during the update only
             resident["actor Adam state"] = 8 * p / w
-    needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+    layout = WorkerLayout.of(c, w)  # what each training worker holds, as the workers decide it
+    needs_ref = layout.needs_ref
     if needs_ref and not c.ref.offload_params:
         resident["reference weights"] = master * p / w
     critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
-    if estimator(c.algorithm.adv_estimator).needs_critic:
+    if layout.needs_critic:
         resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
     head_copy = shape.embedding  # a tied head gets its own bf16 copy; an untied one is a matmul
     matmul = p - shape.embedding * (1 if shape.tied else 2)
     engine = 2 * matmul + 4 * shape.embedding + 2 * head_copy
-    apart = c.resources.rollout_workers > 0  # disaggregated: the engines sit on GPUs of their own
+    apart = not layout.colocated  # disaggregated: the engines sit on GPUs of their own
     if not apart:
         resident["engine weights"] = engine
     static = sum(resident.values()) + CUDA_CONTEXT
     # the engine is built before FSDP shards anything: full copies of the trained models are there
     at_engine_build = master * p * (1 + needs_ref) + engine
-    if estimator(c.algorithm.adv_estimator).needs_critic:
+    if layout.needs_critic:
         at_engine_build += master * critic_params
     offloaded = c.actor.offload_params or (needs_ref and c.ref.offload_params)
-    if w > 1 or offloaded:  # the pool is sized again once the models are sharded (no grads or Adam yet)
+    if layout.sharded:  # the pool is sized again once the models are sharded (no grads or Adam yet)
         at_engine_build = (
             resident.get("actor weights", 0.0)
             + resident.get("reference weights", 0.0)
-            + (master * critic_params / w if estimator(c.algorithm.adv_estimator).needs_critic else 0.0)
+            + (master * critic_params / w if layout.needs_critic else 0.0)
             + engine
         )
     if apart:  # a rollout worker sizes its pool beside the engine alone
@@ -181,7 +182,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
             optimizer_for_update,
         ),
     }
-    if estimator(c.algorithm.adv_estimator).needs_critic:
+    if layout.needs_critic:
         phases["update_critic"] = static + _activations(
             shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
         )

@@ -35,6 +35,7 @@ from hybridflow.controller.setup import (
 from hybridflow.controller.summary import run_summary
 from hybridflow.controller.validation import validate
 from hybridflow.controller.watchdog import Watchdog
+from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
@@ -127,8 +128,8 @@ class RLTrainer:
         )
         if c.rollout.agent.loop != "environment":  # an environment gives the rewards itself
             self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
-        self.needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-        self.has_critic = estimator(c.algorithm.adv_estimator).needs_critic
+        layout = WorkerLayout.of(c, 1)  # the roles every training worker holds
+        self.needs_ref, self.has_critic = layout.needs_ref, layout.needs_critic
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
             print_plan(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
