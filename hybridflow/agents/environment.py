@@ -4,6 +4,7 @@ the episode's step rewards."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,13 +41,23 @@ class EnvAgentLoop:
     """Most tokens of one model call (0: all the episode has left)."""
     max_response_tokens: int = 1024
     step_timeout_s: float = 30.0
+    max_concurrent_steps: int = 64
+    """Environment calls (reset, step) running at once over all episodes, each in a thread of the
+    loop's own pool (asyncio's default has a handful)."""
+
+    def __post_init__(self) -> None:
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            self.max_concurrent_steps, thread_name_prefix="agent-env"
+        )
 
     async def run(self, sample: Prompt, model) -> list[Trajectory]:
         env = self.make_env()
         messages = prompt_messages(sample)
         finish = "max_turns"
         try:
-            first = await call_with_deadline(env.reset, sample, timeout_s=self.step_timeout_s)
+            first = await call_with_deadline(
+                env.reset, sample, timeout_s=self.step_timeout_s, executor=self._threads
+            )
         except Exception:
             first, finish = None, "error"
         if first is not None:
@@ -60,7 +71,7 @@ class EnvAgentLoop:
             text, _ = turn
             try:
                 observation, reward, done = await call_with_deadline(
-                    env.step, text, timeout_s=self.step_timeout_s
+                    env.step, text, timeout_s=self.step_timeout_s, executor=self._threads
                 )
             except Exception:
                 finish = "error"

@@ -68,7 +68,8 @@ def agent_loop(
         make_env = _load(config.environment, ENVIRONMENTS, "rollout.agent.environment")
         return EnvAgentLoop(tokenizer, make_env, max_turns=config.max_turns, max_tool_turns=config.max_tool_turns,
                             max_tokens_per_turn=config.max_tokens_per_turn,
-                            max_response_tokens=max_response_tokens, step_timeout_s=config.step_timeout_s)  # fmt: skip
+                            max_response_tokens=max_response_tokens, step_timeout_s=config.step_timeout_s,
+                            max_concurrent_steps=config.max_concurrent_tools)  # fmt: skip
     return None
 
 

@@ -5,6 +5,7 @@ tool messages, until the model answers without a call or a limit is reached."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 from collections.abc import Callable
@@ -88,6 +89,11 @@ class ToolAgentLoop:
         self.describe_tools = rendered is None
         self.format = self.tool_format or rendered or "hermes"
         self._slots: tuple[object, asyncio.Semaphore] | None = None
+        # plain-function tools run here: as many threads as calls may run at once (asyncio's default
+        # pool has min(32, CPUs + 4)), so slow or hung calls do not queue the others behind them
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            self.max_concurrent_tools, thread_name_prefix="agent-tool"
+        )
 
     def _semaphore(self) -> asyncio.Semaphore:
         """One per event loop (a semaphore belongs to the loop it first waited in)."""
@@ -104,7 +110,7 @@ class ToolAgentLoop:
                 f"error: no tool named {fn['name']!r}; tools: {', '.join(self.by_name)}", False, 0.0
             )
         async with self._semaphore():
-            result = await tool(fn["arguments"])
+            result = await tool(fn["arguments"], executor=self._threads)
         return result
 
     def _fenced(self, text: str) -> list[dict]:

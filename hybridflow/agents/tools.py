@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import json
 import time
@@ -13,12 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-async def call_with_deadline(fn: Callable, *args, timeout_s: float, **kwargs):
+async def call_with_deadline(fn: Callable, *args, timeout_s: float, executor=None, **kwargs):
     """`fn(*args, **kwargs)` awaited (a coroutine function, cancelled at the deadline) or run in a
-    worker thread (given up on at the deadline: Python cannot stop a thread)."""
+    thread of `executor` (asyncio's default when None, a handful of threads; given up on at the
+    deadline: Python cannot stop a thread). The caller's context variables go with it."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
-    return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, call), timeout_s)
 
 
 _SAMPLE: contextvars.ContextVar = contextvars.ContextVar("hybridflow_agent_sample")
@@ -109,11 +112,12 @@ class Tool:
             )
         return args
 
-    async def __call__(self, arguments: str | dict) -> ToolResult:
+    async def __call__(self, arguments: str | dict, *, executor=None) -> ToolResult:
+        """`executor`: where a plain function runs (its loop's pool; asyncio's default when None)."""
         start = time.perf_counter()
         try:
             args = self._arguments(arguments)
-            out = await call_with_deadline(self.fn, timeout_s=self.timeout_s, **args)
+            out = await call_with_deadline(self.fn, timeout_s=self.timeout_s, executor=executor, **args)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             return ToolResult(
                 f"error: {self.name} timed out after {self.timeout_s:g} s", False, time.perf_counter() - start

@@ -59,7 +59,8 @@ class AgentConfig:
     """What is kept of a longer tool output: its 'start', its 'end', or both 'ends' (verl's
     tool_response_truncate_side left / right / middle)."""
     max_concurrent_tools: int = 64
-    """Tool calls running at once over all episodes of a step."""
+    """Tool calls (or environment steps) running at once over all episodes of a step, each plain
+    function in a thread of the loop's own pool of this size."""
     code_tool_concurrency: int = 0
     """Sandboxed programs (the python tool) running at once; 0: one per CPU core."""
     code_tool_memory_mb: int = 1024

@@ -183,3 +183,36 @@ def test_a_call_in_a_fenced_json_block_is_read_when_it_names_a_tool():
     assert episode.tool_calls == 0 and episode.finish_reason == "stop"
     (episode,) = _run(ToolAgentLoop(tok, [add], fenced_calls=False).run(_prompt(), Scripted(tok, [fenced])))
     assert episode.tool_calls == 0
+
+
+def nap(seconds: float) -> str:
+    """Block this thread for a while, then say whose episode it was.
+
+    Args:
+        seconds: how long to block
+    """
+    from hybridflow.agents.tools import current_sample
+
+    time.sleep(seconds)
+    return current_sample().ground_truth
+
+
+def test_blocking_tools_run_at_once_up_to_the_limit_and_see_their_episode():
+    """asyncio's default pool has min(32, CPUs + 4) threads (6 here): 16 blocking calls would take three
+    rounds. The loop's own pool runs max_concurrent_tools of them at once."""
+    tok = _tokenizer()
+    loop = ToolAgentLoop(tok, [nap], max_concurrent_tools=16)
+    call = '<tool_call>{"name": "nap", "arguments": {"seconds": 0.5}}</tool_call>'
+    samples = [Prompt(i, [], "agent", ground_truth=f"episode-{i}", messages=[{"role": "user", "content": "q"}])
+               for i in range(16)]  # fmt: skip
+    models = [Scripted(tok, [call, "done"]) for _ in samples]
+
+    async def all_episodes():
+        return await asyncio.gather(*(loop.run(s, m) for s, m in zip(samples, models)))
+
+    start = time.monotonic()
+    episodes = _run(all_episodes())
+    assert time.monotonic() - start < 1.3  # one round of 0.5 s, not three
+    assert all(e.tool_failures == 0 for (e,) in episodes)
+    for i, model in enumerate(models):  # each call saw its own episode's sample
+        assert f"episode-{i}\n" in tok.decode(model.seen[1])
