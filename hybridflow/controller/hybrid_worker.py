@@ -5,30 +5,24 @@ one FSDP unit (decoder layer) at a time."""
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from hybridflow.agents.setup import agent_loop
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
 from hybridflow.config.schema import Config
+from hybridflow.controller.policy_export import export_policy
 from hybridflow.controller.role_models import (
     compile_native_models,
 )
 from hybridflow.controller.weight_check import Plan, make_plan, sample, trainer_tensors
 from hybridflow.controller.worker_models import build_models
 from hybridflow.devices import resolve_device
-from hybridflow.models import native, save_hf
 from hybridflow.models.lora import (
-    is_peft,
-    lora_modules,
-    merged_state_dict,
     merged_updates,
-    save_adapter,
 )
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
@@ -269,27 +263,8 @@ class HybridWorker:
             move_optimizer_state(self.actor.optimizer, CPU)
 
     def _export(self, model: torch.nn.Module, directory: Path, *, score: bool) -> None:
-        """Rank 0 writes `model` as a transformers directory; ours is first gathered whole from its
-        shards, a collective that every rank joins (a transformers model runs in one worker only)."""
-        if lora_modules(model):  # one worker: the merged policy, and the adapter in PEFT's format beside it
-            save_adapter(model, directory.parent / "policy_adapter", base_model=self.config.model.path)
-            model = native.to_hf_model(merged_state_dict(model), self.hf_config)
-        elif is_peft(model):  # a transformers model under PEFT: the same two, by PEFT
-            model.save_pretrained(directory.parent / "policy_adapter")
-            model = copy.deepcopy(model).merge_and_unload()
-        elif isinstance(model, native.NativeModule):
-            state = get_model_state_dict(
-                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            if self.rank == 0:
-                convert = native.to_hf_score_model if score else native.to_hf_model
-                model = convert(state, self.hf_config)
-        if self.rank != 0:
-            return
-        if score:
-            model.save_pretrained(directory)
-        else:
-            save_hf(model, self.tokenizer, directory)
+        export_policy(model, directory, hf_config=self.hf_config, tokenizer=self.tokenizer,
+                      base_model=self.config.model.path, rank=self.rank, score=score)  # fmt: skip
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -20,13 +20,14 @@ from hybridflow.checkpoint import (
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.graceful_stop import GracefulStop
-from hybridflow.controller.role_models import policy_model
+from hybridflow.controller.policy_export import export_policy
+from hybridflow.controller.role_models import lora_policy, policy_model
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
-from hybridflow.models import load_causal_lm, native, save_hf
+from hybridflow.models import load_causal_lm, native
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.roles.actor import build_optimizer, optimizer_step
 from hybridflow.roles.forward import policy_logprobs
@@ -35,11 +36,9 @@ from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, t
 
 
 def refuse_unsupported(c: Config, command: str) -> None:
-    """The offline trainers run one process on one device with full weights: a setting they would not
-    honour stops the run at once, naming it, rather than being ignored."""
+    """The offline trainers run one process on one device: a setting they would not honour stops the
+    run at once, naming it, rather than being ignored."""
     ignored = {
-        "model.lora_rank": c.model.lora_rank,
-        "model.lora_adapter_path": c.model.lora_adapter_path,
         "model.compile": c.model.compile,
         "actor.offload_params": c.actor.offload_params,
         "actor.offload_optimizer": c.actor.offload_optimizer,
@@ -53,7 +52,7 @@ def refuse_unsupported(c: Config, command: str) -> None:
     named = [f"{k}={v}" for k, v in ignored.items() if v]
     if named:
         raise UserError(
-            f"hybridflow {command} trains full weights in one process on one device; it does not do "
+            f"hybridflow {command} trains in one process on one device; it does not do "
             f"{', '.join(named)}: remove {'it' if len(named) == 1 else 'them'} (the RL trainer does)"
         )
 
@@ -71,7 +70,8 @@ class OfflineTrainer:
             c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
         )
         self.hf_config = hf_model.config
-        self.model = policy_model(c, hf_model.to(self.device))
+        # LoRA as in the RL trainer: adapters on the frozen policy; exports merge them
+        self.model = lora_policy(c, policy_model(c, hf_model.to(self.device)))
         if c.model.enable_gradient_checkpointing:
             if isinstance(self.model, native.NativeModule):
                 self.model.gradient_checkpointing = True
@@ -197,11 +197,8 @@ class OfflineTrainer:
 
         def write_models(directory: Path) -> None:
             save_sharded(self.model, self.optimizer, directory / "actor_state")
-            model = self.model
-            export = (
-                native.to_hf_model(model, self.hf_config) if isinstance(model, native.NativeModule) else model
-            )
-            save_hf(export, self.tokenizer, directory / "policy")
+            export_policy(self.model, directory / "policy", hf_config=self.hf_config, tokenizer=self.tokenizer,
+                          base_model=self.config.model.path)  # fmt: skip
 
         self.last_checkpoint = save_checkpoint(
             self.run_dir,

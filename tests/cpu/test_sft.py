@@ -139,13 +139,39 @@ def test_sigterm_finishes_the_step_saves_and_returns(sft_setup, tmp_path, capsys
 
 
 def test_settings_the_offline_trainers_would_not_honour_are_refused(sft_setup, tmp_path):
-    """LoRA, offload, compile and more than one worker are RL-trainer features: `hybridflow sft`
-    stops at once naming them, instead of training full weights on one device as if they were set."""
+    """Offload, compile and more than one worker are RL-trainer features: `hybridflow sft` stops at
+    once naming them, instead of training on one device as if they were set."""
     from hybridflow.errors import UserError
 
-    config = _sft_config(sft_setup, tmp_path / "run", "model.lora_rank=8", "actor.offload_optimizer=true")
+    config = _sft_config(sft_setup, tmp_path / "run", "model.compile=true", "actor.offload_optimizer=true")
     with pytest.raises(
-        UserError, match=r"does not do model.lora_rank=8, actor.offload_optimizer=True: remove them"
+        UserError, match=r"does not do model.compile=True, actor.offload_optimizer=True: remove them"
     ):
         SFTTrainer(config)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_sft_with_lora_trains_the_adapters_only_and_exports_merged(sft_setup, tmp_path):
+    """model.lora_rank applies to `hybridflow sft` as to RL: the base stays, the adapters learn, the
+    export is the merged model (transformers loads it as is) with the adapter beside it."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = SFTTrainer(
+        _sft_config(sft_setup, tmp_path / "run", "model.lora_rank=4", "trainer.total_training_steps=4")
+    )
+    base = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora" not in k}
+    trainer.fit()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # the base is frozen
+    assert any(not torch.equal(after[k], torch.zeros_like(after[k])) for k in after if "lora_B" in k)
+    losses = [m["train/loss"] for m in read_metrics(tmp_path / "run")]
+    assert losses[-1] < losses[0]
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_4"
+    assert (checkpoint / "policy_adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint / "policy").eval()
+    trainer.model.eval()
+    with torch.no_grad():  # the export's log-probs are the adapted policy's
+        ours = trainer.response_logprobs(trainer.model, [[5, 6, 7]], [[8, 9, 10]])[0]
+        logits = merged(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits[0, 2:5].log_softmax(-1)
+    theirs = logits.gather(-1, torch.tensor([[8], [9], [10]]))[:, 0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
