@@ -142,7 +142,9 @@ VERL: dict[str, Entry] = {
         "left / right / middle keep the start / the end / both ends",
     ),
     f"{_ARR}.rollout.multi_turn.format": by_value(
-        r.tool_format, "`rollout.agent.tool_format`", "hermes, llama3_json (as `llama3`), mistral"
+        r.tool_format,
+        "`rollout.agent.tool_format`",
+        "hermes (and SGLang's qwen / qwen25, the same format), llama3_json (as `llama3`), mistral",
     ),
     f"{_ARR}.rollout.multi_turn.interaction_config_path": by_value(
         r.interaction,

@@ -158,7 +158,14 @@ def truncate_side(value: Any) -> Translation:
 
 
 def tool_format(value: Any) -> Translation:
-    ours = {"hermes": "hermes", "llama3_json": "llama3", "mistral": "mistral"}
+    # qwen / qwen25: SGLang's Qwen 2.5 parser (verl's SGLang-era examples), the same <tool_call> blocks
+    ours = {
+        "hermes": "hermes",
+        "qwen": "hermes",
+        "qwen25": "hermes",
+        "llama3_json": "llama3",
+        "mistral": "mistral",
+    }
     if value not in ours:
         return Translation(
             refusal=f"multi_turn.format={value!r}: tool calls are read in hermes, llama3_json or mistral"

@@ -216,3 +216,15 @@ def test_blocking_tools_run_at_once_up_to_the_limit_and_see_their_episode():
     assert all(e.tool_failures == 0 for (e,) in episodes)
     for i, model in enumerate(models):  # each call saw its own episode's sample
         assert f"episode-{i}\n" in tok.decode(model.seen[1])
+
+
+def test_verls_search_config_with_its_sglang_era_format_resolves():
+    """examples/sglang_multiturn/config/search_multiturn_grpo.yaml says `format: qwen` (SGLang's Qwen 2.5
+    parser): the same <tool_call> blocks as hermes."""
+    resolved = resolve_config(
+        str(VERL / "search_multiturn_grpo.yaml"),
+        [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={VERL}/sandbox_fusion_tool_config.yaml"],
+    )
+    agent = resolved.config.rollout.agent
+    assert (agent.tool_format, agent.max_turns, agent.loop) == ("hermes", 2, "tools")
+    assert resolved.config.data.shuffle is False
