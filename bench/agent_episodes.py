@@ -3,9 +3,12 @@ and the rollout/trainer log-prob gap over the masked episodes. A random-weight Q
 byte tokenizer's vocabulary (the agent loop decodes what the model samples), an environment that
 answers every turn and never ends the game early, so every episode runs `--turns` turns of
 `--turn-tokens` tokens after a long shared system prompt: each turn's request carries the whole
-conversation so far, the case the prefix cache is for.
+conversation so far, the case the prefix cache is for. `--model` runs a real model instead (a .gguf
+file, an HF directory or 'default'), with its own tokenizer and chat template, in bf16 on a GPU; its
+turns end where the model ends them.
 
     PYTHONPATH=. python bench/agent_episodes.py --shape 0.5b --episodes 256      # H200
+    PYTHONPATH=. python bench/agent_episodes.py --model default --episodes 256   # SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from hybridflow.agents import EnvAgentLoop, run_episodes
 from hybridflow.batch import Prompt
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.async_engine import AsyncEngine
-from hybridflow.models import byte_tokenizer
+from hybridflow.models import byte_tokenizer, load_causal_lm, stop_token_ids
 from hybridflow.rollout.sampling import SamplingParams
 
 sys.path.insert(0, "bench")
@@ -46,26 +49,35 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="episodes per prompt")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=32)
-    ap.add_argument("--system-chars", type=int, default=1500)
+    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--model", help="a real model (.gguf, HF directory or 'default') instead of --shape")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tok = byte_tokenizer()
-    rollout_bench.VOCAB = len(tok)  # sampled ids must decode
-    model = rollout_bench.random_model(args.shape, device, dtype)
+    if args.model:
+        model, tok = load_causal_lm(args.model, impl="native", dtype=dtype)
+        model, eos = model.to(device), stop_token_ids(model, tok)
+        rule = "Rule: the hidden number is a whole number from 1 to 100; answer with one guess per turn. "
+        system = rule * max(1, args.system_tokens // len(tok(rule)["input_ids"]))
+    else:
+        tok = byte_tokenizer()
+        rollout_bench.VOCAB = len(tok)  # sampled ids must decode
+        model, eos = rollout_bench.random_model(args.shape, device, dtype), [tok.eos_token_id]
+        system = "x" * args.system_tokens  # one byte, one token
     prompts = [
-        Prompt(i, [], "game", messages=[{"role": "system", "content": "x" * args.system_chars},
-                                        {"role": "user", "content": f"game {i}: guess"}])
+        Prompt(i, [], "game", messages=[{"role": "system", "content": system},
+                                        {"role": "user", "content": f"Game {i}: guess the number."}])
         for i in range(args.episodes // args.samples)
     ]  # fmt: skip
     loop = EnvAgentLoop(tok, Answers, max_turns=args.turns, max_tokens_per_turn=args.turn_tokens,
                         max_response_tokens=args.turns * (args.turn_tokens + 32))  # fmt: skip
     params = SamplingParams(n=args.samples, temperature=1.0, seed=0)
-    report = {"shape": args.shape, "episodes": len(prompts) * args.samples, "turns": args.turns,
+    report = {"model": args.model or f"random {args.shape}", "episodes": len(prompts) * args.samples, "turns": args.turns,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}  # fmt: skip
     for cache in (True, False, True):
-        engine = Engine(model, eos_token_ids=[tok.eos_token_id], config=EngineConfig(
-            max_context_tokens=4096, prefix_cache=cache, max_batch_sequences=256))  # fmt: skip
+        engine = Engine(model, eos_token_ids=eos, config=EngineConfig(
+            max_context_tokens=4096, prefix_cache=cache, max_batch_sequences=256,
+            kv_cache_tokens=None if device.type == "cuda" else 32768))  # fmt: skip
 
         async def go(engine=engine):
             front = AsyncEngine(engine)
@@ -85,6 +97,7 @@ def main() -> None:
             "prompt_tokens": stats["prompt_tokens"],
             "cached_tokens": stats["cached_tokens"],
             "turns_mean": round(episodes.metrics["agent/turns_mean"], 2),
+            "sampled_tokens": sum(sum(m) for m in episodes.rollouts.loss_masks),
         }
         print(json.dumps(report), flush=True)
     # the trainer's log-probs of the sampled tokens over the whole masked episodes

@@ -1,12 +1,23 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 
 import pytest
 import torch
 from rl_run import REWARD
 
 from hybridflow.models import byte_tokenizer, save_hf, tiny_model
+
+PEAK_DISK_GB = 10  # the largest test: two checkpoints of the default model's actor and critic
+
+
+def pytest_report_header(config):
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    if free < PEAK_DISK_GB:
+        return f"WARNING: {free:.1f} GB free under {tempfile.gettempdir()}; the suite needs ~{PEAK_DISK_GB} GB at its peak"
+    return None
 
 
 @pytest.fixture(autouse=True)
