@@ -49,6 +49,10 @@ class Rollouts:
     scores: list[float | None] | None = None
     """Per sequence, the outcome reward its agent loop gave (an environment's), used instead of the
     reward function; None (a row or the whole field): the reward function scores it."""
+    policy_versions: list[list[int]] | None = None
+    """Per response token, the policy version that sampled it (the number of updates the engine's
+    weights had; a sequence continued across an in-flight weight update carries two), -1 on tokens
+    the policy did not sample. None: sampled by the policy that trains on it (a synchronous step)."""
     agent_stats: list[dict[str, float]] | None = None
     """Per sequence, its episode segment's counts (turns, tool_calls, tool_failures, segment), for
     the agent/* metrics; None for single-turn rollouts."""
@@ -95,7 +99,12 @@ class Rollouts:
         return Rollouts(**joined)
 
 
-_OPTIONAL_ROWS = {"loss_masks": None, "scores": lambda: None, "agent_stats": dict}  # None: whole field absent
+_OPTIONAL_ROWS = {
+    "loss_masks": None,
+    "scores": lambda: None,
+    "agent_stats": dict,
+    "policy_versions": list,
+}  # None: whole field absent
 
 
 @dataclass

@@ -104,6 +104,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Native engine: the share of the GPU memory free when it starts that its KV pool may take (vLLM: of the
     whole GPU)."""
+    max_staleness: int | None = None
+    """With trainer.async_mode one_step or streaming: the most policy updates between a group's oldest
+    token and the policy that trains on it, enforced by admission (a group waits to start; finished
+    work is never discarded). None: 0 when async_mode=off, 1 otherwise; 0 in any mode is the
+    synchronous run, bit for bit."""
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
     max_prefill_tokens: int = 16384

@@ -66,6 +66,15 @@ class TrainerConfig:
     """Checkpoints kept (the latest N; resuming needs only the latest). Each holds the weights and
     optimizer state for resuming and the policy as a transformers directory: the run prints what
     one costs."""
+    async_mode: str = "off"
+    """How generation and training overlap. 'off': generate the step's batch, then train on it
+    (verl's synchronous PPO loop). 'one_step': the next step's groups are generated with the current
+    weights while the trainer updates them (trained one update late; verl's one-step-off-policy).
+    'streaming': groups are generated, scored and buffered continuously, weight updates reach the
+    engine between two of its steps with sequences in flight (partial rollouts: their later tokens come
+    from the newer policy, every token records its version), and a group is admitted only while it
+    will be within rollout.max_staleness updates of the policy that trains on it. The off-policy
+    corrections are algorithm.rollout_correction's; the step's metrics add async/* (staleness, waits)."""
     seed: int = 0
     """Seeds the prompt order, the weights' random parts and the sampling streams: the same seed gives the same
     run."""
@@ -78,6 +87,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choice("trainer", "resume", self.resume, ("auto", "disable", "force"))
+        check_choice("trainer", "async_mode", self.async_mode, ("off", "one_step", "streaming"))
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.config.checks import check_choice, check_positive
+from hybridflow.errors import UserError
 
 
 @dataclass
@@ -157,6 +158,57 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction: the batch was sampled by the rollout engine's policy (older
+    by up to rollout.max_staleness updates in an asynchronous run, and numerically different in any
+    run); these reweight or reject its tokens by log(pi_old / pi_rollout) per token."""
+
+    rollout_is: str | None = None
+    """Truncated importance weights: 'token' (min(pi_old/pi_rollout, threshold) per token),
+    'sequence' (the product over the sequence, truncated, on all its tokens); None: off."""
+    rollout_is_threshold: float = 2.0
+    """The truncation cap of those weights."""
+    rollout_is_batch_normalize: bool = False
+    """Scale the weights to mean 1 over the batch's tokens."""
+    rollout_rs: str | None = None
+    """Rejection: tokens or whole sequences whose divergence passes rollout_rs_threshold leave the actor's
+    loss. Options (comma-separated, all must pass): token_k1|k2|k3, seq_sum_k1|k2|k3,
+    seq_mean_k1|k2|k3, seq_max_k2|k3 (k1 = -log ratio, k2 = log ratio^2/2, k3 = ratio - 1 - log ratio)."""
+    rollout_rs_threshold: str | float | int | None = None
+    """One entry shared by every rollout_rs option or one per option, comma-separated: 'lower_upper'
+    ratio bounds for k1 options (e.g. '0.5_2.0'; quoted on a command line or in YAML, where 0.5_2
+    reads as the number 0.52), one upper bound for the others."""
+    bypass_mode: bool = False
+    """False (decoupled PPO, three policies): the trainer recomputes pi_old, the PPO ratio is against
+    it, and the corrections weigh pi_old against pi_rollout. True (two policies): pi_old is the
+    rollout's own log-probs, nothing is recomputed, and the PPO ratio itself corrects."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def __post_init__(self) -> None:
+        from hybridflow.algorithms.rollout_correction import parse_options, parse_thresholds
+
+        if self.rollout_is is not None:
+            check_choice("algorithm.rollout_correction", "rollout_is", self.rollout_is, ("token", "sequence"))
+        check_positive("algorithm.rollout_correction", "rollout_is_threshold", self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            try:
+                options = parse_options(self.rollout_rs)
+                if self.rollout_rs_threshold is None:
+                    raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold")
+                parse_thresholds(options, self.rollout_rs_threshold)
+            except ValueError as e:
+                raise UserError(f"config algorithm.rollout_correction: {e}") from None
+        if self.bypass_mode and self.enabled:
+            raise UserError(
+                "algorithm.rollout_correction.bypass_mode=true takes pi_old from the rollout, so "
+                "rollout_is / rollout_rs would compare it with itself; turn them off or bypass_mode=false"
+            )
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """How advantages are computed: 'gae' (PPO with a critic), 'grpo', 'grpo_passk', 'rloo', 'opo', 'gpg',
@@ -176,5 +228,5 @@ class AlgorithmConfig:
     """Its coefficient, fixed or adaptive."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
-    rollout_is_cap: float | None = None
-    """Truncated importance sampling cap for rollout/trainer log-prob mismatch; None disables."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy corrections between the rollout's policy and the trainer's (verl's names)."""

@@ -31,7 +31,7 @@ def save_run(trainer, metrics: dict[str, float] | None = None) -> Path:
 
     state = {
         "step": trainer.step,
-        "sampler": trainer.sampler.state_dict(),
+        "sampler": trainer.sampler_state(),
         "kl_ctl": trainer.kl_ctl.state_dict(),
         "rng": rng_state(),
         "bad_steps": trainer.bad_steps,

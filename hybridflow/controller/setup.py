@@ -8,6 +8,7 @@ from hybridflow.algorithms.estimators import ESTIMATORS, estimator
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.policy_losses import POLICY_LOSSES
 from hybridflow.config.schema import Config
+from hybridflow.controller.async_checks import check_async
 from hybridflow.errors import UserError, closest
 
 
@@ -38,6 +39,7 @@ def check_config(config: Config) -> None:
             raise UserError(
                 f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
             )
+    check_async(config)
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
     if per_update is not None and (per_update <= 0 or per_step % per_update):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -11,14 +12,17 @@ import torch
 
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from hybridflow.algorithms.losses import filter_zero_variance_groups, truncated_importance_weights
+from hybridflow.algorithms.losses import filter_zero_variance_groups
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
+from hybridflow.controller.async_checks import max_staleness
+from hybridflow.controller.async_steps import admit, open_stream, take_step
 from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, print_plan
-from hybridflow.controller.metrics import Timer, data_metrics, probs_diff
+from hybridflow.controller.metrics import Timer, data_metrics
+from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
@@ -148,7 +152,13 @@ class RLTrainer:
         self.last_checkpoint: Path | None = None
         self.val_first: dict[str, float] = {}  # the first and latest validation, for the summary
         self.val_last: dict[str, float] = {}
+        self.stream = None  # an asynchronous run's GroupStream
+        self.admitted = 0  # the last step whose groups were admitted to the stream
+        self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
+        self.epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from
         self._resume()
+        if c.trainer.async_mode != "off":
+            self.stream, self.admitted = open_stream(self), self.step
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -177,6 +187,8 @@ class RLTrainer:
             with Watchdog(c.trainer.watchdog_s, self.run_dir) as self.watchdog, GracefulStop() as stop:
                 if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                     self._log(self._validate(), step=0)
+                if self.stream is not None:
+                    admit(self)
                 while self.step < self.stop_at and not stop.requested:
                     self.step += 1
                     self.watchdog.step = self.step
@@ -225,6 +237,8 @@ class RLTrainer:
         try:
             for sink in self.sinks:
                 sink.close()
+            if self.stream is not None:
+                self.stream.close()
             self.reward.close()
             self.placement.shutdown()
         finally:
@@ -272,8 +286,11 @@ class RLTrainer:
         with timer("step"):
             with timer("gen"):
                 try:
-                    rollouts, scored, metrics = self._generate()
-                    if not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
+                    if self.stream is not None:  # the groups generated (and scored) meanwhile
+                        rollouts, scored, metrics = take_step(self)
+                    else:
+                        rollouts, scored, metrics = self._generate()
+                    if self.stream is None and not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
                         self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
                     raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
@@ -284,19 +301,11 @@ class RLTrainer:
                 mask,
                 rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
             )
-            on_policy = (
-                (c.actor.sequences_per_update or len(batch)) >= len(batch)
-                and c.actor.ppo_epochs == 1
-                and c.algorithm.rollout_is_cap is None
-            )
-            if not on_policy or c.algorithm.use_kl_in_reward:
+            actor_mask = mask  # less the tokens a rollout correction rejects
+            if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 with timer("old_log_prob"):
-                    batch.old_logprobs = self.roles.log_probs(batch)
-                metrics |= probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
-                if c.algorithm.rollout_is_cap is not None:
-                    batch.importance_weights = truncated_importance_weights(
-                        batch.old_logprobs, batch.rollout_logprobs, mask, cap=c.algorithm.rollout_is_cap
-                    )
+                    actor_mask, corrections = set_old_logprobs(c, batch, self.roles.log_probs)
+                metrics |= corrections
             if self.needs_ref:
                 with timer("ref"):
                     batch.ref_logprobs = self.roles.ref_log_probs(batch)
@@ -332,10 +341,16 @@ class RLTrainer:
                     metrics |= self.roles.update_critic(batch, epochs=c.actor.ppo_epochs)
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
-                    metrics |= self.roles.update_actor(batch)
+                    metrics |= self.roles.update_actor(dataclasses.replace(batch, response_mask=actor_mask))
                 self._check_finite(metrics)
             with timer("update_weights"):
-                self.placement.sync_weights()
+                if self.stream is None:
+                    self.placement.sync_weights()
+                else:  # between two engine steps; one_step waits for the groups in flight first
+                    metrics["async/wait_for_generation_s"] = self.stream.update_weights(
+                        lambda _engine: self.placement.sync_weights(), version=self.step
+                    )
+                    admit(self)
             if c.trainer.guards.weight_sync_check:
                 with timer("weight_check"):
                     self._check_weight_sync()
@@ -355,7 +370,8 @@ class RLTrainer:
             actor_passes=c.actor.ppo_epochs,
             peak=self.peak_flops,
         )
-        metrics["training/epoch"] = float(self.sampler.epoch)
+        metrics["training/epoch"] = float(self.epoch_of.pop(self.step, self.sampler.epoch))
+        self.sampler_before.pop(self.step, None)
         freq = c.trainer.log_samples_freq
         if freq and (self.step == 1 or self.step % freq == 0):
             self._log_samples(
@@ -375,9 +391,10 @@ class RLTrainer:
                 sink.log_samples(rows, self.step)
 
     # ---- pieces of a step ------------------------------------------------------------------------
-    def _sampling(self, round_: int, **overrides) -> SamplingParams:
-        r = self.config.rollout
-        seed = (self.config.trainer.seed * 1_000_003 + self.step * 1_009 + round_) % (2**31)
+    def _sampling(self, round_: int, *, step: int | None = None, **overrides) -> SamplingParams:
+        """The sampling parameters of `step` (default: this one); each step and round its own seed."""
+        r, step = self.config.rollout, self.step if step is None else step
+        seed = (self.config.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31)
         fields = dict(
             n=r.samples_per_prompt,
             temperature=r.temperature,
@@ -454,9 +471,11 @@ class RLTrainer:
             top_p=r.val_top_p,
             top_k=r.val_top_k,
         )
+        generate = self.roles.rollouts if self.stream is None else self.stream.generate_now
         with self.watchdog.phase("validation"):
-            metrics, _ = validate(self.roles.rollouts, self.reward, self.val_prompts, params)
-        self.placement.sleep_rollout()
+            metrics, _ = validate(generate, self.reward, self.val_prompts, params)
+        if self.stream is None:
+            self.placement.sleep_rollout()
         return metrics
 
     def _check_weight_sync(self) -> None:
@@ -513,3 +532,8 @@ class RLTrainer:
 
     def _resume(self) -> None:
         resume_run(self)
+
+    def sampler_state(self) -> dict:
+        """Where a resume from this step draws its next prompts: before those of step + 1, which an
+        asynchronous run may have drawn (and be generating) already."""
+        return self.sampler_before.get(self.step + 1, self.sampler.state_dict())

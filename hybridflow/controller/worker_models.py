@@ -107,10 +107,11 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         ref_model = policy_model(c, ref_hf.to(device))
     elif layout.needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
         ref_model = model if lora else copy.deepcopy(model)
-    # the rollout backend takes its own full copy before the trained models are sharded
+    # the rollout backend takes its own full copy before the trained models are sharded, or when it
+    # generates while the trainer updates (an asynchronous run)
     backend = (
         rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
-                        share_weights=not layout.shard_actor)
+                        share_weights=not layout.shard_actor and c.trainer.async_mode == "off")
         if layout.colocated
         else None
     )  # fmt: skip

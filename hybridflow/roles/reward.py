@@ -165,14 +165,23 @@ class Reward:
         return self.executor.submit(items), time.perf_counter()
 
     def result(self, rollouts: Rollouts, pending: tuple[Future, float]) -> RewardResult:
-        future, start = pending
+        return self.summarize(rollouts, self.outcomes(rollouts, pending), pending[1])
+
+    def outcomes(self, rollouts: Rollouts, pending: tuple[Future, float]) -> list[Outcome]:
+        """Each row's outcome once its scoring is done (a streaming run collects them group by group)."""
+        future, _ = pending
         given = rollouts.scores or [None] * len(rollouts)
         scored = self.executor.result(future, sum(g is None for g in given)) or [
             Outcome() for g in given if g is None
         ]
-        self._report_errors(scored)
         fresh = iter(scored)
-        outcomes = [next(fresh) if g is None else Outcome(score=float(g)) for g in given]
+        return [next(fresh) if g is None else Outcome(score=float(g)) for g in given]
+
+    def summarize(self, rollouts: Rollouts, outcomes: list[Outcome], start: float) -> RewardResult:
+        """The batch's scores and reward/* metrics from its rows' outcomes (the reward model, when
+        there is one, scores here); `start`: when scoring began, for timing_s/reward."""
+        given = rollouts.scores or [None] * len(rollouts)
+        self._report_errors([o for o, g in zip(outcomes, given) if g is None])  # the batch's, not a group's
         raw = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
         scores = raw * (self.config.rule_weight if self.model is not None else 1.0)
         metrics = {

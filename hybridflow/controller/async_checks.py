@@ -1,0 +1,49 @@
+"""What an asynchronous run (trainer.async_mode one_step / streaming) needs, checked at start."""
+
+from __future__ import annotations
+
+from hybridflow.algorithms.estimators import estimator
+from hybridflow.config import Config
+from hybridflow.errors import UserError
+
+
+def max_staleness(config: Config) -> int:
+    """rollout.max_staleness resolved: 0 for async_mode=off, 1 by default otherwise."""
+    bound = config.rollout.max_staleness
+    return (0 if config.trainer.async_mode == "off" else 1) if bound is None else bound
+
+
+def check_async(config: Config) -> None:
+    mode, bound = config.trainer.async_mode, config.rollout.max_staleness
+    if bound is not None and bound < 0:
+        raise UserError(f"config rollout.max_staleness={bound} must be >= 0")
+    if mode == "off":
+        if bound:
+            raise UserError(
+                f"rollout.max_staleness={bound} bounds an asynchronous run; set trainer.async_mode=streaming "
+                "(or one_step for a bound of 1), or drop it"
+            )
+        return
+    if mode == "one_step" and bound is not None and bound > 1:
+        raise UserError(
+            f"trainer.async_mode=one_step trains each batch one update late (rollout.max_staleness <= 1, "
+            f"not {bound}); use trainer.async_mode=streaming for a larger bound"
+        )
+    r, c = config.resources, config
+    why = None
+    if r.num_workers != 1 or r.n_gpus_per_node * r.nnodes != 1 or r.rollout_workers or r.ray_address:
+        why = "runs on one worker for now (resources.num_workers=1, one GPU, no rollout_workers)"
+    elif c.rollout.backend not in ("auto", "native"):
+        why = f"generates with the built-in engine, not rollout.backend={c.rollout.backend}"
+    elif c.rollout.agent.loop:
+        why = f"streams single-turn groups for now, not rollout.agent.loop={c.rollout.agent.loop}"
+    elif c.rollout.server:
+        why = "drives the engine itself, not through rollout.server"
+    elif c.algorithm.filter_groups.enable:
+        why = "admits a fixed number of groups a step; DAPO's algorithm.filter_groups would resample"
+    elif estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
+        why = f"has no greedy-baseline pass for algorithm.adv_estimator={c.algorithm.adv_estimator}"
+    elif c.model.lora_rank:
+        why = "copies whole weights into its engine; model.lora_rank is not supported with it yet"
+    if why:
+        raise UserError(f"trainer.async_mode={mode} {why}; use trainer.async_mode=off")

@@ -1,0 +1,75 @@
+"""The asynchronous step's own pieces (trainer.async_mode one_step / streaming): admission of groups
+under the staleness bound, a step's batch from the stream, and the async/* metrics. `trainer` is the
+RLTrainer; its GroupStream is `trainer.stream`."""
+
+from __future__ import annotations
+
+import time
+
+from hybridflow.batch import Rollouts
+from hybridflow.controller.async_checks import max_staleness
+from hybridflow.controller.group_stream import GroupStream
+from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.roles.reward import RewardResult
+
+
+def open_stream(trainer) -> GroupStream:
+    """The stream over the (in-process) worker's engine, holding the policy of the trainer's step."""
+    c = trainer.config
+    (engine,) = trainer.workers.call(HybridWorker.rollout_engine)
+    return GroupStream(
+        engine,
+        trainer.reward,
+        version=trainer.step,
+        in_flight_updates=c.trainer.async_mode == "streaming",
+        deadline_s=c.trainer.watchdog_s or 3600.0,
+    )
+
+
+def admit(trainer) -> None:
+    """Admit the groups of every step whose batch will be at most max_staleness updates behind the
+    policy that trains on it: step s is trained by policy s - 1, so with the engine at version v the
+    steps up to v + 1 + max_staleness may start. Never past the run's last step."""
+    c, stream = trainer.config, trainer.stream
+    last = min(trainer.stop_at, stream.version + 1 + max_staleness(c))
+    while trainer.admitted < last:
+        step = trainer.admitted + 1
+        trainer.sampler_before[step] = trainer.sampler.state_dict()  # a checkpoint of step - 1 resumes here
+        prompts = trainer.sampler.next()
+        trainer.epoch_of[step] = trainer.sampler.epoch
+        stream.submit(prompts, trainer._sampling(1, step=step), first_group=group_base(c, step))
+        trainer.admitted = step
+
+
+def group_base(c, step: int) -> int:
+    return (step - 1) * c.data.prompts_per_step
+
+
+def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
+    """The step's groups once finished and scored, as a synchronous step's batch (group ids are the
+    prompts' positions in the step), and the async/* metrics of how they were made."""
+    c, stream, step = trainer.config, trainer.stream, trainer.step
+    base = group_base(c, step)
+    groups, waited = stream.take(list(range(base, base + c.data.prompts_per_step)))
+    rollouts = Rollouts.concat([g.rollouts for g in groups])
+    rollouts.group_ids = [g - base for g in rollouts.group_ids]
+    start = time.perf_counter()
+    scored = trainer.reward.summarize(rollouts, [o for g in groups for o in g.outcomes], start)
+    metrics = {k: v for k, v in scored.metrics.items() if not k.startswith("timing_s/")}
+    metrics["timing_s/reward"] = scored.metrics["timing_s/reward"]  # what was left after the stream scored
+    metrics |= staleness_metrics(rollouts, trained_by=step - 1)
+    metrics["async/wait_for_groups_s"] = waited
+    metrics["async/groups_running"] = float(stream.running)
+    return rollouts, scored, metrics
+
+
+def staleness_metrics(rollouts: Rollouts, *, trained_by: int) -> dict[str, float]:
+    """Per sampled token, how many updates older its policy is than the one training on it; the share
+    of sequences continued across a weight update (two versions or more)."""
+    ages = [trained_by - v for versions in rollouts.policy_versions for v in versions if v >= 0]
+    mixed = sum(len({v for v in versions if v >= 0}) > 1 for versions in rollouts.policy_versions)
+    return {
+        "async/staleness_mean": sum(ages) / max(len(ages), 1),
+        "async/staleness_max": float(max(ages, default=0)),
+        "async/partial_sequences": mixed / max(len(rollouts), 1),
+    }

@@ -1,0 +1,213 @@
+"""Generation as a stream of groups (trainer.async_mode one_step / streaming).
+
+A group is one prompt's `n` samples. The trainer admits the groups of a step (`submit`); they are
+generated on the rollout engine by a thread of their own (an event loop driving `AsyncEngine`), scored
+as each group finishes, and held until the trainer takes the step's groups (`take`), in admission
+order. Meanwhile the trainer updates its weights, and `update_weights` puts them into the engine
+between two engine steps: with `in_flight_updates` (streaming) at once, sequences in flight keep their
+tokens and go on with the new weights; without (one_step) once every admitted group has finished.
+
+Versions: the engine counts its weight writes (several per update when a sharded actor sends one
+layer at a time); the stream maps that count to the policy version (updates applied), so every
+sampled token says which policy sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from hybridflow.batch import Prompt, Rollouts
+from hybridflow.engine.async_engine import AsyncEngine
+from hybridflow.errors import UserError
+from hybridflow.rollout.sampling import SamplingParams
+
+
+@dataclass
+class FinishedGroup:
+    rollouts: Rollouts  # the group's n rows
+    outcomes: list  # the reward's Outcome per row
+    finished_at: float  # time.perf_counter() when scoring ended
+
+
+class GroupStream:
+    def __init__(self, engine, reward, *, version: int, in_flight_updates: bool, deadline_s: float) -> None:
+        """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
+        Reward whose submit/outcomes score each group; `version`: the policy version its weights hold."""
+        self.engine, self.reward = engine, reward
+        self.in_flight_updates, self.deadline_s = in_flight_updates, deadline_s
+        self.version = version
+        self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
+        self._policy_versions = [version]
+        self._finished: dict[int, FinishedGroup] = {}
+        self._running: set[int] = set()
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
+        self._thread.start()
+        self.front = AsyncEngine(engine)
+
+    # ---- the trainer's side ----------------------------------------------------------------------
+    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+        """Admit one group per prompt (group ids first_group..): prompt i's sample j draws from
+        (params.seed, params.first_sequence + i * n + j), as a synchronous step's would."""
+        with self._changed:
+            self._running.update(range(first_group, first_group + len(prompts)))
+        asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
+
+    def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
+        """These groups once all have finished and been scored (in the order given), and the seconds
+        the trainer waited for them."""
+        start = time.perf_counter()
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: self._error is not None or all(g in self._finished for g in group_ids),
+                self.deadline_s,
+            )
+            self._raise_error()
+            if not ok:
+                missing = [g for g in group_ids if g not in self._finished]
+                raise UserError(
+                    f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+                )
+            return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+
+    def update_weights(self, write, version: int) -> float:
+        """`write(engine)` between two engine steps, then the engine holds policy `version`. Without
+        in-flight updates, first waits until no admitted group is running. Returns the seconds waited."""
+        start = time.perf_counter()
+        if not self.in_flight_updates:
+            with self._changed:
+                done = self._changed.wait_for(
+                    lambda: self._error is not None or not self._running, self.deadline_s
+                )
+                self._raise_error()
+                if not done:
+                    raise UserError(
+                        f"generation did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+                    )
+        waited = time.perf_counter() - start
+
+        def apply(engine):
+            write(engine)
+            self._engine_versions.append(engine.weight_version)
+            self._policy_versions.append(version)
+
+        self._call(apply)
+        self.version = version
+        return waited
+
+    def run_in_engine(self, fn):
+        """`fn(engine)` between two engine steps (the weight-sync check reads the weights there)."""
+        return self._call(fn)
+
+    def generate_now(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
+        """A batch beside the stream's groups on the same engine (validation), returned when done."""
+        return self._wait(asyncio.run_coroutine_threadsafe(self._batch(prompts, params, 0), self.loop))
+
+    @property
+    def running(self) -> int:
+        with self._changed:
+            return len(self._running)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        pending = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
+        try:
+            pending.result(timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=60)
+            self.loop.close()
+
+    # ---- the stream's thread -------------------------------------------------------------------
+    async def _groups(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+        try:
+            await asyncio.gather(
+                *(
+                    self._group(
+                        prompt,
+                        replace(params, first_sequence=params.first_sequence + i * params.n),
+                        first_group + i,
+                    )
+                    for i, prompt in enumerate(prompts)
+                )
+            )
+        except BaseException as e:  # the engine or the reward failed: the trainer hears it at take()
+            with self._changed:
+                self._error = e
+                self._changed.notify_all()
+            raise
+
+    async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
+        rollouts = await self._sample(prompt, params, group_id)
+        pending = self.reward.submit(rollouts)  # rule scores run in the reward's pool
+        outcomes = await asyncio.to_thread(self.reward.outcomes, rollouts, pending)
+        with self._changed:
+            self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
+            self._running.discard(group_id)
+            self._changed.notify_all()
+
+    async def _sample(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:
+        ids = [[] for _ in range(params.n)]
+        logprobs = [[] for _ in range(params.n)]
+        versions = [[] for _ in range(params.n)]
+        finish = [""] * params.n
+        async for out in self.front.stream(prompt.token_ids, params, every_step=False):
+            ids[out.sample] += out.token_ids
+            logprobs[out.sample] += out.logprobs
+            versions[out.sample] += [self._policy_version(out.weight_version)] * len(out.token_ids)
+            finish[out.sample] = out.finish_reason or finish[out.sample]
+        return Rollouts(
+            prompt_ids=[prompt.token_ids] * params.n,
+            response_ids=ids,
+            response_logprobs=logprobs,
+            finish_reasons=finish,
+            group_ids=[group_id] * params.n,
+            prompts=[prompt] * params.n,
+            policy_versions=versions,
+        )
+
+    async def _batch(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> Rollouts:
+        parts = await asyncio.gather(
+            *(
+                self._sample(
+                    p, replace(params, first_sequence=params.first_sequence + i * params.n), first_group + i
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
+        return Rollouts.concat(list(parts))
+
+    def _policy_version(self, engine_version: int) -> int:
+        """The policy version whose weights the engine held at its weight count `engine_version`."""
+        return self._policy_versions[bisect.bisect_right(self._engine_versions, engine_version) - 1]
+
+    async def _shutdown(self) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            if task is not asyncio.current_task():
+                task.cancel()
+        await self.front.aclose()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _call(self, fn):
+        return self._wait(asyncio.run_coroutine_threadsafe(self.front.between_steps(fn), self.loop))
+
+    def _wait(self, future: Future):
+        try:
+            return future.result(timeout=self.deadline_s)
+        except TimeoutError:
+            future.cancel()
+            raise UserError(
+                f"the rollout engine did not answer within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+            ) from None
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"generation failed: {self._error!r}") from self._error

@@ -1,0 +1,225 @@
+"""trainer.async_mode: the stream of groups, admission under rollout.max_staleness, token versions
+across in-flight weight updates, and staleness 0 as the synchronous run bit for bit."""
+
+import json
+import time
+
+import pytest
+import torch
+from rl_run import config, read_metrics
+from safetensors.torch import load_file
+
+from hybridflow.batch import Prompt
+from hybridflow.controller.group_stream import GroupStream
+from hybridflow.controller.trainer import RLTrainer
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.roles.forward import packed_response_logprobs
+from hybridflow.rollout.sampling import SamplingParams
+
+NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "async/", "reward/latency")
+
+
+def run(setup, run_dir, steps, *overrides):
+    c = config(
+        setup, run_dir, f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", *overrides
+    )
+    RLTrainer(c).fit()
+    return read_metrics(run_dir)
+
+
+def policy(run_dir, step):
+    return load_file(run_dir / "checkpoints" / f"global_step_{step}" / "policy" / "model.safetensors")
+
+
+def test_streaming_with_staleness_0_is_the_synchronous_run_bit_for_bit(setup, tmp_path):
+    sync = run(setup, tmp_path / "sync", 3)
+    streamed = run(setup, tmp_path / "s0", 3, "trainer.async_mode=streaming", "rollout.max_staleness=0")
+    for a, b in zip(sync, streamed, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED)} == {
+            k: v for k, v in b.items() if not k.startswith(NOT_COMPARED)
+        }
+        assert b["async/staleness_max"] == 0.0
+    a, b = policy(tmp_path / "sync", 3), policy(tmp_path / "s0", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mode, bound", [("one_step", 1), ("streaming", 2)])
+def test_staleness_reaches_its_bound_and_never_passes_it(setup, tmp_path, mode, bound):
+    metrics = run(setup, tmp_path / mode, 5, f"trainer.async_mode={mode}", f"rollout.max_staleness={bound}")
+    ages = [m["async/staleness_max"] for m in metrics]
+    # step s is trained by policy s - 1; its groups were admitted under policy max(0, s - 1 - bound)
+    assert ages == [min(s - 1, bound) for s in range(1, 6)]
+    assert all(m["async/staleness_mean"] <= bound for m in metrics)
+    assert metrics[0]["critic/score/mean"] == run(setup, tmp_path / "sync", 1)[0]["critic/score/mean"]
+    # a batch from an older policy: pi_old is recomputed and the gap to the sampler is measured
+    assert all("training/rollout_probs_diff_mean" in m for m in metrics)
+
+
+KILLED = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from rl_run import config
+from hybridflow.controller.trainer import RLTrainer
+RLTrainer(config(Path({setup!r}), Path({run!r}), *{args!r})).fit()
+"""
+
+
+def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(setup, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = ["trainer.total_training_steps=6", "trainer.val_before_train=false", "trainer.save_freq=1",
+            "trainer.async_mode=streaming", "rollout.max_staleness=1", "trainer.log_samples_freq=1",
+            "trainer.log_samples=8"]  # fmt: skip
+    RLTrainer(config(setup, tmp_path / "whole", *args)).fit()
+    run_dir = tmp_path / "killed"
+    script = tmp_path / "train.py"
+    script.write_text(
+        KILLED.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run_dir), args=args)
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    # step 2 logged (its checkpoint written first): steps 3 and 4 were admitted and generating
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert read_metrics(run_dir)[-1]["step"] < 6  # killed mid-run
+    RLTrainer(config(setup, run_dir, *args)).fit()
+
+    def prompts(run_dir, step):
+        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        return sorted(r["prompt"] for r in rows if r["step"] == step)
+
+    for step in range(1, 7):  # the sampler resumed before the prompts in flight: none skipped, none twice
+        assert prompts(run_dir, step) == prompts(tmp_path / "whole", step), step
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.max_staleness=2"], "set trainer.async_mode=streaming"),
+        (["trainer.async_mode=one_step", "rollout.max_staleness=2"], "one update late"),
+        (["trainer.async_mode=streaming", "resources.num_workers=2"], "one worker for now"),
+        (["trainer.async_mode=streaming", "rollout.backend=hf"], "built-in engine"),
+        (["trainer.async_mode=streaming", "algorithm.filter_groups.enable=true"], "filter_groups"),
+        (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),
+    ],
+)
+def test_what_an_asynchronous_run_cannot_do_is_named(setup, tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message):
+        RLTrainer(config(setup, tmp_path, *overrides))
+
+
+# ---- the stream itself, on a tiny engine ----------------------------------------------------------
+class Scores:
+    """The Reward's submit/outcomes pair, scoring every row 1 and remembering the order it saw groups."""
+
+    def __init__(self):
+        self.seen = []
+
+    def submit(self, rollouts):
+        self.seen.append(rollouts.group_ids[0])
+        return None, time.perf_counter()
+
+    def outcomes(self, rollouts, pending):
+        from hybridflow.rewards.executor import Outcome
+
+        return [Outcome(score=1.0) for _ in range(len(rollouts))]
+
+
+def tiny_engine():
+    model = from_hf_model(tiny_model("qwen2", seed=3)).eval()
+    # no stop token: every sample runs to max_tokens
+    return Engine(model, eos_token_ids=[], config=EngineConfig(max_context_tokens=4096, share_weights=False))
+
+
+def prompt(i):
+    return Prompt(i, list(b"question %d" % i), "synthetic")
+
+
+def generated(engine) -> int:
+    return max((s.num_generated for group in list(engine._requests.values()) for s in group), default=0)
+
+
+def test_a_group_interrupted_by_a_weight_update_carries_both_versions_and_their_log_probs():
+    engine = tiny_engine()
+    before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        stream.submit([prompt(0)], SamplingParams(n=2, max_tokens=1500, seed=7), first_group=0)
+        deadline = time.monotonic() + 60
+        while generated(engine) < 16 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        generator = torch.Generator().manual_seed(0)
+
+        def write(engine):  # a new policy: every weight moved
+            engine.update_weights(
+                (k, v + 0.05 * torch.randn(v.shape, generator=generator)) for k, v in before.items()
+            )
+
+        stream.update_weights(write, version=1)
+        (group,), _ = stream.take([0])
+    finally:
+        stream.close()
+    r = group.rollouts
+    for versions, ids in zip(r.policy_versions, r.response_ids):
+        assert len(versions) == len(ids) == 1500
+        first_new = versions.index(1)  # in order: the old policy's tokens, then the new one's
+        assert (
+            16 <= first_new < 1500 and set(versions[:first_new]) == {0} and set(versions[first_new:]) == {1}
+        )
+    # each token's log-prob is its own policy's: recompute with the old and the new weights
+    after = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    model = from_hf_model(tiny_model("qwen2", seed=3)).eval()
+    for weights, version in ((before, 0), (after, 1)):
+        model.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logp, _ = packed_response_logprobs(
+                model, r.prompt_ids, r.response_ids, device=torch.device("cpu"), compute_dtype="float32"
+            )
+        for i, versions in enumerate(r.policy_versions):
+            mine = torch.tensor([v == version for v in versions])
+            gap = (logp[i, :1500][mine] - torch.tensor(r.response_logprobs[i])[mine]).abs().max()
+            assert gap < 1e-4, (version, gap)
+
+
+def test_the_trainer_takes_every_admitted_group_even_when_later_ones_finish_first():
+    scores = Scores()
+    stream = GroupStream(tiny_engine(), scores, version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        stream.submit([prompt(0)], SamplingParams(n=2, max_tokens=800, seed=1), first_group=0)  # slow
+        stream.submit([prompt(1), prompt(2)], SamplingParams(n=2, max_tokens=8, seed=1), first_group=1)
+        groups, _ = stream.take([0, 1, 2])
+    finally:
+        stream.close()
+    assert scores.seen[0] != 0  # the short groups were scored first, and the slow one was waited for
+    assert [g.rollouts.group_ids[0] for g in groups] == [0, 1, 2]
+    assert [len(ids) for g in groups for ids in g.rollouts.response_ids] == [800, 800, 8, 8, 8, 8]
+
+
+def test_generation_beside_the_stream_uses_the_same_seeds_as_a_batch():
+    engine = tiny_engine()
+    params = SamplingParams(n=2, max_tokens=12, seed=5)
+    expected = engine.generate([prompt(0).token_ids, prompt(1).token_ids], params)
+    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        got = stream.generate_now([prompt(0), prompt(1)], params)
+    finally:
+        stream.close()
+    assert got.response_ids == [g.token_ids for g in expected]
+    assert got.response_logprobs == [g.logprobs for g in expected]
