@@ -59,15 +59,27 @@ def test_importance_weights_by_token_and_by_sequence():
         (["algorithm.rollout_correction.rollout_rs=seq_k1"], "unknown option seq_k1"),
         (["algorithm.rollout_correction.rollout_rs=token_k2"], "needs rollout_rs_threshold"),
         (
-            ["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"],
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2",
+            ],
             "'lower_upper'",
         ),
         (
-            ["algorithm.rollout_correction.rollout_rs=token_k2,token_k3", "algorithm.rollout_correction.rollout_rs_threshold='1,2,3'"],
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k2,token_k3",
+                "algorithm.rollout_correction.rollout_rs_threshold='1,2,3'",
+            ],
             "3 entries for 2",
         ),
         (["algorithm.rollout_correction.rollout_is=geometric"], "rollout_is='geometric'"),
-        (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], "bypass_mode"),
+        (
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.rollout_correction.rollout_is=token",
+            ],
+            "bypass_mode",
+        ),
     ],
 )
 def test_bad_corrections_are_named(setup, tmp_path, overrides, message):
