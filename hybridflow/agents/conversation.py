@@ -68,7 +68,7 @@ class Conversation:
         the history holds as the assistant's message, exactly as the model wrote it."""
         ids = completion.token_ids
         self.tokens += ids
-        self.current.add_sampled(ids, completion.logprobs, completion.weight_version)
+        self.current.add_sampled(ids, completion.logprobs, completion.weight_versions)
         self.current.turns += 1
         self.response_tokens += len(ids)
         body = ids[:-1] if completion.finish_reason == "stop" and ids else ids

@@ -18,6 +18,12 @@ class Completion:
     """'stop' (EOS or a stop token, which ends token_ids) or 'length'."""
     weight_version: int
     """The newest weight version among the tokens (a call that spans an update has two)."""
+    weight_versions: list[int] | None = None
+    """Each token's weight version; None: all of them `weight_version`."""
+
+    def __post_init__(self) -> None:
+        if self.weight_versions is None:
+            self.weight_versions = [self.weight_version] * len(self.token_ids)
 
 
 class EngineModel:
@@ -49,10 +55,10 @@ class EngineModel:
             first_sequence=self.params.first_sequence + call,
             stop_token_ids=list(self.params.stop_token_ids) + list(stop_token_ids),
         )
-        ids, logprobs, finish, version = [], [], "length", 0
+        ids, logprobs, versions, finish = [], [], [], "length"
         async for out in self.engine.stream(token_ids, params, every_step=False):
             ids += out.token_ids
             logprobs += out.logprobs
-            version = max(version, out.weight_version)
+            versions += [out.weight_version] * len(out.token_ids)
             finish = out.finish_reason or finish
-        return Completion(ids, logprobs, finish, version)
+        return Completion(ids, logprobs, finish, max(versions, default=0), versions)

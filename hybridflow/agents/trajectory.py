@@ -33,11 +33,11 @@ class Trajectory:
     tool_seconds: list[float] = field(default_factory=list)
     """Each tool call's latency (its wait for a free slot included)."""
 
-    def add_sampled(self, token_ids: list[int], logprobs: list[float], weight_version: int) -> None:
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], weight_versions: list[int]) -> None:
         self.response_ids += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.logprobs += logprobs
-        self.weight_versions += [weight_version] * len(token_ids)
+        self.weight_versions += weight_versions
 
     def add_observed(self, token_ids: list[int]) -> None:
         self.response_ids += token_ids

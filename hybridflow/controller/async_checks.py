@@ -35,8 +35,6 @@ def check_async(config: Config) -> None:
         why = "runs on one worker for now (resources.num_workers=1, one GPU, no rollout_workers)"
     elif c.rollout.backend not in ("auto", "native"):
         why = f"generates with the built-in engine, not rollout.backend={c.rollout.backend}"
-    elif c.rollout.agent.loop:
-        why = f"streams single-turn groups for now, not rollout.agent.loop={c.rollout.agent.loop}"
     elif c.rollout.server:
         why = "drives the engine itself, not through rollout.server"
     elif c.algorithm.filter_groups.enable:

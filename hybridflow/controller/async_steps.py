@@ -16,10 +16,11 @@ from hybridflow.roles.reward import RewardResult
 def open_stream(trainer) -> GroupStream:
     """The stream over the (in-process) worker's engine, holding the policy of the trainer's step."""
     c = trainer.config
-    (engine,) = trainer.workers.call(HybridWorker.rollout_engine)
+    ((engine, agent),) = trainer.workers.call(HybridWorker.rollout_parts)
     return GroupStream(
         engine,
         trainer.reward,
+        agent=agent,
         version=trainer.step,
         in_flight_updates=c.trainer.async_mode == "streaming",
         deadline_s=c.trainer.watchdog_s or 3600.0,
@@ -58,7 +59,8 @@ def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
     metrics = {k: v for k, v in scored.metrics.items() if not k.startswith("timing_s/")}
     metrics["timing_s/reward"] = scored.metrics["timing_s/reward"]  # what was left after the stream scored
     metrics |= staleness_metrics(rollouts, trained_by=step - 1)
-    metrics["async/wait_for_groups_s"] = waited
+    metrics["async/wait_for_groups_s"] = waited  # the trainer's idle time
+    metrics["async/generation_idle_s"] = stream.take_idle_seconds()  # the engine's, since the last step
     metrics["async/groups_running"] = float(stream.running)
     return rollouts, scored, metrics
 

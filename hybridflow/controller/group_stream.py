@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from hybridflow.agents.runner import CALLS_PER_EPISODE, run_episodes
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.errors import UserError
@@ -35,16 +36,21 @@ class FinishedGroup:
 
 
 class GroupStream:
-    def __init__(self, engine, reward, *, version: int, in_flight_updates: bool, deadline_s: float) -> None:
+    def __init__(
+        self, engine, reward, *, agent=None, version: int, in_flight_updates: bool, deadline_s: float
+    ) -> None:
         """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
-        Reward whose submit/outcomes score each group; `version`: the policy version its weights hold."""
-        self.engine, self.reward = engine, reward
+        Reward whose submit/outcomes score each group; `agent`: an agent loop (each sample a multi-turn
+        episode) or None; `version`: the policy version its weights hold."""
+        self.engine, self.reward, self.agent = engine, reward, agent
         self.in_flight_updates, self.deadline_s = in_flight_updates, deadline_s
         self.version = version
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
         self._policy_versions = [version]
         self._finished: dict[int, FinishedGroup] = {}
         self._running: set[int] = set()
+        self._idle_since: float | None = time.perf_counter()  # no group running since then
+        self._idle = 0.0  # seconds the engine had no group, since take_idle_seconds last asked
         self._error: BaseException | None = None
         self._changed = threading.Condition()
         self.loop = asyncio.new_event_loop()
@@ -57,6 +63,9 @@ class GroupStream:
         """Admit one group per prompt (group ids first_group..): prompt i's sample j draws from
         (params.seed, params.first_sequence + i * n + j), as a synchronous step's would."""
         with self._changed:
+            if self._idle_since is not None:
+                self._idle += time.perf_counter() - self._idle_since
+                self._idle_since = None
             self._running.update(range(first_group, first_group + len(prompts)))
         asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
 
@@ -110,6 +119,15 @@ class GroupStream:
         """A batch beside the stream's groups on the same engine (validation), returned when done."""
         return self._wait(asyncio.run_coroutine_threadsafe(self._batch(prompts, params, 0), self.loop))
 
+    def take_idle_seconds(self) -> float:
+        """Seconds the engine had no admitted group to work on since the last call (generation's
+        idle time: waiting for the trainer's next update to admit more)."""
+        with self._changed:
+            now = time.perf_counter()
+            idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
+            self._idle, self._idle_since = 0.0, now if self._idle_since is not None else None
+            return idle
+
     @property
     def running(self) -> int:
         with self._changed:
@@ -131,11 +149,7 @@ class GroupStream:
         try:
             await asyncio.gather(
                 *(
-                    self._group(
-                        prompt,
-                        replace(params, first_sequence=params.first_sequence + i * params.n),
-                        first_group + i,
-                    )
+                    self._group(prompt, self._params_of(params, i), first_group + i)
                     for i, prompt in enumerate(prompts)
                 )
             )
@@ -152,9 +166,18 @@ class GroupStream:
         with self._changed:
             self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
             self._running.discard(group_id)
+            if not self._running:
+                self._idle_since = time.perf_counter()
             self._changed.notify_all()
 
+    def _params_of(self, params: SamplingParams, i: int) -> SamplingParams:
+        """Prompt i's sampling streams, as in one batch call (an episode takes CALLS_PER_EPISODE)."""
+        stride = params.n * (CALLS_PER_EPISODE if self.agent is not None else 1)
+        return replace(params, first_sequence=params.first_sequence + i * stride)
+
     async def _sample(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:
+        if self.agent is not None:
+            return await self._episodes(prompt, params, group_id)
         ids = [[] for _ in range(params.n)]
         logprobs = [[] for _ in range(params.n)]
         versions = [[] for _ in range(params.n)]
@@ -174,14 +197,21 @@ class GroupStream:
             policy_versions=versions,
         )
 
+    async def _episodes(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:
+        """The group's multi-turn episodes; tokens the policy did not sample carry version -1."""
+        episodes = await run_episodes(self.agent, [prompt], self.front, params, first_group=group_id)
+        rollouts = episodes.rollouts
+        rollouts.scores = episodes.scores if any(s is not None for s in episodes.scores) else None
+        rollouts.policy_versions = [
+            [self._policy_version(v) if v >= 0 else -1 for v in segment.weight_versions]
+            for segments in episodes.episodes
+            for segment in segments
+        ]  # the rows' order: episode by episode, segment by segment
+        return rollouts
+
     async def _batch(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> Rollouts:
         parts = await asyncio.gather(
-            *(
-                self._sample(
-                    p, replace(params, first_sequence=params.first_sequence + i * params.n), first_group + i
-                )
-                for i, p in enumerate(prompts)
-            )
+            *(self._sample(p, self._params_of(params, i), first_group + i) for i, p in enumerate(prompts))
         )
         return Rollouts.concat(list(parts))
 
@@ -209,5 +239,5 @@ class GroupStream:
             ) from None
 
     def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"generation failed: {self._error!r}") from self._error
+        if self._error is not None:  # as raised in the stream (NonFiniteLogits keeps its diagnosis)
+            raise self._error

@@ -128,10 +128,11 @@ class HybridWorker:
         with self._phase("gen"):
             return self.rollout.generate(prompts, params, first_group=first_group)
 
-    def rollout_engine(self):
-        """The rollout backend itself, for an asynchronous run's stream (an in-process worker only)."""
+    def rollout_parts(self):
+        """The rollout backend itself and the agent loop (or None), for an asynchronous run's stream
+        (an in-process worker only)."""
         assert self.rollout is not None, "disaggregated: the rollout workers generate"
-        return self.rollout.backend
+        return self.rollout.backend, self.rollout.agent
 
     def sleep_rollout(self) -> None:
         """On a GPU, the engine's KV cache is freed while the other roles run (unless

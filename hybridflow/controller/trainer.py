@@ -209,6 +209,8 @@ class RLTrainer:
             raise WorkerError(f"{e}\n{where}") from e
         except BaseException:
             self.run_lock.release()
+            if self.stream is not None:  # its thread stops generating for a run that ended
+                self.stream.close()
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()

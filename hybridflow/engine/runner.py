@@ -327,7 +327,8 @@ class Runner:
         self.fused.step(state, mode)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             self.fused.step(state, mode)
         self._graph_pool = graph.pool()
         for k, v in saved.items():
@@ -360,7 +361,8 @@ class Runner:
         self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = self._decode_step(*args)
         self._graph_pool = graph.pool()
         self.graphs[bucket] = (graph, logits)

@@ -20,6 +20,21 @@ def pytest_report_header(config):
     return None
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_threads():
+    """Every run of the suite with torch's thread count as it started: the start's busy-core check
+    (devices.use_free_cores) would give a run fewer threads while another test process loads the
+    machine, and two runs that must agree to the last bit would not."""
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    yield
+    del os.environ["OMP_NUM_THREADS"]
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -283,6 +283,10 @@ def test_engine_model_records_each_tokens_weight_version():
 
     first, second = asyncio.run(go())
     assert (first.weight_version, second.weight_version) == (0, 1)
+    assert (first.weight_versions, second.weight_versions) == (
+        [0] * len(first.token_ids),
+        [1] * len(second.token_ids),
+    )
     assert len(first.token_ids) == len(first.logprobs) <= 6
     assert torch.tensor(first.logprobs).le(0).all()
 
