@@ -16,7 +16,8 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
   update_actor         resident + saved activations + the log-prob chunks' forward and backward
   update_weights       resident + one gathered layer
-  (rollout.free_cache_engine=false, colocated: the KV pool stays, so every phase holds it)
+  (rollout.free_cache_engine=false colocated, or trainer.async_mode one_step / streaming, where the
+  engine generates while the trainer works: the KV pool stays, so every phase holds it)
 Activations: 11.8 bytes x (hidden + intermediate) per token per layer under bf16 autocast with an
 fp32 master, and 2 x chunk x vocabulary x 2 bytes for the log-prob chunks — both fitted to the peaks
 measured on one H200 (docs/benchmarks.md), which the estimate reproduces within a few percent."""
@@ -187,7 +188,10 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
             shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
         )
     phases["update_weights"] = static + (layer if w > 1 or c.actor.offload_params else 0.0)
-    if not (c.rollout.free_cache_engine or apart):  # the pool stays beside the other roles
+    generating_meanwhile = c.trainer.async_mode != "off"  # the engine works while the trainer does
+    if generating_meanwhile or not (
+        c.rollout.free_cache_engine or apart
+    ):  # the pool stays beside the other roles
         phases = {k: v + (kv_bytes if k != "gen" else 0.0) for k, v in phases.items()}
     plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token))
     plan.suggestions = _suggestions(config, shape, plan, static, logits, kv_per_token)

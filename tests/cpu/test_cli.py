@@ -88,6 +88,27 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert len(err) == 1 and message in err[0] and err[0].startswith("hybridflow: error:")
 
 
+def test_overrides_after_an_option_are_overrides(capsys):
+    assert (
+        main(
+            [
+                "config",
+                "show",
+                "rollout.samples_per_prompt=6",
+                "--explain",
+                "rollout.top_k",
+                "rollout.top_k=5",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "rollout.top_k" in out and "5" in out
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--explain", "rollout.top_k", "--no-such-option"])
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
 def test_config_show_prints_resolved_yaml(capsys):
     assert main(["config", "show", "rollout.samples_per_prompt=6"]) == 0
     out = capsys.readouterr().out

@@ -114,12 +114,11 @@ def test_offload_and_disaggregation_move_memory_off_the_training_gpu():
     assert apart.phases["update_actor"] == pytest.approx(plain.phases["update_actor"] - engine)
 
 
-def test_a_kept_kv_pool_is_counted_in_every_phase():
+@pytest.mark.parametrize("keeps", ["rollout.free_cache_engine=false", "trainer.async_mode=streaming"])
+def test_a_kept_kv_pool_is_counted_in_every_phase(keeps):
     shape = _shape(**QWEN_05B)
     freed = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=1)
-    kept = estimate(
-        load_config(None, [*BENCH, "rollout.free_cache_engine=false"]), shape, gpu_bytes=H200, workers=1
-    )
+    kept = estimate(load_config(None, [*BENCH, keeps]), shape, gpu_bytes=H200, workers=1)
     pool = freed.kv_tokens * shape.kv_bytes_per_token()
     assert kept.kv_tokens == freed.kv_tokens and kept.phases["gen"] == freed.phases["gen"]
     for phase in ("ref/old_log_prob", "update_actor", "update_weights"):
