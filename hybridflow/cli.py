@@ -198,11 +198,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.controller.restarts import fit_with_restarts
 
     resolved = _resolve(args)
     _announce(resolved)
-    RLTrainer(resolved.config, overwrite=args.overwrite).fit()
+    fit_with_restarts(resolved.config, overwrite=args.overwrite)
 
 
 def cmd_offline(args: argparse.Namespace) -> None:

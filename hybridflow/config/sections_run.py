@@ -75,6 +75,9 @@ class TrainerConfig:
     from the newer policy, every token records its version), and a group is admitted only while it
     will be within rollout.max_staleness updates of the policy that trains on it. The off-policy
     corrections are algorithm.rollout_correction's; the step's metrics add async/* (staleness, waits)."""
+    max_restarts: int = 0
+    """`hybridflow train`: when a worker dies or raises (its rank and traceback are printed), start the
+    run again from its latest checkpoint, up to this many times; 0: stop with the error."""
     seed: int = 0
     """Seeds the prompt order, the weights' random parts and the sampling streams: the same seed gives the same
     run."""
@@ -87,6 +90,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choice("trainer", "resume", self.resume, ("auto", "disable", "force"))
+        if self.async_mode in ("False", "false"):  # YAML 1.1 reads a bare `off` as false
+            self.async_mode = "off"
         check_choice("trainer", "async_mode", self.async_mode, ("off", "one_step", "streaming"))
 
 

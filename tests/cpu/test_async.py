@@ -269,3 +269,12 @@ def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(t
     assert [m["async/staleness_max"] for m in results["one"]] == [0.0, 1.0, 1.0]
     assert [m["async/staleness_mean"] for m in results["one"]] == [0.0, 1.0, 1.0]  # -1 tokens left out
     assert all(m["agent/episodes"] == 16 for m in results["one"])
+
+
+def test_off_is_off_though_yaml_reads_it_as_false(setup, tmp_path):
+    assert config(setup, tmp_path, "trainer.async_mode=off").trainer.async_mode == "off"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  async_mode: off\n")
+    from hybridflow.config import load_config
+
+    assert load_config(str(recipe)).trainer.async_mode == "off"

@@ -142,3 +142,42 @@ def test_a_worker_killed_mid_step_stops_the_run_naming_its_checkpoint_and_it_res
     resumed = _train(setup, run, 2, *TWO)
     assert sorted(resumed) == [1, 2]
     _assert_same_step(single[2], resumed[2])
+
+
+@pytest.mark.slow
+def test_max_restarts_starts_again_from_the_latest_checkpoint_after_a_worker_dies(
+    setup, tmp_path, single, capsys
+):
+    """trainer.max_restarts=1: the worker killed during step 2 ends that attempt with its rank; the
+    run starts again from global_step_1 by itself and ends as the uninterrupted run."""
+    import threading
+    import time
+
+    from hybridflow.controller.restarts import fit_with_restarts
+
+    _, single = single
+    run = tmp_path / "restarted"
+    metrics = run / "metrics.jsonl"
+    c = config(setup, run, *ROLES, "trainer.total_training_steps=2", "trainer.max_restarts=1", *TWO)
+    attempts = []
+
+    def kill_the_first_attempt_during_step_2(trainer):
+        attempts.append(trainer)
+        if len(attempts) > 1:
+            return
+
+        def kill():
+            while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+                time.sleep(0.01)
+            ray.kill(trainer.workers.workers[1])
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    fit_with_restarts(c, started=kill_the_first_attempt_during_step_2)
+    out = capsys.readouterr().out
+    assert len(attempts) == 2
+    assert "worker rank 1 died" in out and "restart 1 of 1 (trainer.max_restarts)" in out
+    assert "resumed from" in out and "global_step_1" in out
+    rows = {m["step"]: m for m in read_metrics(run)}
+    assert sorted(rows) == [1, 2]
+    _assert_same_step(single[2], rows[2])
