@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 
-from hybridflow.batch import Rollouts
+from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.metrics import probs_diff
 from hybridflow.roles.reward import RewardResult
 
 
@@ -75,3 +76,17 @@ def staleness_metrics(rollouts: Rollouts, *, trained_by: int) -> dict[str, float
         "async/staleness_max": float(max(ages, default=0)),
         "async/partial_sequences": mixed / max(len(rollouts), 1),
     }
+
+
+def fresh_gap(rollouts: Rollouts, batch: TrainingBatch, *, trained_by: int) -> dict[str, float]:
+    """The rollout/trainer probability gap over the tokens the training policy itself sampled
+    (training/rollout_probs_diff_fresh_*): the guard's numerics check, which older tokens' drift
+    would trip. Nothing when every token is older."""
+    if batch.old_logprobs is None:
+        return {}
+    versions = pad_ragged(
+        [[float(v) for v in row] for row in rollouts.policy_versions], batch.response_mask.shape[1]
+    )
+    fresh = batch.response_mask * (versions == trained_by).to(batch.response_mask.dtype)  # [B, T]
+    gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, fresh)
+    return {k.replace("probs_diff_", "probs_diff_fresh_"): v for k, v in gap.items()}

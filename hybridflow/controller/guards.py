@@ -3,7 +3,8 @@ disagreed and how to turn it off (trainer.guards.*):
 
 - at an on-policy step the rollout engine's token probabilities and the trainer's agree within
   `max_probs_gap` (mean |p_rollout - p_trainer|): a sync that did not happen, another tokenizer or
-  chat template on one side, or a numerics bug shows here first;
+  chat template on one side, or a numerics bug shows here first (an asynchronous run: over the
+  tokens the training policy sampled itself; older policies' tokens differ by design);
 - where the old log-probs are recomputed, the first mini-batch's ppo_kl is ~0 (the policy has not
   moved yet): `max_first_ppo_kl`;
 - the rollout/trainer gap growing step after step (weights drifting apart slowly) is warned about
@@ -38,6 +39,8 @@ class TrainingGuards:
     def check(self, step: int, metrics: dict[str, float]) -> None:
         g = self.config
         gap = metrics.get("training/rollout_probs_diff_mean")
+        if metrics.get("async/staleness_max", 0.0) > 0:  # older policies' tokens: their drift is no bug
+            gap = metrics.get("training/rollout_probs_diff_fresh_mean")  # None: every token was older
         if gap is not None and g.max_probs_gap > 0 and gap > g.max_probs_gap:
             raise GuardTripped(
                 f"step {step}: the rollout engine's token probabilities differ from the trainer's by {gap:.4f} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
-from hybridflow.controller.async_steps import admit, open_stream, take_step
+from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
 from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, print_plan
@@ -305,9 +306,12 @@ class RLTrainer:
             )
             actor_mask = mask  # less the tokens a rollout correction rejects
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
-                with timer("old_log_prob"):
+                bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
+                with contextlib.nullcontext() if bypass else timer("old_log_prob"):
                     actor_mask, corrections = set_old_logprobs(c, batch, self.roles.log_probs)
                 metrics |= corrections
+                if self.stream is not None:
+                    metrics |= fresh_gap(rollouts, batch, trained_by=self.step - 1)
             if self.needs_ref:
                 with timer("ref"):
                     batch.ref_logprobs = self.roles.ref_log_probs(batch)
@@ -344,6 +348,15 @@ class RLTrainer:
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
                     metrics |= self.roles.update_actor(dataclasses.replace(batch, response_mask=actor_mask))
+                if (
+                    c.algorithm.rollout_correction.bypass_mode
+                    and "training/first_minibatch_ppo_kl" in metrics
+                ):
+                    # pi_old is the sampler's own: this KL is its gap to the trainer (and its age), not
+                    # the recomputation bug trainer.guards.max_first_ppo_kl looks for
+                    metrics["training/first_minibatch_ppo_kl_to_rollout"] = metrics.pop(
+                        "training/first_minibatch_ppo_kl"
+                    )
                 self._check_finite(metrics)
             with timer("update_weights"):
                 if self.stream is None:

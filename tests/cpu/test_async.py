@@ -278,3 +278,30 @@ def test_off_is_off_though_yaml_reads_it_as_false(setup, tmp_path):
     from hybridflow.config import load_config
 
     assert load_config(str(recipe)).trainer.async_mode == "off"
+
+
+def test_the_probability_gap_guard_looks_only_at_tokens_of_the_training_policy(setup, tmp_path):
+    """A batch two updates old differs from the trainer by the updates themselves: the guard that
+    catches numerics bugs must not stop the run for that, and still sees the fresh tokens."""
+    metrics = run(
+        setup, tmp_path / "run", 4, "trainer.async_mode=streaming", "rollout.max_staleness=2",
+        "trainer.guards.max_probs_gap=0.0005",
+    )  # fmt: skip
+    assert metrics[0]["training/rollout_probs_diff_fresh_mean"] < 1e-5  # step 1: every token fresh
+    assert max(m["training/rollout_probs_diff_mean"] for m in metrics[1:]) > 0.0005  # older tokens drifted
+    assert all("training/rollout_probs_diff_fresh_mean" not in m for m in metrics[1:])  # none fresh
+
+
+def test_bypass_mode_trains_against_the_samplers_own_log_probs(setup, tmp_path):
+    metrics = run(
+        setup,
+        tmp_path / "run",
+        3,
+        "trainer.async_mode=one_step",
+        "algorithm.rollout_correction.bypass_mode=true",
+    )
+    # pi_old is the sampler's: nothing recomputed, and the first mini-batch's KL is its gap to the
+    # trainer (one update old), reported apart from the recomputation check
+    assert all("timing_s/old_log_prob" not in m for m in metrics)
+    assert metrics[1]["training/first_minibatch_ppo_kl_to_rollout"] > 0.0
+    assert all("training/first_minibatch_ppo_kl" not in m for m in metrics)
