@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.config import Config
+from hybridflow.controller.worker_group import worker_count
+from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 
 
@@ -31,8 +33,11 @@ def check_async(config: Config) -> None:
         )
     r, c = config.resources, config
     why = None
-    if r.num_workers != 1 or r.n_gpus_per_node * r.nnodes != 1 or r.rollout_workers or r.ray_address:
-        why = "runs on one worker for now (resources.num_workers=1, one GPU, no rollout_workers)"
+    if not r.rollout_workers and (worker_count(r, resolve_device(r.device)) != 1 or r.ray_address):
+        why = (
+            "shares a GPU between engine and trainer on one worker only; with several, give the engines "
+            "workers of their own (resources.rollout_workers=N)"
+        )
     elif c.rollout.backend not in ("auto", "native"):
         why = f"generates with the built-in engine, not rollout.backend={c.rollout.backend}"
     elif c.rollout.server:

@@ -11,12 +11,23 @@ from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.metrics import probs_diff
+from hybridflow.controller.remote_stream import RemoteGroupStream
 from hybridflow.roles.reward import RewardResult
 
 
-def open_stream(trainer) -> GroupStream:
-    """The stream over the (in-process) worker's engine, holding the policy of the trainer's step."""
+def open_stream(trainer) -> GroupStream | RemoteGroupStream:
+    """The stream over the (in-process) worker's engine, or over the rollout workers' engines,
+    holding the policy of the trainer's step."""
     c = trainer.config
+    if trainer.placement.rollout is not None:
+        return RemoteGroupStream(
+            trainer.placement,
+            trainer.reward,
+            agent=bool(c.rollout.agent.loop),
+            version=trainer.step,
+            in_flight_updates=c.trainer.async_mode == "streaming",
+            deadline_s=c.trainer.watchdog_s or 3600.0,
+        )
     ((engine, agent),) = trainer.workers.call(HybridWorker.rollout_parts)
     return GroupStream(
         engine,

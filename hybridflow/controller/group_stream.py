@@ -40,7 +40,8 @@ class GroupStream:
         self, engine, reward, *, agent=None, version: int, in_flight_updates: bool, deadline_s: float
     ) -> None:
         """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
-        Reward whose submit/outcomes score each group; `agent`: an agent loop (each sample a multi-turn
+        Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
+        a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
         episode) or None; `version`: the policy version its weights hold."""
         self.engine, self.reward, self.agent = engine, reward, agent
         self.in_flight_updates, self.deadline_s = in_flight_updates, deadline_s
@@ -85,6 +86,13 @@ class GroupStream:
                     f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
                 )
             return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+
+    def poll(self) -> list[tuple[int, Rollouts]]:
+        """The groups finished since the last poll, handed over (a stream without a reward)."""
+        with self._changed:
+            self._raise_error()
+            done, self._finished = self._finished, {}
+        return [(g, f.rollouts) for g, f in sorted(done.items())]
 
     def update_weights(self, write, version: int) -> float:
         """`write(engine)` between two engine steps, then the engine holds policy `version`. Without
@@ -161,8 +169,10 @@ class GroupStream:
 
     async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
         rollouts = await self._sample(prompt, params, group_id)
-        pending = self.reward.submit(rollouts)  # rule scores run in the reward's pool
-        outcomes = await asyncio.to_thread(self.reward.outcomes, rollouts, pending)
+        outcomes = None
+        if self.reward is not None:
+            pending = self.reward.submit(rollouts)  # rule scores run in the reward's pool
+            outcomes = await asyncio.to_thread(self.reward.outcomes, rollouts, pending)
         with self._changed:
             self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
             self._running.discard(group_id)

@@ -114,7 +114,7 @@ def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(s
     [
         (["rollout.max_staleness=2"], "set trainer.async_mode=streaming"),
         (["trainer.async_mode=one_step", "rollout.max_staleness=2"], "one update late"),
-        (["trainer.async_mode=streaming", "resources.num_workers=2"], "one worker for now"),
+        (["trainer.async_mode=streaming", "resources.num_workers=2"], "resources.rollout_workers=N"),
         (["trainer.async_mode=streaming", "rollout.backend=hf"], "built-in engine"),
         (["trainer.async_mode=streaming", "algorithm.filter_groups.enable=true"], "filter_groups"),
         (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),

@@ -181,3 +181,22 @@ def test_max_restarts_starts_again_from_the_latest_checkpoint_after_a_worker_die
     rows = {m["step"]: m for m in read_metrics(run)}
     assert sorted(rows) == [1, 2]
     _assert_same_step(single[2], rows[2])
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path, single):
+    """Disaggregated and asynchronous: the engine streams groups on a Ray rollout worker, the
+    controller scores them as they arrive, weights are broadcast between two engine steps. With
+    staleness 0 the steps and weights of one colocated process; one_step trains one update late."""
+    single_dir, single = single
+    workers = ["resources.device=cpu", "resources.num_workers=2", "resources.rollout_workers=1"]
+    streamed = _train(
+        setup, tmp_path / "s0", 2, *workers, "trainer.async_mode=streaming", "rollout.max_staleness=0"
+    )
+    for step in (1, 2):
+        _assert_same_step(single[step], streamed[step])
+        assert streamed[step]["async/staleness_max"] == 0.0
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
+    late = _train(setup, tmp_path / "one", 3, *workers, "trainer.async_mode=one_step")
+    assert [late[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    _assert_same_step(single[1], late[1])  # the first batch is the synchronous one

@@ -1,0 +1,128 @@
+"""The stream of groups with the engines on rollout workers of their own (resources.rollout_workers,
+an asynchronous run): each rollout worker runs a GroupStream over its engine; this controller-side
+twin gives the trainer the same calls. A step's prompts are split over the workers in contiguous
+runs (each group keeps the sampling streams it would have in one process); a thread here polls the
+workers for finished groups and scores each as it arrives; a weight update is the placement's
+broadcast, received by each worker between two engine steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+from hybridflow.agents.runner import CALLS_PER_EPISODE
+from hybridflow.batch import Prompt, Rollouts
+from hybridflow.controller.dispatch import prompt_shards
+from hybridflow.controller.group_stream import FinishedGroup
+from hybridflow.controller.hybrid_worker import HybridWorker
+from hybridflow.controller.rollout_worker import RolloutWorker
+from hybridflow.errors import UserError
+from hybridflow.rollout.sampling import SamplingParams
+
+POLL_S = 0.02  # between polls of the rollout workers for finished groups
+
+
+class RemoteGroupStream:
+    def __init__(
+        self, placement, reward, *, agent: bool, version: int, in_flight_updates: bool, deadline_s: float
+    ) -> None:
+        self.placement, self.group, self.reward = placement, placement.rollout, reward
+        self.agent, self.deadline_s, self.version = agent, deadline_s, version
+        self.group.call(RolloutWorker.open_stream, version, in_flight_updates, deadline_s)
+        self._finished: dict[int, FinishedGroup] = {}
+        self._running: set[int] = set()
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="hybridflow-poll-groups", daemon=True)
+        self._poller.start()
+
+    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+        with self._changed:
+            self._running.update(range(first_group, first_group + len(prompts)))
+        self.group.call_each(RolloutWorker.stream_submit, self._runs(prompts, params, first_group))
+
+    def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
+        start = time.perf_counter()
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: self._error is not None or all(g in self._finished for g in group_ids),
+                self.deadline_s,
+            )
+            if self._error is not None:
+                raise self._error
+            if not ok:
+                missing = [g for g in group_ids if g not in self._finished]
+                raise UserError(
+                    f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+                )
+            return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+
+    def update_weights(self, write, version: int) -> float:
+        """The actor's weights broadcast to every rollout worker, each putting them into its engine
+        between two steps (`write` is the colocated path's and unused here); the longest wait."""
+        units, dtype = self.placement.manifest
+        receiving = self.group.submit_each(
+            RolloutWorker.stream_receive_weights, [(units, dtype, version)] * self.group.world_size
+        )
+        self.placement.train.call(HybridWorker.sync_weights)
+        waited = max(self.group.wait(receiving))
+        self.version = version
+        return waited
+
+    def run_in_engine(self, fn):
+        raise NotImplementedError("the engines are on the rollout workers")
+
+    def generate_now(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
+        runs = self._runs(prompts, params, 0)
+        parts = self.group.call_each(RolloutWorker.stream_generate, [(part, p) for part, p, _ in runs])
+        for (_, _, offset), part in zip(runs, parts):  # each worker numbered its groups from 0
+            part.group_ids = [g + offset for g in part.group_ids]
+        return Rollouts.concat(parts)
+
+    def take_idle_seconds(self) -> float:
+        """The rollout workers' idle time since the last call (the mean over them)."""
+        idle = self.group.call(RolloutWorker.stream_idle_seconds)
+        return sum(idle) / len(idle)
+
+    @property
+    def running(self) -> int:
+        with self._changed:
+            return len(self._running)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._poller.join(timeout=60)
+        self.group.call(RolloutWorker.close_stream)
+
+    # ----------------------------------------------------------------------------------------------
+    def _runs(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> list[tuple]:
+        """(prompts, params, first group) per rollout worker: contiguous runs of the prompts, each
+        starting at its first prompt's sampling streams."""
+        stride = params.n * (CALLS_PER_EPISODE if self.agent else 1)
+        return [
+            (
+                part,
+                replace(params, first_sequence=params.first_sequence + offset * stride),
+                first_group + offset,
+            )
+            for part, offset in prompt_shards(prompts, self.group.world_size)
+        ]
+
+    def _poll(self) -> None:
+        try:
+            while not self._closed.wait(POLL_S):
+                for done, _running in self.group.call(RolloutWorker.stream_poll):
+                    for group_id, rollouts in done:  # scored here as it arrives
+                        outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
+                        with self._changed:
+                            self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
+                            self._running.discard(group_id)
+                            self._changed.notify_all()
+        except BaseException as e:  # a worker failed: the trainer hears it at take()
+            with self._changed:
+                self._error = e
+                self._changed.notify_all()
