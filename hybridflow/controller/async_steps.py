@@ -50,7 +50,7 @@ def admit(trainer) -> None:
         trainer.sampler_before[step] = trainer.sampler.state_dict()  # a checkpoint of step - 1 resumes here
         prompts = trainer.sampler.next()
         trainer.epoch_of[step] = trainer.sampler.epoch
-        stream.submit(prompts, trainer._sampling(1, step=step), first_group=group_base(c, step))
+        stream.submit(prompts, trainer.sampling(1, step=step), first_group=group_base(c, step))
         trainer.admitted = step
 
 

@@ -13,8 +13,7 @@ import torch
 
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from hybridflow.algorithms.losses import filter_zero_variance_groups
-from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
+from hybridflow.batch import TrainingBatch, pad_ragged
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
@@ -38,6 +37,7 @@ from hybridflow.controller.setup import (
     updates_per_step,
 )
 from hybridflow.controller.summary import run_summary
+from hybridflow.controller.sync_steps import generate_step, greedy_baselines
 from hybridflow.controller.validation import validate
 from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_models import WorkerLayout
@@ -49,7 +49,7 @@ from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
 from hybridflow.rewards.hidden import hidden_paths
-from hybridflow.roles.reward import Reward, RewardResult
+from hybridflow.roles.reward import Reward
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows
@@ -292,7 +292,7 @@ class RLTrainer:
                     if self.stream is not None:  # the groups generated (and scored) meanwhile
                         rollouts, scored, metrics = take_step(self)
                     else:
-                        rollouts, scored, metrics = self._generate()
+                        rollouts, scored, metrics = generate_step(self)
                     if self.stream is None and not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
                         self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
@@ -332,7 +332,7 @@ class RLTrainer:
                     self.kl_ctl.update(current_kl, n_steps=c.data.prompts_per_step)
                 baselines = None
                 if estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
-                    baselines = self._greedy_baselines(rollouts)
+                    baselines = greedy_baselines(self, rollouts)
                     self.placement.sleep_rollout()
                 batch.advantages, batch.returns = compute_advantages(
                     c.algorithm,
@@ -406,7 +406,7 @@ class RLTrainer:
                 sink.log_samples(rows, self.step)
 
     # ---- pieces of a step ------------------------------------------------------------------------
-    def _sampling(self, round_: int, *, step: int | None = None, **overrides) -> SamplingParams:
+    def sampling(self, round_: int, *, step: int | None = None, **overrides) -> SamplingParams:
         """The sampling parameters of `step` (default: this one); each step and round its own seed."""
         r, step = self.config.rollout, self.step if step is None else step
         seed = (self.config.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31)
@@ -420,66 +420,9 @@ class RLTrainer:
         )
         return SamplingParams(**(fields | overrides))
 
-    def _generate(self) -> tuple[Rollouts, RewardResult, dict[str, float]]:
-        """Sample and score; with DAPO dynamic sampling, keep only informative groups and sample more
-        prompts until the step has prompts_per_step of them or max_generation_rounds is reached."""
-        c = self.config
-        dapo = c.algorithm.filter_groups
-        kept_rollouts, kept_results, groups, rounds, reward_time = [], [], 0, 0, 0.0
-        round_rollouts, round_results = [], []  # unfiltered rounds, the fallback when nothing is informative
-        while True:
-            rounds += 1
-            prompts = self.sampler.next(dapo.prompts_per_round if dapo.enable else None)
-            rollouts = self.roles.rollouts(prompts, self._sampling(rounds), first_group=groups)
-            with self.watchdog.phase("reward"):
-                result: RewardResult = self.reward.score(rollouts)
-            metrics = {k: v for k, v in result.metrics.items() if not k.startswith("timing_s/")}
-            reward_time = result.metrics["timing_s/reward"] + (reward_time if rounds > 1 else 0.0)
-            metrics["timing_s/reward"] = reward_time
-            if not dapo.enable:
-                return rollouts, result, metrics
-            round_rollouts.append(rollouts)
-            round_results.append(result)
-            keep = filter_zero_variance_groups(self._filter_values(result), rollouts.group_ids)
-            keep = keep.nonzero()[:, 0].tolist()
-            kept_rollouts.append(rollouts.select(keep))
-            kept_results.append(result.select(keep))
-            groups += len(prompts)
-            informative = len({g for r in kept_rollouts for g in r.group_ids})
-            if informative >= c.data.prompts_per_step or rounds >= dapo.max_generation_rounds:
-                break
-        rollouts, result = Rollouts.concat(kept_rollouts), RewardResult.concat(kept_results)
-        wanted = sorted(set(rollouts.group_ids))[: c.data.prompts_per_step]
-        rows = [i for i, g in enumerate(rollouts.group_ids) if g in set(wanted)]
-        if (
-            not rows
-        ):  # every group agreed (e.g. a solved task): train on the last round, whose advantages are 0
-            log.warning(
-                "DAPO: no group with differing scores in %d rounds; this step carries no signal", rounds
-            )
-            rollouts, result = round_rollouts[-1], round_results[-1]
-            rows = list(range(len(rollouts)))
-        metrics |= {"dapo/generation_rounds": float(rounds), "dapo/kept_groups": float(len(wanted))}
-        return rollouts.select(rows), result.select(rows), metrics
-
-    def _filter_values(self, result: RewardResult) -> torch.Tensor:
-        """[B] what must differ within a group for DAPO to keep it (algorithm.filter_groups.metric)."""
-        metric = self.config.algorithm.filter_groups.metric  # seq_final_reward = seq_reward (start checks)
-        return {"acc": result.accs, "score": result.raw_scores}.get(metric, result.scores)
-
-    def _greedy_baselines(self, rollouts: Rollouts) -> torch.Tensor:
-        """ReMax: the reward of one greedy response per prompt, broadcast to its samples."""
-        firsts = {g: i for i, g in reversed(list(enumerate(rollouts.group_ids)))}
-        prompts = [rollouts.prompts[i] for i in firsts.values()]
-        greedy = self.roles.rollouts(prompts, self._sampling(0, n=1, temperature=0.0))
-        with self.watchdog.phase("reward"):
-            scores = self.reward.score(greedy).scores
-        by_group = dict(zip(firsts, scores.tolist()))
-        return torch.tensor([by_group[g] for g in rollouts.group_ids])
-
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
-        params = self._sampling(
+        params = self.sampling(
             -1,
             n=r.val_samples_per_prompt,
             temperature=r.val_temperature,
