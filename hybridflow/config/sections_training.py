@@ -61,6 +61,10 @@ class ActorConfig:
     sums divided by max_response_tokens)."""
     entropy_coeff: float = 0.0
     """Weight of an entropy bonus in the actor loss (0: none)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts policies (Qwen3-MoE, Mixtral): weight of the routers' load-balancing loss
+    (Switch Transformer's, over every MoE layer's tokens, as transformers computes it) in the actor
+    loss; 0: none (transformers adds it only with output_router_logits; its configs give 0.001)."""
     use_kl_loss: bool = False
     """Add a KL penalty against the reference policy to the actor loss (GRPO's way; needs the reference)."""
     kl_loss_coef: float = 0.001

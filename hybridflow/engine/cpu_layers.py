@@ -28,6 +28,8 @@ def supports(model: NativeCausalLM, device: torch.device, compute_dtype: torch.d
     """fp32 on CPU with plain nn.Linear projections (the engine's merged copy under LoRA is one)."""
     if device.type != "cpu" or compute_dtype != torch.float32 or not onednn_available():
         return False
+    if model.config.moe is not None:  # experts are batched per expert by their own block
+        return False
     linears = [model.lm_head]
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp

@@ -128,6 +128,7 @@ class Engine:
             # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests); their
             # tiles span a head in two halves of a power-of-two size
             fused_decode=c.fused_decode
+            and mc.moe is None  # the fused layers are dense; an MoE model runs its own modules
             and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
             and mc.head_dim >= 4
             and mc.head_dim & (mc.head_dim - 1) == 0,

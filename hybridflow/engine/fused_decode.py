@@ -57,7 +57,8 @@ def fuse_projections(model: NativeCausalLM) -> None:
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         _fuse([a.q_proj, a.k_proj, a.v_proj])
-        _fuse([m.gate_proj, m.up_proj])
+        if hasattr(m, "gate_proj"):  # a dense MLP (an expert block keeps gate and up fused already)
+            _fuse([m.gate_proj, m.up_proj])
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hybridflow.models.native.model import NativeCausalLM
+from hybridflow.models.native.moe import Experts, Router
 
 if TYPE_CHECKING:
     from hybridflow.engine.triton_copy import CastCopyPlan
@@ -33,7 +34,7 @@ def engine_model(model: NativeCausalLM, device: torch.device, compute_dtype: tor
     if compute_dtype == master:
         return out
     for module in out.modules():
-        if isinstance(module, nn.Linear) and module is not out.lm_head:
+        if isinstance(module, (nn.Linear, Experts, Router)) and module is not out.lm_head:
             module.to(compute_dtype)
     out.lm_head.weight = nn.Parameter(
         out.lm_head.weight.detach().to(compute_dtype).clone(), requires_grad=False

@@ -33,6 +33,29 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {"tie_word_embeddings": False, "sliding_window": None}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}),
+    # mixture of experts: 4 experts, 2 a token; Qwen3-MoE with a dense first layer (mlp_only_layers)
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+            "decoder_sparse_step": 1,
+        },
+    ),
+    "mixtral": (
+        "mixtral",
+        {
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+        },
+    ),
 }
 
 

@@ -14,6 +14,7 @@ from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.devices import to_device
+from hybridflow.models.native.moe import SparseMoE, load_balancing_loss
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
 from hybridflow.tracking.progress import bar
@@ -100,6 +101,10 @@ class Actor:
         self.model = model
         self.temperature = temperature
         self.config = config
+        # an MoE policy's expert blocks record their routing when the load-balancing loss is trained
+        self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        for block in self.moe_blocks:
+            block.record_routing = bool(config.router_aux_loss_coef)
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
         self.device = device or next(model.parameters()).device
         self.pad_token_id = pad_token_id
@@ -272,6 +277,10 @@ class Actor:
                 kl_loss = agg(kl)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 sums["kl_loss"] += 0.0 if padding else kl_loss.detach()
+            if self.moe_blocks and cfg.router_aux_loss_coef:  # routing recorded by this forward
+                aux = self._router_aux_loss()
+                loss = loss + cfg.router_aux_loss_coef * aux * share  # the shares sum to 1 over the batch
+                sums["moe_aux_loss"] += 0.0 if padding else aux.detach() * share
             if padding:
                 (loss * 0.0).backward()
                 continue
@@ -285,6 +294,11 @@ class Actor:
             for k, v in pg_metrics.items():
                 sums[k] += v.detach() * share
         return optimizer_step(self.model, self.optimizer, cfg.optim.grad_clip, _on_host(sums))
+
+    def _router_aux_loss(self) -> torch.Tensor:
+        routings = [block.routing for block in self.moe_blocks]
+        first = self.moe_blocks[0]
+        return load_balancing_loss(routings, first.num_experts, first.top_k)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.errors import UserError
+from hybridflow.models.native.moe import MoEConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 @dataclass
@@ -28,6 +29,8 @@ class NativeConfig:
     rope: dict = field(default_factory=dict)
     """rope_theta, rope_type and the type's own fields (factor, low_freq_factor, ...)."""
     max_position_embeddings: int = 4096
+    moe: MoEConfig | None = None
+    """Mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral); None: dense."""
 
 
 def rope_parameters(hf) -> dict:
@@ -47,8 +50,8 @@ def from_hf(hf) -> NativeConfig:
         raise UserError(
             f"model type {kind!r} has no native implementation (supported: {', '.join(SUPPORTED)})"
         )
-    if kind == "mistral" and getattr(hf, "sliding_window", None):
-        raise UserError("mistral sliding-window attention is not supported natively; use model.impl=hf")
+    if kind in ("mistral", "mixtral") and getattr(hf, "sliding_window", None):
+        raise UserError(f"{kind} sliding-window attention is not supported natively; use model.impl=hf")
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     qwen2 = kind == "qwen2"
@@ -66,7 +69,33 @@ def from_hf(hf) -> NativeConfig:
         attention_bias=qwen2 or bool(getattr(hf, "attention_bias", False)),
         attention_output_bias=bool(getattr(hf, "attention_bias", False)) and not qwen2,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         rope=rope_parameters(hf),
         max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+        moe=moe_config(hf),
     )
+
+
+def moe_config(hf) -> MoEConfig | None:
+    layers = range(hf.num_hidden_layers)
+    if hf.model_type == "mixtral":
+        return MoEConfig(
+            num_experts=hf.num_local_experts,
+            top_k=hf.num_experts_per_tok,
+            intermediate_size=hf.intermediate_size,
+            norm_topk_prob=True,
+            sparse_layers=tuple(layers),
+            router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0)),
+        )
+    if hf.model_type == "qwen3_moe" and hf.num_experts > 0:
+        dense = set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        return MoEConfig(
+            num_experts=hf.num_experts,
+            top_k=hf.num_experts_per_tok,
+            intermediate_size=hf.moe_intermediate_size,
+            norm_topk_prob=bool(hf.norm_topk_prob),
+            sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+            router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0)),
+        )
+    return None

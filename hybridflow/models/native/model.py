@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.models.native.config import NativeConfig
+from hybridflow.models.native.moe import SparseMoE
 from hybridflow.models.native.rope import rope_cos_sin
 
 
@@ -136,12 +137,13 @@ class DecoderLayer(nn.Module):
     fuse their norms, RoPE and elementwise work while attention (whose sequence boundaries change
     every micro-batch) stays outside the compiled graphs."""
 
-    def __init__(self, c: NativeConfig) -> None:
+    def __init__(self, c: NativeConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        sparse = c.moe is not None and index in c.moe.sparse_layers
+        self.mlp = SparseMoE(c.hidden_size, c.moe) if sparse else MLP(c)
         self.compiled: tuple | None = None  # (before_attention, after_attention) once compiled
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -175,7 +177,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gradient_checkpointing = False
         self.sequence_parallel = None  # set by parallel.ulysses.apply_sequence_parallel

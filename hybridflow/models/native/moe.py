@@ -1,0 +1,94 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral): a softmax router picks top-k experts
+per token; each expert is a SwiGLU MLP. Weights under transformers' in-memory names and layouts, so
+a model converts both ways by state dict: `mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I].
+
+Dispatch is grouped: the (token, choice) slots are sorted by expert, so each expert runs one matmul
+over a contiguous block of its tokens (the layout a grouped GEMM takes), and the weighted results are
+scattered back with one index_add. `record_routing` keeps the last forward's router logits and
+choices: the load-balancing loss reads them, and a rollout can record the experts it routed to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    """Renormalise the chosen experts' probabilities to sum to 1 (Mixtral always; Qwen3-MoE by config)."""
+    sparse_layers: tuple[int, ...]
+    """The decoder layers whose feed-forward is this block (the others are dense MLPs)."""
+    router_aux_loss_coef: float = 0.0
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+
+@dataclass
+class Routing:
+    logits: torch.Tensor  # [N, E] the router's logits
+    experts: torch.Tensor  # [N, k] the chosen experts
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.gate = Router(hidden, moe.num_experts)
+        self.experts = Experts(hidden, moe.intermediate_size, moe.num_experts)
+        self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
+        self.record_routing = False
+        self.routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> [N, H]."""
+        logits = F.linear(x, self.gate.weight)  # [N, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.record_routing:
+            self.routing = Routing(logits, chosen)
+        slots = chosen.flatten()  # [N*k] expert of each (token, choice)
+        order = torch.argsort(slots, stable=True)  # slots grouped by expert
+        tokens = order // self.top_k  # [N*k] the token each sorted slot reads
+        counts = torch.bincount(slots, minlength=self.num_experts).tolist()
+        inputs = x.index_select(0, tokens)  # [N*k, H]
+        outputs = torch.empty_like(inputs)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(inputs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+                outputs[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+                start += n
+        scaled = outputs * weights.flatten()[order, None].to(outputs.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+def load_balancing_loss(routings: list[Routing], num_experts: int, top_k: int) -> torch.Tensor:
+    """The Switch Transformer auxiliary loss as transformers computes it over all MoE layers' tokens:
+    E x sum_e (share of routing choices that went to e) x (mean router probability of e); 1 when
+    the router is uniform and its choices balanced."""
+    logits = torch.cat([r.logits for r in routings])  # [L*N, E]
+    chosen = torch.cat([r.experts for r in routings])  # [L*N, k]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    share = F.one_hot(chosen, num_experts).float().mean(0)  # [k, E] per choice rank, as transformers
+    return num_experts * (share * probs.mean(0)[None]).sum()
