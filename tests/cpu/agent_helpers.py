@@ -76,3 +76,21 @@ class Scripted:
 
 def _prompt(text="What is 2 + 3?"):
     return Prompt(0, [], "agent", ground_truth="5", messages=[{"role": "user", "content": text}])
+
+
+def write_guess_game(tmp_path):
+    """A tiny qwen2 policy with the Hermes template, and 16 guess_number rows (verl's schema): the
+    model directory and the rows file."""
+    import json
+
+    from hybridflow.models import tiny_model
+    from hybridflow.models.export import save_hf
+
+    save_hf(tiny_model("qwen2", seed=0), _tokenizer(), tmp_path / "model")
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Guess my number from 1 to 9 ({i})."}], "data_source": "guess",
+         "reward_model": {"ground_truth": str(1 + i % 9)}}
+        for i in range(16)
+    ]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return tmp_path / "model", tmp_path / "rows.jsonl"

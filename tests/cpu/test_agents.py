@@ -297,17 +297,12 @@ def test_training_on_environment_and_tool_episodes(tmp_path):
     template with tools), two GRPO steps each, with the agent/* metrics."""
     import json
 
+    from agent_helpers import write_guess_game
+
     from hybridflow.config import load_config
     from hybridflow.controller.trainer import RLTrainer
-    from hybridflow.models.export import save_hf
 
-    save_hf(tiny_model("qwen2", seed=0), _tokenizer(), tmp_path / "model")
-    rows = [
-        {"prompt": [{"role": "user", "content": f"Guess my number from 1 to 9 ({i})."}], "data_source": "guess",
-         "reward_model": {"ground_truth": str(1 + i % 9)}}
-        for i in range(16)
-    ]  # fmt: skip
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    write_guess_game(tmp_path)
     base = [
         f"model.path={tmp_path / 'model'}",
         f"data.train_files=[{tmp_path / 'rows.jsonl'}]",

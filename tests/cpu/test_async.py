@@ -233,18 +233,11 @@ def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(t
     """Environment episodes (guess_number; its answers masked out) through the stream: with
     staleness 0 the synchronous run's metrics and weights; with one_step every sampled token one
     update old and the environment's tokens without a version."""
-    from agent_helpers import _tokenizer
+    from agent_helpers import write_guess_game
 
     from hybridflow.config import load_config
-    from hybridflow.models.export import save_hf
 
-    save_hf(tiny_model("qwen2", seed=0), _tokenizer(), tmp_path / "model")
-    rows = [
-        {"prompt": [{"role": "user", "content": f"Guess my number from 1 to 9 ({i})."}], "data_source": "guess",
-         "reward_model": {"ground_truth": str(1 + i % 9)}}
-        for i in range(16)
-    ]  # fmt: skip
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    write_guess_game(tmp_path)
     base = [
         f"model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'rows.jsonl'}]",
         "data.max_response_tokens=48", "data.prompts_per_step=4", "rollout.samples_per_prompt=4",
