@@ -54,6 +54,7 @@ class GroupStream:
         self._idle = 0.0  # seconds the engine had no group, since take_idle_seconds last asked
         self._error: BaseException | None = None
         self._changed = threading.Condition()
+        self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
         self._thread.start()
@@ -170,9 +171,8 @@ class GroupStream:
     async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
         rollouts = await self._sample(prompt, params, group_id)
         outcomes = None
-        if self.reward is not None:
-            pending = self.reward.submit(rollouts)  # rule scores run in the reward's pool
-            outcomes = await asyncio.to_thread(self.reward.outcomes, rollouts, pending)
+        if self.reward is not None:  # off the event loop: the engine goes on meanwhile
+            outcomes = await asyncio.to_thread(self._score, rollouts)
         with self._changed:
             self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
             self._running.discard(group_id)
@@ -224,6 +224,12 @@ class GroupStream:
             *(self._sample(p, self._params_of(params, i), first_group + i) for i, p in enumerate(prompts))
         )
         return Rollouts.concat(list(parts))
+
+    def _score(self, rollouts: Rollouts) -> list:
+        """One group at a time, as a synchronous run calls the reward: a function scored in this
+        process need not be thread-safe (a pool of scoring processes still scores in parallel)."""
+        with self.scoring:
+            return self.reward.outcomes(rollouts, self.reward.submit(rollouts))
 
     def _policy_version(self, engine_version: int) -> int:
         """The policy version whose weights the engine held at its weight count `engine_version`."""

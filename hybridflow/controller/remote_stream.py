@@ -34,6 +34,7 @@ class RemoteGroupStream:
         self._running: set[int] = set()
         self._error: BaseException | None = None
         self._changed = threading.Condition()
+        self.scoring = threading.Lock()  # one scoring at a time: the groups polled, validation
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="hybridflow-poll-groups", daemon=True)
         self._poller.start()
@@ -117,7 +118,8 @@ class RemoteGroupStream:
             while not self._closed.wait(POLL_S):
                 for done, _running in self.group.call(RolloutWorker.stream_poll):
                     for group_id, rollouts in done:  # scored here as it arrives
-                        outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
+                        with self.scoring:
+                            outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
                         with self._changed:
                             self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
                             self._running.discard(group_id)

@@ -430,7 +430,9 @@ class RLTrainer:
             top_k=r.val_top_k,
         )
         generate = self.roles.rollouts if self.stream is None else self.stream.generate_now
-        with self.watchdog.phase("validation"):
+        # beside a stream, the reward is called by one thread at a time (a function need not be thread-safe)
+        scoring = self.stream.scoring if self.stream is not None else contextlib.nullcontext()
+        with self.watchdog.phase("validation"), scoring:
             metrics, _ = validate(generate, self.reward, self.val_prompts, params)
         if self.stream is None:
             self.placement.sleep_rollout()
