@@ -26,7 +26,7 @@ demo: $(VENV)/.demo
 test: $(VENV)/.installed chromium
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
-	$(PY) -m pytest tests/cpu -m "not trials"
+	$(PY) -m pytest tests/cpu -m "not trials" --durations=25
 	$(PY) -m pytest tests/cpu -m trials
 	$(MAKE) test-vllm
 

@@ -197,6 +197,6 @@ def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path
         _assert_same_step(single[step], streamed[step])
         assert streamed[step]["async/staleness_max"] == 0.0
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
-    late = _train(setup, tmp_path / "one", 3, *workers, "trainer.async_mode=one_step")
-    assert [late[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    late = _train(setup, tmp_path / "one", 2, *workers, "trainer.async_mode=one_step")
+    assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
     _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
