@@ -211,7 +211,8 @@ class RLTrainer:
         except BaseException:
             self.run_lock.release()
             if self.stream is not None:  # its thread stops generating for a run that ended
-                self.stream.close()
+                with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
+                    self.stream.close()
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()
