@@ -35,41 +35,40 @@ class FinishedGroup:
     finished_at: float  # time.perf_counter() when scoring ended
 
 
-class GroupStream:
-    def __init__(
-        self, engine, reward, *, agent=None, version: int, in_flight_updates: bool, deadline_s: float
-    ) -> None:
-        """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
-        Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
-        a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
-        episode) or None; `version`: the policy version its weights hold."""
-        self.engine, self.reward, self.agent = engine, reward, agent
-        self.in_flight_updates, self.deadline_s = in_flight_updates, deadline_s
-        self.version = version
-        self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
-        self._policy_versions = [version]
+class GroupBuffer:
+    """Admitted groups until they finish, then held until the trainer takes them: the part every
+    stream shares (GroupStream here, RemoteGroupStream over rollout workers), with the time no
+    admitted group was running (generation's idle time)."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
         self._finished: dict[int, FinishedGroup] = {}
         self._running: set[int] = set()
         self._idle_since: float | None = time.perf_counter()  # no group running since then
-        self._idle = 0.0  # seconds the engine had no group, since take_idle_seconds last asked
+        self._idle = 0.0  # seconds with no group running, since take_idle_seconds last asked
         self._error: BaseException | None = None
         self._changed = threading.Condition()
-        self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
-        self._thread.start()
-        self.front = AsyncEngine(engine)
 
-    # ---- the trainer's side ----------------------------------------------------------------------
-    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
-        """Admit one group per prompt (group ids first_group..): prompt i's sample j draws from
-        (params.seed, params.first_sequence + i * n + j), as a synchronous step's would."""
+    def _admitted(self, group_ids) -> None:
         with self._changed:
             if self._idle_since is not None:
                 self._idle += time.perf_counter() - self._idle_since
                 self._idle_since = None
-            self._running.update(range(first_group, first_group + len(prompts)))
-        asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
+            self._running.update(group_ids)
+
+    def _done(self, group_id: int, rollouts: Rollouts, outcomes) -> None:
+        with self._changed:
+            self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
+            self._running.discard(group_id)
+            if not self._running:
+                self._idle_since = time.perf_counter()
+            self._changed.notify_all()
+
+    def _failed(self, error: BaseException) -> None:
+        """Generation or scoring failed: the trainer hears it at its next take() or update."""
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
 
     def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
         """These groups once all have finished and been scored (in the order given), and the seconds
@@ -87,6 +86,51 @@ class GroupStream:
                     f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
                 )
             return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+
+    def take_idle_seconds(self) -> float:
+        """Seconds with no admitted group to work on since the last call (waiting for the trainer's
+        next update to admit more)."""
+        with self._changed:
+            now = time.perf_counter()
+            idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
+            self._idle, self._idle_since = 0.0, now if self._idle_since is not None else None
+            return idle
+
+    @property
+    def running(self) -> int:
+        with self._changed:
+            return len(self._running)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:  # as raised in the stream (NonFiniteLogits keeps its diagnosis)
+            raise self._error
+
+
+class GroupStream(GroupBuffer):
+    def __init__(
+        self, engine, reward, *, agent=None, version: int, in_flight_updates: bool, deadline_s: float
+    ) -> None:
+        """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
+        Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
+        a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
+        episode) or None; `version`: the policy version its weights hold."""
+        super().__init__(deadline_s)
+        self.engine, self.reward, self.agent = engine, reward, agent
+        self.in_flight_updates, self.version = in_flight_updates, version
+        self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
+        self._policy_versions = [version]
+        self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
+        self._thread.start()
+        self.front = AsyncEngine(engine)
+
+    # ---- the trainer's side ----------------------------------------------------------------------
+    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+        """Admit one group per prompt (group ids first_group..): prompt i's sample j draws from
+        (params.seed, params.first_sequence + i * n + j), as a synchronous step's would."""
+        self._admitted(range(first_group, first_group + len(prompts)))
+        asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
 
     def poll(self) -> list[tuple[int, Rollouts]]:
         """The groups finished since the last poll, handed over (a stream without a reward)."""
@@ -128,20 +172,6 @@ class GroupStream:
         """A batch beside the stream's groups on the same engine (validation), returned when done."""
         return self._wait(asyncio.run_coroutine_threadsafe(self._batch(prompts, params, 0), self.loop))
 
-    def take_idle_seconds(self) -> float:
-        """Seconds the engine had no admitted group to work on since the last call (generation's
-        idle time: waiting for the trainer's next update to admit more)."""
-        with self._changed:
-            now = time.perf_counter()
-            idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
-            self._idle, self._idle_since = 0.0, now if self._idle_since is not None else None
-            return idle
-
-    @property
-    def running(self) -> int:
-        with self._changed:
-            return len(self._running)
-
     def close(self) -> None:
         if self.loop.is_closed():
             return
@@ -162,10 +192,8 @@ class GroupStream:
                     for i, prompt in enumerate(prompts)
                 )
             )
-        except BaseException as e:  # the engine or the reward failed: the trainer hears it at take()
-            with self._changed:
-                self._error = e
-                self._changed.notify_all()
+        except BaseException as e:  # the engine or the reward failed
+            self._failed(e)
             raise
 
     async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
@@ -173,12 +201,7 @@ class GroupStream:
         outcomes = None
         if self.reward is not None:  # off the event loop: the engine goes on meanwhile
             outcomes = await asyncio.to_thread(self._score, rollouts)
-        with self._changed:
-            self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
-            self._running.discard(group_id)
-            if not self._running:
-                self._idle_since = time.perf_counter()
-            self._changed.notify_all()
+        self._done(group_id, rollouts, outcomes)
 
     def _params_of(self, params: SamplingParams, i: int) -> SamplingParams:
         """Prompt i's sampling streams, as in one batch call (an episode takes CALLS_PER_EPISODE)."""
@@ -253,7 +276,3 @@ class GroupStream:
             raise UserError(
                 f"the rollout engine did not answer within {self.deadline_s:.0f} s (trainer.watchdog_s)"
             ) from None
-
-    def _raise_error(self) -> None:
-        if self._error is not None:  # as raised in the stream (NonFiniteLogits keeps its diagnosis)
-            raise self._error

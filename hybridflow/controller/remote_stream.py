@@ -8,57 +8,35 @@ broadcast, received by each worker between two engine steps."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import replace
 
 from hybridflow.agents.runner import CALLS_PER_EPISODE
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.controller.dispatch import prompt_shards
-from hybridflow.controller.group_stream import FinishedGroup
+from hybridflow.controller.group_stream import GroupBuffer
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.rollout_worker import RolloutWorker
-from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
 
 POLL_S = 0.02  # between polls of the rollout workers for finished groups
 
 
-class RemoteGroupStream:
+class RemoteGroupStream(GroupBuffer):
     def __init__(
         self, placement, reward, *, agent: bool, version: int, in_flight_updates: bool, deadline_s: float
     ) -> None:
+        super().__init__(deadline_s)
         self.placement, self.group, self.reward = placement, placement.rollout, reward
-        self.agent, self.deadline_s, self.version = agent, deadline_s, version
+        self.agent, self.version = agent, version
         self.group.call(RolloutWorker.open_stream, version, in_flight_updates, deadline_s)
-        self._finished: dict[int, FinishedGroup] = {}
-        self._running: set[int] = set()
-        self._error: BaseException | None = None
-        self._changed = threading.Condition()
         self.scoring = threading.Lock()  # one scoring at a time: the groups polled, validation
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="hybridflow-poll-groups", daemon=True)
         self._poller.start()
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
-        with self._changed:
-            self._running.update(range(first_group, first_group + len(prompts)))
+        self._admitted(range(first_group, first_group + len(prompts)))
         self.group.call_each(RolloutWorker.stream_submit, self._runs(prompts, params, first_group))
-
-    def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
-        start = time.perf_counter()
-        with self._changed:
-            ok = self._changed.wait_for(
-                lambda: self._error is not None or all(g in self._finished for g in group_ids),
-                self.deadline_s,
-            )
-            if self._error is not None:
-                raise self._error
-            if not ok:
-                missing = [g for g in group_ids if g not in self._finished]
-                raise UserError(
-                    f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
-                )
-            return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
 
     def update_weights(self, write, version: int) -> float:
         """The actor's weights broadcast to every rollout worker, each putting them into its engine
@@ -86,11 +64,6 @@ class RemoteGroupStream:
         """The rollout workers' idle time since the last call (the mean over them)."""
         idle = self.group.call(RolloutWorker.stream_idle_seconds)
         return sum(idle) / len(idle)
-
-    @property
-    def running(self) -> int:
-        with self._changed:
-            return len(self._running)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -120,11 +93,6 @@ class RemoteGroupStream:
                     for group_id, rollouts in done:  # scored here as it arrives
                         with self.scoring:
                             outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
-                        with self._changed:
-                            self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
-                            self._running.discard(group_id)
-                            self._changed.notify_all()
+                        self._done(group_id, rollouts, outcomes)
         except BaseException as e:  # a worker failed: the trainer hears it at take()
-            with self._changed:
-                self._error = e
-                self._changed.notify_all()
+            self._failed(e)
