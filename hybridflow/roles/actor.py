@@ -14,6 +14,7 @@ from hybridflow.algorithms.policy_losses import policy_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.devices import to_device
+from hybridflow.errors import UserError
 from hybridflow.models.native.moe import SparseMoE, load_balancing_loss
 from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
@@ -103,6 +104,12 @@ class Actor:
         self.config = config
         # an MoE policy's expert blocks record their routing when the load-balancing loss is trained
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        if config.router_aux_loss_coef and not self.moe_blocks:  # never a setting silently unused
+            raise UserError(
+                f"actor.router_aux_loss_coef={config.router_aux_loss_coef:g} trains mixture-of-experts routers, "
+                "and this policy has none in our model (a Qwen3-MoE or Mixtral model with model.impl=native "
+                "has them); set it to 0"
+            )
         for block in self.moe_blocks:
             block.record_routing = bool(config.router_aux_loss_coef)
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there

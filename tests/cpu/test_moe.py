@@ -102,3 +102,14 @@ def test_a_moe_policy_trains_with_grpo_and_its_load_balancing_loss(tmp_path):
     start = dict(tiny_model("qwen3_moe", seed=0).named_parameters())
     moved = [n for n in trained if ".experts." in n and not torch.equal(trained[n], start[n])]
     assert moved, "the experts did not train"
+
+
+def test_a_load_balancing_weight_on_a_dense_policy_is_refused(setup, tmp_path):
+    """Set for a model without routers it would train nothing: one line says so."""
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.errors import UserError
+
+    with pytest.raises(UserError, match="router_aux_loss_coef=0.01 trains mixture-of-experts routers"):
+        RLTrainer(config(setup, tmp_path, "actor.router_aux_loss_coef=0.01"))
