@@ -32,6 +32,13 @@ SHAPES = {
                  num_key_value_heads=2, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layers (128 experts, 8 active, 3.3B active of 30.5B), 4 of its 48: one GPU holds
+    # them with the trainer's fp32 weights and Adam state
+    "30b-a3b-4layers": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                            norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+                            tie_word_embeddings=False),
 }  # fmt: skip
 VOCAB = 151936
 PEAK_FLOPS, PEAK_BW = 790e12, 4.3e12  # H200 bf16 GEMM and copy bandwidth, measured on this machine
@@ -40,8 +47,13 @@ PEAK_FLOPS, PEAK_BW = 790e12, 4.3e12  # H200 bf16 GEMM and copy bandwidth, measu
 def hf_config(shape: str):
     from transformers import AutoConfig
 
+    shape = dict(SHAPES[shape])
     return AutoConfig.for_model(
-        "qwen2", vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6, **SHAPES[shape]
+        shape.pop("model_type", "qwen2"),
+        vocab_size=VOCAB,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        **shape,
     )
 
 
@@ -58,12 +70,21 @@ def random_model(shape: str, device, dtype) -> NativeCausalLM:
     return model.eval()
 
 
+def active_matmul_params(model: NativeCausalLM) -> float:
+    """The matmul parameters one token goes through (top_k of num_experts of an MoE layer's experts)."""
+    c, total = model.config, 0.0
+    for n, p in model.named_parameters():
+        if "embed" in n or "norm" in n:
+            continue
+        total += p.numel() * (c.moe.top_k / c.moe.num_experts if ".experts." in n else 1.0)
+    return total
+
+
 def roofline_tokens_per_s(model: NativeCausalLM, avg_context: float) -> float:
-    """Decode ceiling: 2 FLOPs per matmul parameter per token at peak, plus reading the context's KV."""
+    """Decode ceiling: 2 FLOPs per matmul parameter per token at peak (an MoE layer's active experts
+    only), plus reading the context's KV."""
     c = model.config
-    matmul_params = sum(
-        p.numel() for n, p in model.named_parameters() if "embed" not in n and "norm" not in n
-    )
+    matmul_params = active_matmul_params(model)
     if c.tie_word_embeddings:
         matmul_params += c.vocab_size * c.hidden_size
     kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2

@@ -38,19 +38,42 @@ SHAPES = {
         num_attention_heads=12,
         num_key_value_heads=2,
     ),
+    # Qwen3-30B-A3B's layers, 4 of its 48 (bench/rollout.py's shape)
+    "30b-a3b-4layers": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    ),
 }
 PEAK_TFLOPS = 989.0  # H200 dense bf16 (spec sheet)
 
 
 def config_for(shape: str):
+    fields = dict(SHAPES[shape])
     return AutoConfig.for_model(
-        "qwen2",
+        fields.pop("model_type", "qwen2"),
         vocab_size=151936,
         tie_word_embeddings=shape == "0.5b",
         max_position_embeddings=32768,
         rope_theta=1e6,
-        **SHAPES[shape],
+        **fields,
     )
+
+
+def active_params(model, cfg) -> float:
+    """Parameters one token goes through: of an MoE layer's experts, top_k of num_experts."""
+    share = cfg.num_experts_per_tok / cfg.num_experts if getattr(cfg, "num_experts", None) else 1.0
+    return sum(p.numel() * (share if ".experts." in n else 1.0) for n, p in model.named_parameters())
 
 
 def flops(n_params: int, lengths: list[int], cfg) -> float:
@@ -163,10 +186,11 @@ def main() -> None:
     cfg = config_for(args.shape)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").cuda()
     n_params = sum(p.numel() for p in hf.parameters())
-    work = flops(n_params, lengths, cfg)
+    work = flops(active_params(hf, cfg), lengths, cfg)
     results = {
         "shape": args.shape,
         "params_m": n_params / 1e6,
+        "active_params_m": active_params(hf, cfg) / 1e6,
         "tokens_per_step": sum(lengths),
         "sequences": len(seqs),
         "device": torch.cuda.get_device_name(),

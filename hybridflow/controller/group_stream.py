@@ -123,7 +123,7 @@ class GroupStream(GroupBuffer):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
         self._thread.start()
-        self.front = AsyncEngine(engine)
+        self.front = AsyncEngine(engine, own_device_stream=True)  # beside the trainer's kernels
 
     # ---- the trainer's side ----------------------------------------------------------------------
     def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:

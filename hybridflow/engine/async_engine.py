@@ -4,7 +4,9 @@
 `async for out in async_engine.stream(...)` yields each step's new tokens. Cancelling either aborts
 the request (its pages are freed). One task drives the engine: requests added or aborted meanwhile
 are applied between two steps, and each step runs in a worker thread, so the event loop keeps
-serving while the device works. A reader that needs only the result (`generate`, or
+serving while the device works. With `own_device_stream` on CUDA the engine's kernels go to a stream of
+its own, so that they run beside another thread's (the trainer's in an asynchronous run) instead of
+queueing behind them on the default stream. A reader that needs only the result (`generate`, or
 `stream(every_step=False)`) is woken once, when a sample finishes, not at every step: at hundreds of
 requests, a wake-up per request per step would take the GIL from the engine's thread.
 """
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import random
 from collections.abc import AsyncIterator
 from dataclasses import replace
+
+import torch
 
 from hybridflow.engine.engine import Engine
 from hybridflow.engine.requests import RequestOutput
@@ -66,8 +71,11 @@ class _Listener:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, own_device_stream: bool = False) -> None:
         self.engine = engine
+        # only with a weight copy of its own: a module shared with the trainer is written on its stream
+        separate = own_device_stream and engine.device.type == "cuda" and not engine.shares_trainer_module
+        self._device_stream = torch.cuda.Stream(engine.device) if separate else None
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[object, asyncio.Future]] = []
@@ -176,6 +184,21 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def _on_device_stream(self, fn, reads_others: bool = False):
+        """fn() with the engine's kernels on its stream, complete when it returns (what it wrote is
+        read on other streams: host lists, the weight-sync check). With `reads_others` (a call
+        between steps, e.g. a weight update) the work queued on the default stream so far (the
+        trainer's optimizer step) completes before it starts."""
+        stream = self._device_stream
+        if stream is None:
+            return fn()
+        if reads_others:
+            stream.wait_stream(torch.cuda.default_stream(stream.device))
+        with torch.cuda.stream(stream):
+            result = fn()
+        stream.synchronize()
+        return result
+
     async def _drive(self) -> None:
         engine = self.engine
         try:
@@ -193,7 +216,9 @@ class AsyncEngine:
                 calls, self._calls = self._calls, []
                 for fn, future in calls:
                     try:
-                        result = await asyncio.to_thread(fn, engine)
+                        result = await asyncio.to_thread(
+                            self._on_device_stream, functools.partial(fn, engine), True
+                        )
                     except Exception as e:
                         future.set_exception(e)
                     else:
@@ -205,7 +230,7 @@ class AsyncEngine:
                     await self._wake.wait()
                     continue
                 streams = self._streams
-                for out in await asyncio.to_thread(engine.step):
+                for out in await asyncio.to_thread(self._on_device_stream, engine.step):
                     if (listener := streams.get(out.request_id)) is not None:
                         listener.put(out)
         except asyncio.CancelledError:

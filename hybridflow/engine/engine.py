@@ -447,6 +447,11 @@ class Engine:
         the parameters' version counters."""
         return sum(p._version for p in self.model.parameters())
 
+    @property
+    def shares_trainer_module(self) -> bool:
+        """It runs the trainer's module itself (no copy of its own)."""
+        return self._shares_trainer_module
+
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the trainer's parameter names (for the weight-sync check)."""
         return {name: tensors[0] for name, tensors in self._update.targets.items()}

@@ -3,9 +3,11 @@ per token; each expert is a SwiGLU MLP. Weights under transformers' in-memory na
 a model converts both ways by state dict: `mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj`
 [E, 2I, H], `mlp.experts.down_proj` [E, H, I].
 
-Dispatch is grouped: the (token, choice) slots are sorted by expert, so each expert runs one matmul
-over a contiguous block of its tokens (the layout a grouped GEMM takes), and the weighted results are
-scattered back with one index_add. `record_routing` keeps the last forward's router logits and
+Dispatch is grouped: the (token, choice) slots are sorted by expert, so each expert's tokens are one
+contiguous block, and the weighted results are scattered back with one index_add. The blocks go
+through one grouped GEMM (`torch.nn.functional.grouped_mm`) on CUDA in bf16: no host sync, so the
+engine's decode steps can be captured in CUDA graphs; elsewhere (fp32, the CPU) a matmul per expert,
+whose token counts the host reads. `record_routing` keeps the last forward's router logits and
 choices: the load-balancing loss reads them, and a rollout can record the experts it routed to."""
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
         self.record_routing = False
         self.routing: Routing | None = None
+        self.grouped_gemm: bool | None = None  # None: where it runs (grouped_gemm_dtype); True/False force it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] -> [N, H]."""
@@ -69,18 +72,43 @@ class SparseMoE(nn.Module):
         slots = chosen.flatten()  # [N*k] expert of each (token, choice)
         order = torch.argsort(slots, stable=True)  # slots grouped by expert
         tokens = order // self.top_k  # [N*k] the token each sorted slot reads
-        counts = torch.bincount(slots, minlength=self.num_experts).tolist()
+        # [E] slots per expert; scatter_add, unlike bincount, needs no host sync
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
         inputs = x.index_select(0, tokens)  # [N*k, H]
-        outputs = torch.empty_like(inputs)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = F.linear(inputs[start : start + n], gate_up[e]).chunk(2, dim=-1)
-                outputs[start : start + n] = F.linear(F.silu(gate) * up, down[e])
-                start += n
+        dtype = grouped_gemm_dtype(inputs, gate_up, down) if self.grouped_gemm is None else None
+        if self.grouped_gemm or dtype is not None:
+            offs = counts.cumsum(0).to(torch.int32)  # [E] where each expert's block ends
+            gate, up = _grouped(inputs, gate_up, offs, dtype).chunk(2, dim=-1)
+            outputs = _grouped(F.silu(gate) * up, down, offs, dtype).to(x.dtype)
+        else:
+            outputs = torch.empty_like(inputs)
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    gate, up = F.linear(inputs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+                    outputs[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+                    start += n
         scaled = outputs * weights.flatten()[order, None].to(outputs.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+def grouped_gemm_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype | None:
+    """bfloat16 where the grouped GEMM runs: CUDA, bf16 compute (the tensors', or autocast's), rows
+    whose strides are multiples of 16 bytes; None for the per-expert loop."""
+    if not x.is_cuda or getattr(F, "grouped_mm", None) is None:
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    aligned = all(w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 for w in weights)
+    return torch.bfloat16 if dtype == torch.bfloat16 and aligned else None
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dtype) -> torch.Tensor:
+    """x [S, K] in blocks ending at offs [E], weight [E, N, K] -> [S, N]: block e times weight[e]^T."""
+    if dtype is not None:
+        x, weight = x.to(dtype), weight.to(dtype)
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
 
 
 def load_balancing_loss(routings: list[Routing], num_experts: int, top_k: int) -> torch.Tensor:
