@@ -7,7 +7,7 @@ the reward and held-out accuracy, for the same recipe and seed. Each mode runs i
     python bench/async_modes.py --workload heavy_tail --shape 0.5b   # random weights, long-tailed lengths
 
 The heavy-tail workload is bench/vs_trl's: a random Qwen2.5-shaped model whose generation config
-names 500 random ids as EOS besides the tokenizer's (geometric lengths, mean ~290, capped at
+names 500 random ids (--stop-tokens) as EOS besides the tokenizer's (geometric lengths, mean ~290, capped at
 --response), random-letter prompts, the share of 'a' in the response as the reward.
 """
 
@@ -34,7 +34,7 @@ def heavy_tail_overrides(args) -> list[str]:
     reward = args.out / "letter_a.py"
     reward.write_text(LETTER_A)
     return [
-        f"model.path={model_dir(args.out, args.shape, stop_tokens=500)}",
+        f"model.path={model_dir(args.out, args.shape, stop_tokens=args.stop_tokens)}",
         f"data.train_files=[{prompts_file(args.out, 'letter_a', args.prompts * args.steps)}]",
         "data.val_files=[]",
         f"data.prompts_per_step={args.prompts}",
@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="heavy_tail: training steps")
     ap.add_argument("--prompts", type=int, default=64, help="heavy_tail: prompts per step (x 8 samples)")
     ap.add_argument("--response", type=int, default=1024, help="heavy_tail: max response tokens")
+    ap.add_argument(
+        "--stop-tokens", type=int, default=500, help="heavy_tail: random EOS ids (fewer: longer responses)"
+    )
     ap.add_argument("--lr", type=float, default=1e-5, help="heavy_tail: learning rate")
     ap.add_argument("--modes", default="off,one_step,streaming")
     ap.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness for streaming")
