@@ -32,11 +32,13 @@ import torch
 from hybridflow.config.schema import Config
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.devices import DTYPES
+from hybridflow.errors import UserError
 
 GIB = 2**30
 ACTIVATION_BYTES = 11.8  # per token, per layer, per (hidden + intermediate) unit
 LOGPROB_CHUNK = 2048  # tokens per log-prob chunk (models/native/logprobs.py)
 CUDA_CONTEXT = GIB  # the CUDA context and allocator slack, per process
+PLAN_SLACK = 0.05  # of the GPU, kept free when the pool is sized beside training (the estimate's error)
 ENGINE_PAGE = 64  # tokens per KV page of the native engine on CUDA
 
 
@@ -87,6 +89,7 @@ class MemoryPlan:
     resident: dict[str, float]  # bytes of each always-resident part
     phases: dict[str, float]  # peak bytes per phase
     kv_tokens: int
+    pool_capped: bool = False  # the pool stays beside training and was sized down so that training fits
     suggestions: list[str] = field(default_factory=list)
 
     def fits(self) -> bool:
@@ -94,9 +97,10 @@ class MemoryPlan:
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.phases.items())
+        capped = " (what training leaves beside it)" if self.pool_capped else ""
         return (
             f"memory plan (GiB per GPU of {self.gpu_bytes / GIB:.0f}, {self.workers} worker(s)): {phases}; "
-            f"KV pool {self.kv_tokens:,} tokens"
+            f"KV pool {self.kv_tokens:,} tokens{capped}"
         )
 
     def report(self) -> str:
@@ -172,7 +176,6 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     gathered = 2 * layer + master * shape.embedding * (1 if shape.tied else 2)
     optimizer_for_update = 8 * p / w if c.actor.offload_optimizer and not c.actor.offload_params else 0.0
     phases = {
-        "gen": (CUDA_CONTEXT + engine if apart else static) + kv_bytes,
         "ref/old_log_prob": static + forward + (gathered if offloaded else 0.0),
         # an offloaded optimizer comes back for the step, after the activations are freed
         "update_actor": static
@@ -188,13 +191,20 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
             shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
         )
     phases["update_weights"] = static + (layer if w > 1 or c.actor.offload_params else 0.0)
-    generating_meanwhile = c.trainer.async_mode != "off"  # the engine works while the trainer does
-    if generating_meanwhile or not (
-        c.rollout.free_cache_engine or apart
-    ):  # the pool stays beside the other roles
+    capped = False
+    if pool_beside_training(c, layout) and c.rollout.kv_cache_tokens is None:
+        # the engine works while the trainer does (or keeps its cache): the pool gets what the other
+        # phases leave, and the engine is built with that size (pool_tokens_beside_training)
+        room = max(gpu_bytes * (1 - PLAN_SLACK) - max(phases.values()), 0.0)
+        capped = room < kv_bytes
+        kv_bytes = min(kv_bytes, room)
+        phases = {k: v + kv_bytes for k, v in phases.items()}
+    phases = {"gen": (CUDA_CONTEXT + engine if apart else static) + kv_bytes, **phases}
+    if pool_beside_training(c, layout) and c.rollout.kv_cache_tokens is not None:
         phases = {k: v + (kv_bytes if k != "gen" else 0.0) for k, v in phases.items()}
-    plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token))
-    plan.suggestions = _suggestions(config, shape, plan, static, logits, kv_per_token)
+    plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token), pool_capped=capped)
+    beside = kv_bytes if pool_beside_training(c, layout) else 0.0  # held through the update too
+    plan.suggestions = _suggestions(config, shape, plan, static + beside, logits, kv_per_token)
     return plan
 
 
@@ -226,10 +236,15 @@ def _suggestions(
     if short_of_kv and not (c.actor.offload_optimizer or c.actor.offload_params):
         out.append("actor.offload_optimizer=true (Adam's state in CPU memory outside the update)")
     if plan.kv_tokens < need:
+        more = (
+            "lower actor.max_tokens_per_microbatch or turn on model.enable_gradient_checkpointing (the pool "
+            "gets what training leaves)"
+            if plan.pool_capped
+            else "raise rollout.gpu_memory_utilization"
+        )
         out.append(
             f"the KV pool holds {plan.kv_tokens:,} tokens, less than {need:,} for a full batch at full length: "
-            "raise rollout.gpu_memory_utilization or lower rollout.max_batch_sequences (sequences are "
-            "preempted and recomputed otherwise)"
+            f"{more} or lower rollout.max_batch_sequences (sequences are preempted and recomputed otherwise)"
         )
     if plan.phases["gen"] > plan.gpu_bytes and c.rollout.kv_cache_tokens is not None:
         fits = int((plan.gpu_bytes - static) // kv_per_token)
@@ -250,6 +265,41 @@ def model_shape(config: Config) -> ModelShape:
     else:
         hf_config = AutoConfig.from_pretrained(path)
     return ModelShape.from_hf_config(hf_config)
+
+
+def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:
+    """The colocated engine keeps its KV pool while the other roles run: it generates meanwhile (an
+    asynchronous run) or keeps its cache (rollout.free_cache_engine=false)."""
+    c = config
+    return layout.colocated and (c.trainer.async_mode != "off" or not c.rollout.free_cache_engine)
+
+
+def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) -> int | None:
+    """The KV pool's size in tokens for a colocated engine on CUDA that keeps it beside training, with
+    no rollout.kv_cache_tokens given: what the memory plan (this machine's, or `plan`) leaves once
+    the other phases fit; None where the pool is not sized down. Stops with one line when not even
+    one sequence fits."""
+    c = config
+    if c.rollout.kv_cache_tokens is not None:
+        return None
+    if plan is None:
+        try:
+            plan = plan_for(c)
+        except Exception as e:  # an estimate must never stop a run: the engine sizes its pool as usual
+            print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
+            return None
+    if not plan.pool_capped:
+        return None
+    context = c.data.max_prompt_tokens + c.data.max_response_tokens
+    if plan.kv_tokens < context:
+        why = "an asynchronous run" if c.trainer.async_mode != "off" else "rollout.free_cache_engine=false"
+        raise UserError(
+            f"the KV pool stays beside training ({why}) and the memory plan leaves it {plan.kv_tokens:,} "
+            f"tokens, less than one sequence of {context:,}: "
+            + ("; ".join(plan.suggestions) or "train with less memory")
+            + " (`hybridflow plan` shows each phase)"
+        )
+    return plan.kv_tokens
 
 
 def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:

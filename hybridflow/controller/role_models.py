@@ -150,6 +150,10 @@ def rollout_backend(
         )
     kv_tokens = r.kv_cache_tokens
     page_size = 64 if device.type == "cuda" else 16
+    if kv_tokens is None and device.type == "cuda":  # a pool kept beside training gets what it leaves
+        from hybridflow.controller.memory_plan import pool_tokens_beside_training  # (it imports this module)
+
+        kv_tokens = pool_tokens_beside_training(c)
     if kv_tokens is None and device.type != "cuda":
         kv_tokens = pool_tokens_for(min(sequences_per_step(c), r.max_batch_sequences), context, page_size)
     compute = c.actor.compute_dtype

@@ -5,7 +5,15 @@ import pytest
 from transformers import AutoConfig
 
 from hybridflow.config import load_config
-from hybridflow.controller.memory_plan import CUDA_CONTEXT, GIB, ModelShape, estimate
+from hybridflow.controller.memory_plan import (
+    CUDA_CONTEXT,
+    GIB,
+    PLAN_SLACK,
+    ModelShape,
+    estimate,
+    pool_tokens_beside_training,
+)
+from hybridflow.errors import UserError
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
@@ -123,3 +131,48 @@ def test_a_kept_kv_pool_is_counted_in_every_phase(keeps):
     assert kept.kv_tokens == freed.kv_tokens and kept.phases["gen"] == freed.phases["gen"]
     for phase in ("ref/old_log_prob", "update_actor", "update_weights"):
         assert kept.phases[phase] == pytest.approx(freed.phases[phase] + pool, abs=shape.kv_bytes_per_token())
+
+
+# bench/async_modes.py's long-tail run that ran out of memory on the H200 in streaming mode (2026-12-02):
+# responses of up to 4,096 tokens and micro-batches of 16 full sequences
+LONG = ["data.prompts_per_step=32", "rollout.samples_per_prompt=8", "data.max_prompt_tokens=512",
+        "data.max_response_tokens=4096", "rollout.max_batch_sequences=512",
+        "actor.max_tokens_per_microbatch=73728"]  # fmt: skip
+
+
+def test_a_pool_beside_training_gets_what_training_leaves():
+    shape = _shape(**QWEN_05B)
+    per_token = shape.kv_bytes_per_token()
+    sync = estimate(load_config(None, LONG), shape, gpu_bytes=H200, workers=1)
+    streaming = load_config(None, [*LONG, "trainer.async_mode=streaming"])
+    plan = estimate(streaming, shape, gpu_bytes=H200, workers=1)
+    # the synchronous run frees its pool (512 sequences x 4,608 tokens) for the update
+    assert not sync.pool_capped and sync.kv_tokens == 512 * 4608 and sync.fits()
+    # kept beside an update of ~113 GiB, that pool (27 GiB) would not fit: it gets what is left
+    training = max(v for k, v in sync.phases.items() if k != "gen")
+    assert training + sync.kv_tokens * per_token > H200
+    assert plan.pool_capped and plan.fits()
+    assert plan.kv_tokens == pytest.approx((H200 * (1 - PLAN_SLACK) - training) / per_token, abs=1)
+    assert plan.phases["update_actor"] == pytest.approx(H200 * (1 - PLAN_SLACK), abs=per_token)
+    assert "what training leaves" in plan.summary()
+    assert pool_tokens_beside_training(streaming, plan) == plan.kv_tokens
+    assert any("lower actor.max_tokens_per_microbatch" in s for s in plan.suggestions)
+    # disaggregated, the training GPU holds no pool, generating meanwhile or not
+    apart = [*LONG, "resources.rollout_workers=1"]
+    apart_sync = estimate(load_config(None, apart), shape, gpu_bytes=H200, workers=1)
+    apart_async = estimate(load_config(None, [*apart, "trainer.async_mode=streaming"]), shape, gpu_bytes=H200, workers=1)  # fmt: skip
+    assert apart_async.phases == apart_sync.phases and not apart_async.pool_capped
+
+
+def test_a_pool_beside_training_with_no_room_for_one_sequence_stops_the_run():
+    shape = _shape(**QWEN_05B)
+    config = load_config(
+        None, [*LONG, "trainer.async_mode=one_step", "actor.max_tokens_per_microbatch=85000"]
+    )
+    plan = estimate(config, shape, gpu_bytes=H200, workers=1)
+    assert plan.kv_tokens == 0 and plan.fits()  # the update alone takes what the slack leaves
+    with pytest.raises(
+        UserError,
+        match="leaves it 0 tokens, less than one sequence of 4,608: .*lower actor.max_tokens_per_microbatch",
+    ):
+        pool_tokens_beside_training(config, plan)
