@@ -20,7 +20,7 @@ from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
 from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.guards import TrainingGuards
-from hybridflow.controller.memory_plan import model_shape, print_plan
+from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics
 from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
 from hybridflow.controller.perf import peak_flops, perf_metrics
@@ -44,7 +44,7 @@ from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
-from hybridflow.devices import resolve_device, use_free_cores
+from hybridflow.devices import expandable_cuda_segments, resolve_device, use_free_cores
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
@@ -135,6 +135,8 @@ class RLTrainer:
             self.reward.check_sources({p.data_source for p in self.train_prompts + self.val_prompts})
         layout = WorkerLayout.of(c, 1)  # the roles every training worker holds
         self.needs_ref, self.has_critic = layout.needs_ref, layout.needs_critic
+        if self.device.type == "cuda" and pool_beside_training(c, layout):
+            expandable_cuda_segments()  # before the first CUDA allocation
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
             print_plan(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
