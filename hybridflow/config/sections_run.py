@@ -109,6 +109,11 @@ class ResourcesConfig:
     rollout_workers: int = 0
     """0: the rollout engine shares every worker's GPU (the hybrid engine). N: the last N workers
     hold only a rollout engine each (disaggregated) and receive the actor's weights by broadcast."""
+    max_rollout_worker_replacements: int = 3
+    """An asynchronous run with rollout workers: how many times in a run a rollout worker that dies
+    is replaced (a new one in its place, given the current weights and the groups it had not handed
+    over) before the run stops. A training worker that dies always stops the run (see
+    trainer.max_restarts)."""
     ray_address: str | None = None
     """An existing Ray cluster to join (multi-node); None starts a local one when needed."""
     worker_timeout_s: float | None = None
@@ -119,3 +124,8 @@ class ResourcesConfig:
         check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))
         if self.rollout_workers < 0:
             raise UserError(f"config resources.rollout_workers={self.rollout_workers} must be >= 0")
+        if self.max_rollout_worker_replacements < 0:
+            raise UserError(
+                f"config resources.max_rollout_worker_replacements={self.max_rollout_worker_replacements} "
+                "must be >= 0"
+            )

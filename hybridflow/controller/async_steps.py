@@ -27,6 +27,7 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
             version=trainer.step,
             in_flight_updates=c.trainer.async_mode == "streaming",
             deadline_s=c.trainer.watchdog_s or 3600.0,
+            max_replacements=c.resources.max_rollout_worker_replacements,
         )
     ((engine, agent),) = trainer.workers.call(HybridWorker.rollout_parts)
     return GroupStream(
@@ -74,6 +75,7 @@ def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
     metrics["async/wait_for_groups_s"] = waited  # the trainer's idle time
     metrics["async/generation_idle_s"] = stream.take_idle_seconds()  # the engine's, since the last step
     metrics["async/groups_running"] = float(stream.running)
+    metrics |= stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
     return rollouts, scored, metrics
 
 

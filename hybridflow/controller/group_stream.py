@@ -96,6 +96,10 @@ class GroupBuffer:
             self._idle, self._idle_since = 0.0, now if self._idle_since is not None else None
             return idle
 
+    def take_recovery_metrics(self) -> dict[str, float]:
+        """What was done about dead rollout workers since the last call (nothing, in one process)."""
+        return {}
+
     @property
     def running(self) -> int:
         with self._changed:

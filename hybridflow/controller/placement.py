@@ -75,6 +75,19 @@ class Placement:
         self.rollout.wait(joining)
         self.manifest = self.train.call(HybridWorker.weight_manifest)[0]
 
+    def replace_rollout_worker(self, rank: int) -> None:
+        """A new rollout worker in the place of `rank`, which died: the weight-sync group formed again
+        with it, and the actor's current weights broadcast (the others receive and drop them). Only
+        between weight updates: the caller holds every other use of the group off."""
+        self.rollout.replace(rank)
+        self._join_weight_sync()
+        receiving = self.rollout.submit_each(
+            RolloutWorker.receive_weights,
+            [(*self.manifest, r == rank) for r in range(self.rollout.world_size)],
+        )
+        self.train.call(HybridWorker.sync_weights)
+        self.rollout.wait(receiving)
+
     def sleep_rollout(self) -> None:
         """Colocated engines free their KV cache while the other roles run; own GPUs keep theirs."""
         if self.rollout is None:

@@ -30,6 +30,14 @@ class WorkerError(RuntimeError):
     """A role method raised in a worker; the message holds the rank and the worker's traceback."""
 
 
+class WorkerDied(WorkerError):
+    """A worker's process is gone (killed, crashed, its node lost): `rank` of worker group `group`."""
+
+    def __init__(self, message: str, rank: int, group: object = None) -> None:
+        super().__init__(message)
+        self.rank, self.group = rank, group
+
+
 class _Worker:
     """One Ray actor: a torch.distributed rank holding one role object."""
 
@@ -91,7 +99,6 @@ class RayWorkerGroup:
         """`timeout_s` bounds every call (None: wait as long as the work takes)."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.timeout_s = timeout_s
         if not ray.is_initialized():
@@ -113,15 +120,8 @@ class RayWorkerGroup:
                 f"Ray could not place {num_workers} workers with one {kind} each within {timeout_s} s: the "
                 f"cluster's {have:g} {kind}s are held by other work (ray status shows what)"
             ) from None
-        actor = ray.remote(_Worker)
-        self.workers = [
-            actor.options(
-                num_cpus=1,
-                num_gpus=1 if gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
-            ).remote(i, num_workers)
-            for i in range(num_workers)
-        ]
+        self.factory, self.gpus = factory, gpus
+        self.workers = [self._start(i, num_workers) for i in range(num_workers)]
         master = self.address()
         backend = "nccl" if gpus else "gloo"
         self._results(
@@ -129,9 +129,61 @@ class RayWorkerGroup:
         )
         self._results([w.run.remote("build", (factory,), {}, own=True) for w in self.workers])
 
+    def _start(self, rank: int, world_size: int):
+        """The Ray actor of `rank`, in its bundle of the placement group."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return (
+            ray.remote(_Worker)
+            .options(
+                num_cpus=1,
+                num_gpus=1 if self.gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, rank),
+            )
+            .remote(rank, world_size)
+        )
+
     @property
     def world_size(self) -> int:
         return len(self.workers)
+
+    def replace(self, rank: int) -> None:
+        """A new worker in the place (and placement bundle) of rank `rank`, which died, its role built
+        anew. It joins no process group: for workers that need none among themselves (rollout
+        workers, each with a whole engine)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.workers[rank])
+        self.workers[rank] = self._start(rank, self.world_size)
+        self.call_one(rank, "build", self.factory, own=True)
+
+    def is_alive(self, rank: int) -> bool:
+        """The worker answers within a few seconds."""
+        import ray
+
+        try:
+            ray.get(self.workers[rank].pid.remote(), timeout=10)
+        except Exception:  # dead (RayActorError) or not answering: to be replaced either way
+            return False
+        return True
+
+    def call_one(self, rank: int, method: Method | str, *args: Any, own: bool = False, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` on worker `rank` alone (errors as for `call`)."""
+        import ray
+
+        name = method if isinstance(method, str) else method_name(method)
+        ref = self.workers[rank].run.remote(name, args, kwargs, own=own)
+        try:
+            status, value = ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDied(f"worker rank {rank} died ({type(e).__name__})", rank, self) from e
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerError(f"worker rank {rank} did not finish within {self.timeout_s} s") from None
+        if status == "error":
+            raise WorkerError(f"worker rank {rank} raised:\n{value}")
+        return value
 
     def _results(self, refs: list) -> list:
         """Each worker's value, by rank. The first error is raised at once: the failed rank's peers
@@ -157,9 +209,11 @@ class RayWorkerGroup:
             try:
                 status, value = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise WorkerError(
+                raise WorkerDied(
                     f"worker rank {rank} died ({type(e).__name__}); the run stops here — resume from the "
-                    "last checkpoint"
+                    "last checkpoint",
+                    rank,
+                    self,
                 ) from e
             if status == "error":
                 raise WorkerError(f"worker rank {rank} raised:\n{value}")

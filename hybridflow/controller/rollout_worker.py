@@ -55,14 +55,19 @@ class RolloutWorker:
         return out
 
     @torch.no_grad()
-    def receive_weights(self, units: list[list[tuple[str, tuple[int, ...]]]], dtype: str) -> None:
-        """The actor's weights, one broadcast per unit of (name, shape) pairs, into the engine."""
+    def receive_weights(
+        self, units: list[list[tuple[str, tuple[int, ...]]]], dtype: str, apply: bool = True
+    ) -> None:
+        """The actor's weights, one broadcast per unit of (name, shape) pairs, into the engine
+        (`apply=False`: received and dropped, a worker that holds them already while a replaced one
+        catches up)."""
         for unit in units:
             flat = torch.empty(
                 sum(torch.Size(s).numel() for _, s in unit), dtype=DTYPES[dtype], device=self.device
             )
             self.weight_sync.broadcast(flat)
-            self.rollout.update_weights(zip((n for n, _ in unit), unpack(flat, [s for _, s in unit])))
+            if apply:
+                self.rollout.update_weights(zip((n for n, _ in unit), unpack(flat, [s for _, s in unit])))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -3,6 +3,8 @@ the same data, the same step, the same weights; checkpoints written by two ranks
 the other way round; Ulysses sequence parallelism over the two gives the same step too."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ ray = pytest.importorskip("ray")
 
 from rl_run import config, read_metrics  # noqa: E402
 
+from hybridflow.controller.async_steps import admit  # noqa: E402
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
 from hybridflow.models.checkpoint_export import export_checkpoint  # noqa: E402
 
@@ -200,3 +203,34 @@ def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path
     late = _train(setup, tmp_path / "one", 2, *workers, "trainer.async_mode=one_step")
     assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
     _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_that_dies_is_replaced_and_its_groups_generated_again(
+    setup, tmp_path, single, capsys
+):
+    """Two rollout workers, streaming at staleness 0. With step 2's groups in flight, rollout worker 1
+    is killed: a new worker takes its place (the weight-sync group formed again, the current weights
+    sent) and generates the groups it had not handed over with their own sampling streams, so step 2
+    is still the one-process step, to the weights."""
+    single_dir, single = single
+    workers = ["resources.device=cpu", "resources.num_workers=3", "resources.rollout_workers=2"]
+    run_dir = tmp_path / "run"
+    trainer = RLTrainer(
+        config(setup, run_dir, *ROLES, "trainer.total_training_steps=2", *workers,
+               "trainer.async_mode=streaming", "rollout.max_staleness=0")
+    )  # fmt: skip
+    trainer.fit(max_steps=1, close=False)
+    victim = ray.get(trainer.placement.rollout.workers[1].pid.remote())
+    trainer.stop_at = 2
+    admit(trainer)  # step 2's groups: half on each rollout worker
+    os.kill(victim, signal.SIGKILL)
+    trainer.fit()
+    metrics = {m["step"]: m for m in read_metrics(run_dir)}
+    assert metrics[1]["async/rollout_workers_replaced"] == 0
+    assert metrics[2]["async/rollout_workers_replaced"] == 1
+    assert metrics[2]["async/groups_requeued"] >= 1  # killed with its groups running
+    assert "rollout worker 1 died; replaced" in capsys.readouterr().out
+    for step in (1, 2):
+        _assert_same_step(single[step], metrics[step])
+    _assert_same_weights(_policy(single_dir, 2), _policy(run_dir, 2))
