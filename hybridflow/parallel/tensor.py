@@ -1,0 +1,161 @@
+"""Tensor parallelism for the native model, applied from outside by a plan (the model file stays
+single-device; torchtitan's approach), over DTensor so that it composes with FSDP2 later.
+
+Per decoder layer: q/k/v and gate/up column-parallel (each rank holds heads / tp query and KV
+heads and intermediate / tp channels), o and down row-parallel (one all-reduce each, so two per
+layer); the attention module is told its local head counts. The embedding is vocabulary-parallel
+(each rank looks up its rows, one all-reduce), and so is the LM head: `vocab_parallel_logprobs`
+computes log-probs and entropy from each rank's [tokens, vocab / tp] logits with three all-reduces of
+[tokens] vectors per chunk, never gathering the vocabulary. Norms and RoPE are replicated.
+
+Not here yet: MoE layers (expert parallelism), sequence-parallel norms, FSDP2 x TP meshes, the
+engine's TP and the actor's `tensor_parallel_size` setting."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hybridflow.errors import UserError
+from hybridflow.models.native.model import NativeCausalLM
+
+
+def apply_tensor_parallel(model: NativeCausalLM, mesh: DeviceMesh) -> NativeCausalLM:
+    """Shard `model` in place over the 1-D `mesh` (every rank holds the same full model before)."""
+    c, tp = model.config, mesh.size()
+    for name, value in (
+        ("num_attention_heads", c.num_attention_heads),
+        ("num_key_value_heads", c.num_key_value_heads),
+        ("intermediate_size", c.intermediate_size),
+    ):
+        if value % tp:
+            raise UserError(f"tensor parallel size {tp} does not divide the model's {name}={value}")
+    if c.moe is not None:
+        raise UserError(
+            "tensor parallelism of mixture-of-experts layers is not built; use FSDP (data parallel)"
+        )
+    for layer in model.model.layers:
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+        layer.self_attn.heads //= tp  # the views of q/k/v see this rank's heads
+        layer.self_attn.kv_heads //= tp
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):  # Qwen3's, over each head
+            if norm is not None:  # replicated, but each rank's gradient covers its own heads only
+                norm.weight.register_hook(lambda grad, group=mesh.get_group(): _summed(grad, group))
+    # vocabulary-parallel: rows of the embedding (a tied head shares them), the head's output channels
+    parallelize_module(model.model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    else:
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def full_logits(model: NativeCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] -> logits [N, V] gathered from every rank's vocabulary shard (tests, small
+    inputs; training uses vocab_parallel_logprobs)."""
+    weight = model.lm_head.weight
+    if not isinstance(weight, DTensor):
+        return model.lm_head(hidden)
+    local = hidden @ weight.to_local().to(hidden.dtype).T  # [N, V/tp]
+    shape = (hidden.shape[0], weight.shape[0])  # given: the shards may be uneven
+    return DTensor.from_local(
+        local, weight.device_mesh, [Shard(1)], shape=shape, stride=(shape[1], 1)
+    ).full_tensor()
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: DTensor,
+    targets: torch.Tensor,
+    *,
+    chunk: int = 2048,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunked_token_logprobs with the LM head's weight [V, H] sharded over vocabulary rows:
+    hidden [N, H] and targets [N] (the same on every rank) -> log p(target) [N] and entropy [N],
+    float32, the same on every rank. Gradients reach `hidden` (summed over ranks) and each rank's
+    rows of the weight."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    mesh = weight.device_mesh
+    vocab = weight.shape[0]
+    rows = -(-vocab // mesh.size())  # Shard(0) splits as torch.chunk: ceil-sized leading shards
+    first = mesh.get_local_rank() * rows
+    return _VocabParallel.apply(
+        hidden, weight.to_local(), targets, first, mesh.get_group(), chunk, 1.0 / temperature
+    )
+
+
+class _VocabParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, first: int, group, chunk: int, scale: float):
+        n, rows = hidden.shape[0], weight.shape[0]
+        w = weight.to(hidden.dtype)
+        mine = (targets >= first) & (targets < first + rows)  # [N] targets in this rank's rows
+        local = torch.where(mine, targets - first, 0)  # [N]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            part = slice(s, s + chunk)
+            logits = (hidden[part] @ w.T).float() * scale  # [c, V/tp]
+            peak = logits.max(-1).values  # [c]
+            dist.all_reduce(peak, dist.ReduceOp.MAX, group=group)
+            shifted = torch.exp(logits - peak[:, None])  # [c, V/tp]
+            # [3, c]: sum of exp, sum of exp x logit, the target's logit (on the rank that holds it)
+            sums = torch.stack(
+                [
+                    shifted.sum(-1),
+                    (shifted * logits).sum(-1),
+                    torch.where(mine[part], logits.gather(-1, local[part, None])[:, 0], 0.0),
+                ]
+            )
+            dist.all_reduce(sums, group=group)
+            lse[part] = peak + torch.log(sums[0])
+            logp[part] = sums[2] - lse[part]
+            entropy[part] = lse[part] - sums[1] / sums[0]
+        ctx.save_for_backward(hidden, weight, local, mine, lse)
+        ctx.group, ctx.chunk, ctx.scale = group, chunk, scale
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, local, mine, lse = ctx.saved_tensors
+        w = weight.to(hidden.dtype)
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            part = slice(s, s + ctx.chunk)
+            h, g = hidden[part], grad_logp[part].float()
+            # d logp / d logits = onehot(target) - softmax, over this rank's columns [c, V/tp]
+            d_logits = -torch.exp((h @ w.T).float() * ctx.scale - lse[part, None]) * g[:, None]
+            rows = torch.arange(h.shape[0], device=h.device)
+            d_logits[rows, local[part]] += torch.where(mine[part], g, 0.0)  # the target, where held
+            d_logits = (d_logits * ctx.scale).to(h.dtype)
+            grad_hidden[part] = d_logits @ w
+            grad_weight += (d_logits.T @ h).float()
+        dist.all_reduce(grad_hidden, group=ctx.group)  # every rank's columns add to d hidden
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None

@@ -1,0 +1,88 @@
+"""Tensor parallelism of the native model (hybridflow/parallel/tensor.py) over gloo, 2 and 4 ranks:
+logits, log-probs and entropy (vocabulary-parallel, never gathered) and every parameter's gradient
+equal one process's, for families with q/k/v biases, q/k norms, tied and untied heads, and a
+vocabulary (259) that does not split evenly."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from hybridflow.batch import pack_sequences
+from hybridflow.controller.worker_group import free_address
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.native import chunked_token_logprobs, from_hf_model
+from hybridflow.parallel.tensor import apply_tensor_parallel, full_logits, vocab_parallel_logprobs
+
+SEQS = [[5, 9, 200, 17, 3, 8, 77, 258], [44, 2, 2, 90], list(range(30, 52))]
+
+
+def _step(model, packed, logprobs):
+    """Log-probs of each next token, entropy, and a loss's backward (weights differ per token)."""
+    hidden = model.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    targets = torch.roll(packed.input_ids, -1)
+    logp, entropy = logprobs(hidden, targets)
+    weights = torch.linspace(-1.0, 2.0, logp.numel())
+    (logp * weights).sum().backward()
+    return hidden, logp.detach(), entropy
+
+
+def _rank(rank: int, world: int, port: int, family: str, overrides: dict) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        single = from_hf_model(tiny_model(family, seed=3, **overrides)).train()
+        sharded = copy.deepcopy(single)
+        packed = pack_sequences(SEQS)
+        _, logp, entropy = _step(
+            single, packed, lambda h, t: chunked_token_logprobs(h, single.lm_head.weight, t, chunk=7)
+        )
+        apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,)))
+        head = sharded.lm_head.weight
+        rows = torch.arange(single.config.vocab_size).chunk(world)[rank]  # 130 and 129 of 259 on 2 ranks
+        assert isinstance(head, DTensor) and head.to_local().shape[0] == len(rows)
+        hidden, tp_logp, tp_entropy = _step(
+            sharded, packed, lambda h, t: vocab_parallel_logprobs(h, sharded.lm_head.weight, t, chunk=7)
+        )
+        assert_close(tp_logp, logp, atol=2e-5, rtol=1e-5)
+        assert_close(tp_entropy, entropy, atol=2e-5, rtol=1e-5)
+        with torch.no_grad():
+            assert_close(full_logits(sharded, hidden), single.lm_head(hidden), atol=2e-5, rtol=1e-5)
+        theirs = dict(single.named_parameters())
+        for name, p in sharded.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            assert_close(grad, theirs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world, family, overrides",
+    [
+        (2, "qwen2", {}),  # q/k/v biases, tied head
+        (2, "qwen3", {}),  # q/k norms, tied head
+        (2, "llama3", {}),  # untied head
+        (4, "qwen2", {"num_key_value_heads": 4}),
+    ],
+)
+def test_tensor_parallel_equals_one_process(world, family, overrides):
+    mp.spawn(_rank, args=(world, free_address()[1], family, overrides), nprocs=world, join=True)
+
+
+def test_sizes_tensor_parallelism_cannot_split_are_named():
+    model = from_hf_model(tiny_model("qwen2", seed=3))  # 2 KV heads
+
+    class FourRanks:
+        def size(self):
+            return 4
+
+    with pytest.raises(UserError, match="does not divide the model's num_key_value_heads=2"):
+        apply_tensor_parallel(model, FourRanks())
