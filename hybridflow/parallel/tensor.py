@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
@@ -53,9 +58,11 @@ def apply_tensor_parallel(model: NativeCausalLM, mesh: DeviceMesh) -> NativeCaus
         )
         layer.self_attn.heads //= tp  # the views of q/k/v see this rank's heads
         layer.self_attn.kv_heads //= tp
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):  # Qwen3's, over each head
-            if norm is not None:  # replicated, but each rank's gradient covers its own heads only
-                norm.weight.register_hook(lambda grad, group=mesh.get_group(): _summed(grad, group))
+        if layer.self_attn.q_norm is not None:  # Qwen3's, over each head: a weight shared by the heads
+            # of every rank, its input [N, heads/tp, D] sharded on the heads: DTensor sums the
+            # ranks' gradients
+            heads = SequenceParallel(sequence_dim=1, use_local_output=True)
+            parallelize_module(layer.self_attn, mesh, {"q_norm": heads, "k_norm": heads})
     # vocabulary-parallel: rows of the embedding (a tied head shares them), the head's output channels
     parallelize_module(model.model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
     if c.tie_word_embeddings:
@@ -63,12 +70,6 @@ def apply_tensor_parallel(model: NativeCausalLM, mesh: DeviceMesh) -> NativeCaus
     else:
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return model
-
-
-def _summed(grad: torch.Tensor, group) -> torch.Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
 
 
 def full_logits(model: NativeCausalLM, hidden: torch.Tensor) -> torch.Tensor:
