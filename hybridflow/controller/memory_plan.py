@@ -47,12 +47,16 @@ class ModelShape:
     params: int
     vocab: int
     hidden: int
-    intermediate: int
+    intermediate: float  # per token and layer (MoE: the active experts'; active_intermediate)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     tied: bool
+    active_params: float = 0.0  # the parameters one token goes through (MoE: top_k of the experts)
+
+    def __post_init__(self) -> None:
+        self.active_params = self.active_params or float(self.params)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelShape:
@@ -61,12 +65,15 @@ class ModelShape:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         params = sum(p.numel() for p in model.parameters())  # a tied head counts once
+        share = _active_expert_share(hf_config)
+        active = sum(p.numel() * (share if ".experts." in n else 1.0) for n, p in model.named_parameters())
         heads = hf_config.num_attention_heads
         return cls(
             params=params,
+            active_params=active,
             vocab=hf_config.vocab_size,
             hidden=hf_config.hidden_size,
-            intermediate=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
+            intermediate=active_intermediate(hf_config),
             layers=hf_config.num_hidden_layers,
             heads=heads,
             kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -80,6 +87,31 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def _active_expert_share(hf_config) -> float:
+    """top_k / num_experts of an MoE model's expert weights work on each token (1 for a dense model)."""
+    k = getattr(hf_config, "num_experts_per_tok", None)
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    return k / experts if k and experts else 1.0
+
+
+def active_intermediate(hf_config) -> float:
+    """The feed-forward width whose activations a token keeps, averaged over the layers: a dense
+    layer's intermediate size; an MoE layer's top_k experts each keep their intermediate channels and
+    a copy of the token's hidden state (the dispatch gathers, the combine scatters). The MoE term is
+    counted, not measured: the dense fit is the one the H200 peaks confirm."""
+    from hybridflow.models.native.config import moe_config
+
+    dense = getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size
+    moe = (
+        moe_config(hf_config) if getattr(hf_config, "model_type", None) in ("mixtral", "qwen3_moe") else None
+    )
+    if moe is None:
+        return dense
+    sparse = moe.top_k * (moe.intermediate_size + hf_config.hidden_size)
+    layers = hf_config.num_hidden_layers
+    return (len(moe.sparse_layers) * sparse + (layers - len(moe.sparse_layers)) * dense) / layers
 
 
 @dataclass

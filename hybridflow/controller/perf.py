@@ -23,10 +23,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def training_flops(shape, sequence_lengths: list[int]) -> float:
-    """Forward + backward FLOPs of one pass over the sequences: 6 x (parameters without the input
-    embedding) per token, plus causal attention scores and values (6 x 2 x layers x heads x head_dim
-    x length^2, halved by the mask)."""
-    dense = 6 * (shape.params - (0 if shape.tied else shape.embedding)) * sum(sequence_lengths)
+    """Forward + backward FLOPs of one pass over the sequences: 6 x (parameters a token goes through,
+    without the input embedding: an MoE layer's chosen experts only) per token, plus causal attention
+    scores and values (6 x 2 x layers x heads x head_dim x length^2, halved by the mask)."""
+    dense = 6 * (shape.active_params - (0 if shape.tied else shape.embedding)) * sum(sequence_lengths)
     attention = 6 * shape.layers * shape.heads * shape.head_dim * sum(n * n for n in sequence_lengths)
     return float(dense + attention)
 

@@ -176,3 +176,31 @@ def test_a_pool_beside_training_with_no_room_for_one_sequence_stops_the_run():
         match="leaves it 0 tokens, less than one sequence of 4,608: .*lower actor.max_tokens_per_microbatch",
     ):
         pool_tokens_beside_training(config, plan)
+
+
+def test_moe_activations_count_the_active_experts():
+    """Qwen3-30B-A3B (48 sparse layers, 8 of 128 experts of 768 channels, hidden 2048) and Mixtral
+    8x7B (2 of 8 experts of 14,336, hidden 4,096): a token keeps each chosen expert's channels and a
+    copy of its hidden state; a Qwen3-MoE dense layer (mlp_only_layers) its intermediate size."""
+    qwen = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, mlp_only_layers=[], decoder_sparse_step=1,
+    )  # fmt: skip
+    assert ModelShape.from_hf_config(qwen).intermediate == 8 * (768 + 2048)
+    qwen.mlp_only_layers = [0, 1]  # two dense layers of 6,144
+    assert ModelShape.from_hf_config(qwen).intermediate == pytest.approx(
+        (46 * 8 * (768 + 2048) + 2 * 6144) / 48
+    )
+    mixtral = AutoConfig.for_model(
+        "mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    shape = ModelShape.from_hf_config(mixtral)
+    assert shape.intermediate == 2 * (14336 + 4096)
+    assert shape.params == pytest.approx(46.7e9, rel=0.01)  # Mixtral 8x7B's published count
+    assert shape.active_params == pytest.approx(12.9e9, rel=0.01)  # and its active count
+    qwen.mlp_only_layers = []
+    assert ModelShape.from_hf_config(qwen).active_params == pytest.approx(3.3e9, rel=0.02)  # "A3B"
+    dense = _shape(**QWEN_05B)
+    assert dense.active_params == dense.params
