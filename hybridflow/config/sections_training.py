@@ -77,6 +77,10 @@ class ActorConfig:
     sequence_parallel_size: int = 1
     """Ulysses sequence parallelism: split each packed micro-batch's tokens over this many workers (attention
     heads exchanged by all-to-all)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism of the actor and reference over this many consecutive workers (attention
+    heads, MLP channels and the vocabulary split; log-probs computed without gathering the
+    vocabulary), FSDP2 over the groups. The rollout engine still holds a whole copy of the policy."""
     offload_params: bool = False
     """Keep the actor's sharded weights in CPU memory between uses (less GPU memory, slower steps)."""
     offload_optimizer: bool = False
@@ -93,6 +97,7 @@ class ActorConfig:
         check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)
+        check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
 
 
 @dataclass

@@ -60,19 +60,24 @@ class RoleCalls:
 
     def per_row(self, method: Method, batch: TrainingBatch) -> torch.Tensor:
         """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
-        sp = self.config.actor.sequence_parallel_size
+        sp = self._same_data
         parts = shard_rows(batch, self.workers.world_size // sp)
         per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)
         return merge_rows(self.workers.call_each(method, per_rank)[::sp], parts)
 
     def update(self, method: Method, batch: TrainingBatch, **kwargs) -> dict[str, float]:
         """An update on every worker's share of each mini-batch; the metrics are global on every rank."""
-        sp = self.config.actor.sequence_parallel_size
+        sp = self._same_data
         shards = minibatch_shards(
             batch, self.config.actor.sequences_per_update, self.workers.world_size // sp
         )
         per_rank = to_sequence_parallel_ranks([(s,) for s in shards], sp)
         return self.workers.call_each(method, per_rank, **kwargs)[0]
+
+    @property
+    def _same_data(self) -> int:
+        """Consecutive ranks that get the same rows: a sequence- or tensor-parallel group."""
+        return self.config.actor.sequence_parallel_size * self.config.actor.tensor_parallel_size
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak GPU memory per phase, the largest over the workers (verl: perf/max_memory_allocated_gb)."""

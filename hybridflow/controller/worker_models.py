@@ -94,6 +94,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     model = policy_model(c, hf_model)
     layout = WorkerLayout.of(c, world_size)
     layout.check(c, model, hf_model.config.model_type)
+    _check_tensor_parallel(c, world_size, model, layout)
     critic_model = value_model(c, model, device) if layout.needs_critic else None
     model = lora_policy(c, model)
     lora = has_adapters(model)
@@ -144,7 +145,19 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
             device_id=_indexed(device),
         )
         own_group = True
-    mesh = init_device_mesh(device.type, (world_size,))
+    tp = c.actor.tensor_parallel_size
+    if tp > 1:  # consecutive ranks split each layer; FSDP2 shards over the groups
+        from hybridflow.parallel import collectives
+        from hybridflow.parallel.tensor import apply_tensor_parallel
+
+        grid = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        for m in (model, ref_model):
+            if m is not None:
+                apply_tensor_parallel(m, grid["tp"])
+        collectives.set_sequence_parallel_size(tp)  # a group's ranks hold the same data
+        mesh = grid["dp"]
+    else:
+        mesh = init_device_mesh(device.type, (world_size,))
     if layout.shard_actor:
         apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
     if layout.shard_ref:
@@ -152,6 +165,31 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
     if critic_model is not None and world_size > 1:
         apply_fsdp(critic_model, mesh)
     return own_group
+
+
+def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
+    """What actor.tensor_parallel_size cannot run with yet, one line each, before anything is built."""
+    tp = c.actor.tensor_parallel_size
+    if tp == 1:
+        return
+    refusals = [
+        (
+            world_size % tp != 0 or not layout.sharded,
+            f"needs a multiple of {tp} training workers (resources.num_workers / trainer.n_gpus_per_node), "
+            f"not {world_size}",
+        ),
+        (
+            not isinstance(model, native.NativeCausalLM) or model.config.moe is not None,
+            "runs our native dense models (not model.impl=hf, not mixture-of-experts)",
+        ),
+        (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
+        (layout.needs_critic, "has no critic yet: use a critic-free estimator (grpo, rloo, ...)"),
+        (bool(c.actor.entropy_coeff), "computes no entropy gradient yet: set actor.entropy_coeff=0"),
+        (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"actor.tensor_parallel_size={tp} {why}")
 
 
 def _indexed(device: torch.device) -> torch.device | None:

@@ -16,7 +16,12 @@ from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.devices import to_device
 from hybridflow.errors import UserError
 from hybridflow.models.native.moe import SparseMoE, load_balancing_loss
-from hybridflow.parallel.collectives import data_parallel_scale, max_values_over_ranks, sum_over_ranks
+from hybridflow.parallel.collectives import (
+    clip_grad_norm,
+    data_parallel_scale,
+    max_values_over_ranks,
+    sum_over_ranks,
+)
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
 from hybridflow.tracking.progress import bar
 
@@ -56,9 +61,7 @@ def optimizer_step(model, optimizer, grad_clip: float, sums: dict[str, float]) -
     gradients dropped) when the norm is not finite, which every rank sees alike."""
     keys = sorted(sums)
     sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm is a DTensor
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return None

@@ -127,3 +127,14 @@ def test_sizes_tensor_parallelism_cannot_split_are_named():
 
     with pytest.raises(UserError, match="does not divide the model's num_key_value_heads=2"):
         apply_tensor_parallel(model, FourRanks())
+
+
+def test_a_tensor_parallel_size_one_process_cannot_hold_is_refused(setup, tmp_path):
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    with pytest.raises(
+        UserError, match="actor.tensor_parallel_size=2 needs a multiple of 2 training workers"
+    ):
+        RLTrainer(config(setup, tmp_path / "run", "actor.tensor_parallel_size=2"))

@@ -96,6 +96,12 @@ def chunked_token_logprobs(
     float32, no gradient) of softmax(logits / temperature). Peak extra memory: one [chunk, V] block of
     logits (on CUDA in the matmul's dtype; elsewhere a float32 copy too). Under autocast the matmuls run in the autocast dtype (the final norm hands over float32
     activations)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):  # a tensor-parallel head: each rank holds rows of the vocabulary
+        from hybridflow.parallel.tensor import vocab_parallel_logprobs
+
+        return vocab_parallel_logprobs(hidden, weight, targets, chunk=chunk, temperature=temperature)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         hidden = hidden.to(torch.get_autocast_dtype(device))
