@@ -78,7 +78,7 @@ class ActorConfig:
     """Ulysses sequence parallelism: split each packed micro-batch's tokens over this many workers (attention
     heads exchanged by all-to-all)."""
     tensor_parallel_size: int = 1
-    """Tensor parallelism of the actor and reference over this many consecutive workers (attention
+    """Tensor parallelism of the actor, reference and critic over this many consecutive workers (attention
     heads, MLP channels and the vocabulary split; log-probs computed without gathering the
     vocabulary), FSDP2 over the groups. The rollout engine still holds a whole copy of the policy."""
     offload_params: bool = False

@@ -151,7 +151,7 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         from hybridflow.parallel.tensor import apply_tensor_parallel
 
         grid = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        for m in (model, ref_model):
+        for m in (model, ref_model, critic_model):
             if m is not None:
                 apply_tensor_parallel(m, grid["tp"])
         collectives.set_sequence_parallel_size(tp)  # a group's ranks hold the same data
@@ -183,7 +183,6 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
             "runs our native dense models (not model.impl=hf, not mixture-of-experts)",
         ),
         (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
-        (layout.needs_critic, "has no critic yet: use a critic-free estimator (grpo, rloo, ...)"),
         (bool(c.actor.entropy_coeff), "computes no entropy gradient yet: set actor.entropy_coeff=0"),
         (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
     ]

@@ -25,11 +25,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hybridflow.errors import UserError
-from hybridflow.models.native.model import NativeCausalLM
+from hybridflow.models.native.model import NativeCausalLM, NativeModule
 
 
-def apply_tensor_parallel(model: NativeCausalLM, mesh: DeviceMesh) -> NativeCausalLM:
-    """Shard `model` in place over the 1-D `mesh` (every rank holds the same full model before)."""
+def apply_tensor_parallel(model: NativeModule, mesh: DeviceMesh) -> NativeModule:
+    """Shard `model` in place over the 1-D `mesh` (every rank holds the same full model before). A
+    causal LM's head is split over the vocabulary; a score model's (the critic's value head, a few
+    outputs) stays whole on every rank."""
     c, tp = model.config, mesh.size()
     for name, value in (
         ("num_attention_heads", c.num_attention_heads),
@@ -65,6 +67,8 @@ def apply_tensor_parallel(model: NativeCausalLM, mesh: DeviceMesh) -> NativeCaus
             parallelize_module(layer.self_attn, mesh, {"q_norm": heads, "k_norm": heads})
     # vocabulary-parallel: rows of the embedding (a tied head shares them), the head's output channels
     parallelize_module(model.model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
+    if not isinstance(model, NativeCausalLM):
+        return model
     if c.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     else:

@@ -236,28 +236,13 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_groups_generated_again(
     _assert_same_weights(_policy(single_dir, 2), _policy(run_dir, 2))
 
 
-GRPO = ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "actor.max_tokens_per_microbatch=64",
-        "ref.max_tokens_per_microbatch=64", "trainer.save_freq=1"]  # fmt: skip
-
-
 @pytest.mark.slow
-def test_tensor_parallel_actor_over_two_workers_trains_as_one_process(setup, tmp_path):
-    """actor.tensor_parallel_size=2: the actor and reference split over both Ray workers (heads, MLP
-    channels, vocabulary), the same rows on both; the steps and the weights of one process."""
-    one = {m["step"]: m for m in _run(setup, tmp_path / "one", 2, *GRPO)}
-    tp = {m["step"]: m for m in _run(setup, tmp_path / "tp", 2, *GRPO, *TWO, "actor.tensor_parallel_size=2")}
+def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_path, single):
+    """actor.tensor_parallel_size=2: actor, reference and critic split over both Ray workers (heads,
+    MLP channels, the vocabulary; the value head whole), the same rows on both ranks; the steps
+    (policy, KL and value losses) and the weights of one process."""
+    single_dir, single = single
+    tp = _train(setup, tmp_path / "tp", 2, *TWO, "actor.tensor_parallel_size=2")
     for step in (1, 2):
-        for key in (
-            "actor/pg_loss",
-            "actor/kl_loss",
-            "actor/grad_norm",
-            "critic/score/mean",
-            "response_length/mean",
-        ):
-            assert tp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
-    _assert_same_weights(_policy(tmp_path / "one", 2), _policy(tmp_path / "tp", 2))
-
-
-def _run(setup, run_dir, steps, *extra):
-    RLTrainer(config(setup, run_dir, f"trainer.total_training_steps={steps}", *extra)).fit()
-    return read_metrics(run_dir)
+        _assert_same_step(single[step], tp[step])
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "tp", 2))
