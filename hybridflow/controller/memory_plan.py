@@ -147,8 +147,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _activations(shape: ModelShape, tokens: int, checkpointing: bool) -> float:
-    per_layer = ACTIVATION_BYTES * (shape.hidden + shape.intermediate) * tokens
+def _activations(shape: ModelShape, tokens: int, checkpointing: bool, tp: int = 1) -> float:
+    """Saved activations of a micro-batch; under tensor parallelism the heads' and MLP channels'
+    share (counted as the intermediate term) is split over the tp ranks, the hidden-size part not."""
+    per_layer = ACTIVATION_BYTES * (shape.hidden + shape.intermediate / tp) * tokens
     if checkpointing:  # saved: each layer's fp32 input; recomputed: one layer at a time
         return shape.layers * tokens * shape.hidden * 4 + per_layer
     return shape.layers * per_layer
@@ -201,8 +203,9 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         # the engine's cap: room for max_batch_sequences at full context, in whole pages of 64
         pages = -(-(c.data.max_prompt_tokens + c.data.max_response_tokens) // ENGINE_PAGE)
         kv_bytes = min(kv_bytes, c.rollout.max_batch_sequences * pages * ENGINE_PAGE * kv_per_token)
-    logits = 2 * LOGPROB_CHUNK * shape.vocab * 2  # two bf16 [chunk, V] blocks (Triton softmax kernels)
-    forward = logits + 4 * (shape.hidden + shape.intermediate) * c.ref.max_tokens_per_microbatch
+    tp = c.actor.tensor_parallel_size  # each rank holds vocab / tp of the logits, intermediate / tp channels
+    logits = 2 * LOGPROB_CHUNK * shape.vocab / tp * 2  # two bf16 [chunk, V] blocks (Triton softmax kernels)
+    forward = logits + 4 * (shape.hidden + shape.intermediate / tp) * c.ref.max_tokens_per_microbatch
     layer = master * (p - shape.embedding) / shape.layers
     # an offloaded model gathers each layer (and prefetches the next) onto the GPU as it runs
     gathered = 2 * layer + master * shape.embedding * (1 if shape.tied else 2)
@@ -212,7 +215,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         # an offloaded optimizer comes back for the step, after the activations are freed
         "update_actor": static
         + max(
-            _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing)
+            _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing, tp)
             + logits
             + (gathered + layer if c.actor.offload_params else 0.0),  # + a layer's gradients on their way out
             optimizer_for_update,
@@ -220,7 +223,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     }
     if layout.needs_critic:
         phases["update_critic"] = static + _activations(
-            shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing
+            shape, c.critic.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing, tp
         )
     phases["update_weights"] = static + (layer if w > 1 or c.actor.offload_params else 0.0)
     capped = False
@@ -249,7 +252,9 @@ def _suggestions(
         c.data.max_prompt_tokens + c.data.max_response_tokens
     )
     if plan.phases["update_actor"] > plan.gpu_bytes:
-        per_token = _activations(shape, 1, c.model.enable_gradient_checkpointing)
+        per_token = _activations(
+            shape, 1, c.model.enable_gradient_checkpointing, c.actor.tensor_parallel_size
+        )
         fits = int(room // per_token) if room > 0 else 0
         if fits >= 512:
             out.append(

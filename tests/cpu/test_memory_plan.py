@@ -6,8 +6,10 @@ from transformers import AutoConfig
 
 from hybridflow.config import load_config
 from hybridflow.controller.memory_plan import (
+    ACTIVATION_BYTES,
     CUDA_CONTEXT,
     GIB,
+    LOGPROB_CHUNK,
     PLAN_SLACK,
     ModelShape,
     estimate,
@@ -204,3 +206,19 @@ def test_moe_activations_count_the_active_experts():
     assert ModelShape.from_hf_config(qwen).active_params == pytest.approx(3.3e9, rel=0.02)  # "A3B"
     dense = _shape(**QWEN_05B)
     assert dense.active_params == dense.params
+
+
+def test_tensor_parallelism_splits_the_channels_activations_and_the_logits():
+    """Two GPUs either way: FSDP over both, or one tensor-parallel pair (FSDP over one group); the
+    same resident shards, and in the update each rank keeps half the intermediate channels' saved
+    activations and half the vocabulary's logits."""
+    shape = _shape(**QWEN_15B)
+    fsdp = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=2)
+    tp = estimate(
+        load_config(None, [*BENCH, "actor.tensor_parallel_size=2"]), shape, gpu_bytes=H200, workers=2
+    )
+    assert tp.resident == fsdp.resident
+    tokens = load_config(None, BENCH).actor.max_tokens_per_microbatch
+    saved = shape.layers * ACTIVATION_BYTES * shape.intermediate / 2 * tokens
+    logits = 2 * LOGPROB_CHUNK * shape.vocab / 2 * 2
+    assert tp.phases["update_actor"] == pytest.approx(fsdp.phases["update_actor"] - saved - logits)
