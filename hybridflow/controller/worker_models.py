@@ -183,7 +183,6 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
             "runs our native dense models (not model.impl=hf, not mixture-of-experts)",
         ),
         (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
-        (bool(c.actor.entropy_coeff), "computes no entropy gradient yet: set actor.entropy_coeff=0"),
         (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
     ]
     for refused, why in refusals:

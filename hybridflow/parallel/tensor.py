@@ -99,8 +99,8 @@ def vocab_parallel_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunked_token_logprobs with the LM head's weight [V, H] sharded over vocabulary rows:
     hidden [N, H] and targets [N] (the same on every rank) -> log p(target) [N] and entropy [N],
-    float32, the same on every rank. Gradients reach `hidden` (summed over ranks) and each rank's
-    rows of the weight."""
+    float32, the same on every rank. Gradients of both (the entropy's too, unlike the one-process
+    function's) reach `hidden` (summed over ranks) and each rank's rows of the weight."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         hidden = hidden.to(torch.get_autocast_dtype(device))
@@ -123,6 +123,7 @@ class _VocabParallel(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
+        mean_z = torch.empty_like(logp)  # E_p[z], the entropy's gradient needs it
         for s in range(0, n, chunk):
             part = slice(s, s + chunk)
             logits = (hidden[part] @ w.T).float() * scale  # [c, V/tp]
@@ -140,25 +141,31 @@ class _VocabParallel(torch.autograd.Function):
             dist.all_reduce(sums, group=group)
             lse[part] = peak + torch.log(sums[0])
             logp[part] = sums[2] - lse[part]
-            entropy[part] = lse[part] - sums[1] / sums[0]
-        ctx.save_for_backward(hidden, weight, local, mine, lse)
+            mean_z[part] = sums[1] / sums[0]
+            entropy[part] = lse[part] - mean_z[part]
+        ctx.save_for_backward(hidden, weight, local, mine, lse, mean_z)
         ctx.group, ctx.chunk, ctx.scale = group, chunk, scale
-        ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, local, mine, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, local, mine, lse, mean_z = ctx.saved_tensors
         w = weight.to(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         for s in range(0, hidden.shape[0], ctx.chunk):
             part = slice(s, s + ctx.chunk)
             h, g = hidden[part], grad_logp[part].float()
-            # d logp / d logits = onehot(target) - softmax, over this rank's columns [c, V/tp]
-            d_logits = -torch.exp((h @ w.T).float() * ctx.scale - lse[part, None]) * g[:, None]
+            z = (h @ w.T).float() * ctx.scale  # [c, V/tp] scaled logits
+            p = torch.exp(z - lse[part, None])
+            # d logp / dz = onehot(target) - p; d entropy / dz = -p (z - E_p[z]); over this rank's columns
+            d_logits = -p * g[:, None]
             rows = torch.arange(h.shape[0], device=h.device)
             d_logits[rows, local[part]] += torch.where(mine[part], g, 0.0)  # the target, where held
+            if grad_entropy is not None:
+                d_logits -= p * (z - mean_z[part, None]) * grad_entropy[part, None].float()
             d_logits = (d_logits * ctx.scale).to(h.dtype)
             grad_hidden[part] = d_logits @ w
             grad_weight += (d_logits.T @ h).float()

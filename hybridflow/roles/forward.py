@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
@@ -160,7 +161,8 @@ def packed_response_logprobs(
         logp, entropy = chunked_token_logprobs(
             chosen, model.lm_head.weight, targets, temperature=temperature
         )  # [R] each
-        if with_entropy and entropy_grad:  # differentiable entropy needs the [R, V] logits
+        # differentiable entropy needs the [R, V] logits; a tensor-parallel head's carries its gradient
+        if with_entropy and entropy_grad and not isinstance(model.lm_head.weight, DTensor):
             entropy = entropy_from_logits(model.lm_head(chosen) / temperature)
     return (
         unflatten_responses(logp, response_ids),

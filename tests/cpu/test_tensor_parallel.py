@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
+from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences
 from hybridflow.controller.worker_group import free_address
 from hybridflow.errors import UserError
@@ -26,13 +27,22 @@ SEQS = [[5, 9, 200, 17, 3, 8, 77, 258], [44, 2, 2, 90], list(range(30, 52))]
 
 
 def _step(model, packed, logprobs):
-    """Log-probs of each next token, entropy, and a loss's backward (weights differ per token)."""
+    """Log-probs of each next token, entropy, and the backward of a loss of both (weights differ per
+    token, as an entropy bonus with per-token advantages would)."""
     hidden = model.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
     targets = torch.roll(packed.input_ids, -1)
     logp, entropy = logprobs(hidden, targets)
     weights = torch.linspace(-1.0, 2.0, logp.numel())
-    (logp * weights).sum().backward()
-    return hidden, logp.detach(), entropy
+    ((logp * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+    return hidden, logp.detach(), entropy.detach()
+
+
+def _one_process(model):
+    """Log-probs chunked, the entropy from the full logits (the path that carries its gradient)."""
+    return lambda h, t: (
+        chunked_token_logprobs(h, model.lm_head.weight, t, chunk=7)[0],
+        entropy_from_logits(model.lm_head(h)),
+    )
 
 
 def _rank(rank: int, world: int, port: int, cases: list[tuple[str, dict]]) -> None:
@@ -49,9 +59,7 @@ def _tensor_parallel_equals_one_process(rank: int, world: int, family: str, over
     single = from_hf_model(tiny_model(family, seed=3, **overrides)).train()
     sharded = copy.deepcopy(single)
     packed = pack_sequences(SEQS)
-    _, logp, entropy = _step(
-        single, packed, lambda h, t: chunked_token_logprobs(h, single.lm_head.weight, t, chunk=7)
-    )
+    _, logp, entropy = _step(single, packed, _one_process(single))
     apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,)))
     head = sharded.lm_head.weight
     rows = torch.arange(single.config.vocab_size).chunk(world)[rank]  # 130 and 129 of 259 on 2 ranks
