@@ -17,7 +17,8 @@ def validate(
     params: SamplingParams,
 ) -> tuple[dict[str, float], list[dict]]:
     """val-core/{data_source}/acc/{mean@N,best@N,maj@N} (N = params.n) of the reward function's `acc`
-    when it returns one, else val-core/{data_source}/reward/... of its score (verl's naming), and
+    when it returns one, else val-core/{data_source}/reward/... of its score, and
+    val-aux/{data_source}/{key}/mean@N of each further number it returns (verl's naming), and
     per-response samples. `generate(prompts, params)` samples (over all rollout workers)."""
     rollouts = generate(prompts, params)
     result = reward.score(rollouts)
@@ -36,6 +37,11 @@ def validate(
     metrics = {
         f"val-core/{src}/{name}/{k}": v / counts[src] for src, accs in sums.items() for k, v in accs.items()
     }
+    for key, values in result.extras.items():  # e.g. a lenient check beside the strict one
+        aux: dict[str, float] = defaultdict(float)
+        for rows in per_prompt.values():
+            aux[rollouts.prompts[rows[0]].data_source] += values[rows].mean().item()
+        metrics |= {f"val-aux/{src}/{key}/mean@{params.n}": v / counts[src] for src, v in aux.items()}
     samples = [
         {
             "prompt_index": rollouts.prompts[i].index,

@@ -24,7 +24,7 @@ def normalize(answer: str) -> str:
     return a
 
 
-def _verify(gold: str, pred: str) -> bool | None:
+def verify(gold: str, pred: str) -> bool | None:
     """True/False from math-verify, or None when it cannot parse one side."""
     try:
         from math_verify import parse, verify
@@ -54,7 +54,7 @@ def score(solution_str: str, ground_truth: str, *, guards: bool = True) -> dict:
     gold = str(ground_truth)
     if guards and lists_several_candidates(pred, gold):
         return {"score": 0.0, "pred": pred}
-    verdict = _verify(gold, pred)
+    verdict = verify(gold, pred)
     if verdict is None:
         verdict = normalize(pred) == normalize(gold)
     return {"score": float(verdict), "pred": pred}

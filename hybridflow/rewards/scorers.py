@@ -16,6 +16,7 @@ from typing import Any
 from hybridflow.rewards import code as code_rewards
 from hybridflow.rewards import format as format_rewards
 from hybridflow.rewards import math as math_rewards
+from hybridflow.rewards.latex import last_boxed
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -82,6 +83,30 @@ def gsm8k_lenient(solution_str: str, ground_truth: str, *, guards: bool = False)
     numbers = _NUMBER.findall(tail.replace("$", ""))
     pred = _clean_number(numbers[0] if "####" in solution_str else numbers[-1]) if numbers else None
     return {"score": float(_numbers_equal(pred, ground_truth)), "pred": pred}
+
+
+def gsm8k_math_verify(solution_str: str, ground_truth: str, *, guards: bool = False) -> dict:
+    """GSM8K checked leniently with math-verify, to tell a right answer in the wrong format from a
+    wrong one (data_source gsm8k_math_verify; not verl's): the answer after the last '####', else the
+    last \\boxed{}, else the response's last number; math-verify compares it with the reference
+    ('18.00', '$18', '\\frac{36}{2}' all equal 18), the number comparison where it cannot parse."""
+    if guards and "####" in solution_str and len(_NUMBER.findall(solution_str.rsplit("####", 1)[1])) > 1:
+        return {"score": 0.0, "pred": None}
+    if "####" in solution_str:
+        pred = solution_str.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+    else:
+        pred = last_boxed(solution_str)
+        if pred is None:
+            numbers = _NUMBER.findall(solution_str)
+            pred = numbers[-1] if numbers else None
+    if not pred:
+        return {"score": 0.0, "pred": None}
+    if _NUMBER.fullmatch(_clean_number(pred)):
+        pred = _clean_number(pred)  # '$1,080.' -> '1080'
+    verdict = math_rewards.verify(str(ground_truth).replace(",", ""), pred)
+    if verdict is None:
+        verdict = _numbers_equal(_clean_number(pred), ground_truth)
+    return {"score": float(verdict), "pred": pred}
 
 
 _CLAUSE_END = re.compile(r"\.\s|,\s|;|!|\?")
@@ -175,6 +200,7 @@ SCORERS: dict[str, tuple[Callable[..., dict], bool]] = {
     "openai/gsm8k": (gsm8k, False),
     "gsm8k": (gsm8k, False),
     "gsm8k_lenient": (gsm8k_lenient, False),
+    "gsm8k_math_verify": (gsm8k_math_verify, False),
     "arithmetic": (arithmetic, True),
     "countdown": (_countdown, True),
     "math": (_math, True),

@@ -42,6 +42,9 @@ class RewardResult:
     acc_given: bool = False
     """The function returned an `acc`: validation names its metric val-core/<source>/acc (verl's
     rule), else val-core/<source>/reward."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """[B] each further number every response's result carried (e.g. a lenient second check):
+    validation reports them as val-aux/<source>/<key>/mean@N (verl's naming)."""
 
     def __post_init__(self) -> None:
         if self.accs is None:
@@ -56,10 +59,12 @@ class RewardResult:
             self.metrics,
             self.accs[index],
             self.acc_given,
+            {k: v[index] for k, v in self.extras.items()},
         )
 
     @staticmethod
     def concat(parts: list[RewardResult]) -> RewardResult:
+        shared = set.intersection(*(set(p.extras) for p in parts)) if parts else set()
         return RewardResult(
             torch.cat([p.scores for p in parts]),
             torch.cat([p.raw_scores for p in parts]),
@@ -67,6 +72,7 @@ class RewardResult:
             parts[-1].metrics if parts else {},
             torch.cat([p.accs for p in parts]),
             any(p.acc_given for p in parts),
+            {k: torch.cat([p.extras[k] for p in parts]) for k in sorted(shared)},
         )
 
 
@@ -218,7 +224,9 @@ class Reward:
             if acc_given
             else raw
         )
-        return RewardResult(scores, raw, [o.pred for o in outcomes], metrics, accs, acc_given)
+        every = set.intersection(*(set(o.extras) for o in outcomes)) - {"acc"} if outcomes else set()
+        per_row = {k: torch.tensor([float(o.extras[k]) for o in outcomes]) for k in sorted(every)}
+        return RewardResult(scores, raw, [o.pred for o in outcomes], metrics, accs, acc_given, per_row)
 
     def score(self, rollouts: Rollouts) -> RewardResult:
         return self.result(rollouts, self.submit(rollouts))

@@ -64,6 +64,23 @@ def test_gsm8k_lenient_compares_numbers(response, truth, expected):
     assert compute_score("gsm8k_lenient", response, truth)["score"] == expected
 
 
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("#### 18.00", "18", 1.0),
+        ("The total is $1,080.", "1080", 1.0),  # no '####': the last number
+        ("So she has \\boxed{\\frac{36}{2}} apples.", "18", 1.0),  # math-verify: 36/2 = 18
+        ("Half of 36 is 18 and she gives 2 away, so 16 remain. #### 16", "16", 1.0),
+        ("#### 17", "18", 0.0),
+        ("I cannot tell.", "18", 0.0),
+    ],
+)
+def test_gsm8k_math_verify_checks_the_answer_whatever_its_format(response, truth, expected):
+    assert compute_score("gsm8k_math_verify", response, truth)["score"] == expected
+    if "####" not in response:  # verl's strict extraction gives these nothing
+        assert compute_score("openai/gsm8k", response, truth)["score"] == 0.0
+
+
 def test_builtin_scorers_report_acc_without_partial_credit():
     assert compute_score("openai/gsm8k", "#### 17", "18")["acc"] == 0.0
     assert compute_score("openai/gsm8k", "#### 18", "18")["acc"] == 1.0
@@ -203,3 +220,32 @@ def test_every_source_named_in_the_issue_is_registered():
     for source in ("openai/gsm8k", "gsm8k", "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
                    "HuggingFaceH4/MATH-500", "arithmetic", "countdown", "code"):  # fmt: skip
         assert source in SCORERS
+
+
+def test_validation_reports_further_numbers_of_the_reward_as_val_aux():
+    """A reward that returns a strict acc and a lenient check: val-core carries the acc, val-aux the
+    lenient share (verl's naming), per data source and averaged over prompts."""
+    import torch
+
+    from hybridflow.batch import Prompt, Rollouts
+    from hybridflow.controller.validation import validate
+    from hybridflow.roles.reward import RewardResult
+
+    prompts = [Prompt(0, [1], "openai/gsm8k"), Prompt(1, [2], "openai/gsm8k"), Prompt(2, [3], "math")]
+    rollouts = Rollouts(
+        prompt_ids=[[1], [2], [3]], response_ids=[[4], [5], [6]], response_logprobs=[[0.0]] * 3,
+        finish_reasons=["stop"] * 3, group_ids=[0, 1, 2], prompts=prompts,
+    )  # fmt: skip
+
+    class Scored:
+        def score(self, _rollouts):
+            zeros = torch.zeros(3)
+            return RewardResult(
+                zeros, zeros, [None] * 3, accs=torch.tensor([0.0, 1.0, 0.0]), acc_given=True,
+                extras={"lenient": torch.tensor([1.0, 1.0, 0.0])},
+            )  # fmt: skip
+
+    metrics, _ = validate(lambda p, params: rollouts, Scored(), prompts, type("P", (), {"n": 1})())
+    assert metrics["val-core/openai/gsm8k/acc/mean@1"] == 0.5
+    assert metrics["val-aux/openai/gsm8k/lenient/mean@1"] == 1.0
+    assert metrics["val-aux/math/lenient/mean@1"] == 0.0
