@@ -77,6 +77,7 @@ def _tensor_parallel_equals_one_process(rank: int, world: int, family: str, over
         assert_close(grad, theirs[name].grad, atol=2e-5, rtol=1e-4, msg=f"{family} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, cases",
     [
@@ -122,6 +123,7 @@ def _fsdp_tp_rank(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_over_tensor_parallel_pairs_equals_one_process():
     mp.spawn(_fsdp_tp_rank, args=(4, free_address()[1]), nprocs=4, join=True)
 
