@@ -1,5 +1,5 @@
 """Tensor parallelism for the native model, applied from outside by a plan (the model file stays
-single-device; torchtitan's approach), over DTensor so that it composes with FSDP2 later.
+single-device; torchtitan's approach), over DTensor, so that it composes with FSDP2.
 
 Per decoder layer: q/k/v and gate/up column-parallel (each rank holds heads / tp query and KV
 heads and intermediate / tp channels), o and down row-parallel (one all-reduce each, so two per
@@ -8,8 +8,8 @@ layer); the attention module is told its local head counts. The embedding is voc
 computes log-probs and entropy from each rank's [tokens, vocab / tp] logits with three all-reduces of
 [tokens] vectors per chunk, never gathering the vocabulary. Norms and RoPE are replicated.
 
-Not here yet: MoE layers (expert parallelism), sequence-parallel norms, FSDP2 x TP meshes, the
-engine's TP and the actor's `tensor_parallel_size` setting."""
+Used by actor.tensor_parallel_size (controller/worker_models.py: FSDP2 over a (dp, tp) mesh). Not here yet:
+MoE layers (expert parallelism), sequence-parallel norms, the engine's TP."""
 
 from __future__ import annotations
 
@@ -27,11 +27,15 @@ from torch.distributed.tensor.parallel import (
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM, NativeModule
 
+TP_MESH = "tp"  # the name of the tensor-parallel mesh: a DTensor head on it is vocabulary-parallel
+
 
 def apply_tensor_parallel(model: NativeModule, mesh: DeviceMesh) -> NativeModule:
-    """Shard `model` in place over the 1-D `mesh` (every rank holds the same full model before). A
-    causal LM's head is split over the vocabulary; a score model's (the critic's value head, a few
-    outputs) stays whole on every rank."""
+    """Shard `model` in place over the 1-D `mesh` named TP_MESH (every rank holds the same full model
+    before). A causal LM's head is split over the vocabulary; a score model's (the critic's value
+    head, a few outputs) stays whole on every rank."""
+    if mesh.mesh_dim_names != (TP_MESH,):
+        raise ValueError(f"tensor parallelism runs over a 1-D mesh named {TP_MESH!r}, not {mesh}")
     c, tp = model.config, mesh.size()
     for name, value in (
         ("num_attention_heads", c.num_attention_heads),

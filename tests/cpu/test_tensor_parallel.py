@@ -60,7 +60,7 @@ def _tensor_parallel_equals_one_process(rank: int, world: int, family: str, over
     sharded = copy.deepcopy(single)
     packed = pack_sequences(SEQS)
     _, logp, entropy = _step(single, packed, _one_process(single))
-    apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,)))
+    apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     head = sharded.lm_head.weight
     rows = torch.arange(single.config.vocab_size).chunk(world)[rank]  # 130 and 129 of 259 on 2 ranks
     assert isinstance(head, DTensor) and head.to_local().shape[0] == len(rows)
@@ -132,6 +132,8 @@ def test_sizes_tensor_parallelism_cannot_split_are_named():
     model = from_hf_model(tiny_model("qwen2", seed=3))  # 2 KV heads
 
     class FourRanks:
+        mesh_dim_names = ("tp",)
+
         def size(self):
             return 4
 

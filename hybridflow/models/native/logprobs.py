@@ -99,8 +99,13 @@ def chunked_token_logprobs(
     from torch.distributed.tensor import DTensor
 
     if isinstance(weight, DTensor):  # a tensor-parallel head: each rank holds rows of the vocabulary
-        from hybridflow.parallel.tensor import vocab_parallel_logprobs
+        from hybridflow.parallel.tensor import TP_MESH, vocab_parallel_logprobs
 
+        if weight.device_mesh.mesh_dim_names != (TP_MESH,):  # an FSDP shard: other ranks hold other tokens
+            raise ValueError(
+                f"the LM head's weight is a DTensor on mesh {weight.device_mesh} rather than the "
+                f"tensor-parallel mesh {TP_MESH!r}: gather it (run inside the model's FSDP forward method)"
+            )
         return vocab_parallel_logprobs(hidden, weight, targets, chunk=chunk, temperature=temperature)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
