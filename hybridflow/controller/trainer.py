@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
+from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop
 from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
@@ -54,13 +54,6 @@ from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows
 from hybridflow.tracking.sinks import make_sinks
-
-log = logging.getLogger(__name__)
-MAX_BAD_STEPS = 3
-
-
-class TrainingDiverged(UserError):
-    pass
 
 
 class RLTrainer:
@@ -299,7 +292,11 @@ class RLTrainer:
                     if self.stream is None and not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
                         self.placement.sleep_rollout()
                 except NonFiniteLogits as e:
-                    raise self._diverged(f"step {self.step}: the policy's logits are not finite") from e
+                    raise diverged(
+                        f"step {self.step}: the policy's logits are not finite",
+                        lr=c.actor.optim.lr,
+                        checkpoint=self.last_checkpoint,
+                    ) from e
             mask = pad_ragged(rollouts.masks())  # [B, T]: 1 on the tokens the policy sampled
             batch = TrainingBatch(
                 rollouts.prompt_ids,
@@ -360,7 +357,13 @@ class RLTrainer:
                     metrics["training/first_minibatch_ppo_kl_to_rollout"] = metrics.pop(
                         "training/first_minibatch_ppo_kl"
                     )
-                self._check_finite(metrics)
+                self.bad_steps = count_bad_step(
+                    self.bad_steps,
+                    metrics,
+                    updates=updates_per_step(c),
+                    step=self.step,
+                    checkpoint=self.last_checkpoint,
+                )
             with timer("update_weights"):
                 if self.stream is None:
                     self.placement.sync_weights()
@@ -446,37 +449,6 @@ class RLTrainer:
             self._weight_check_unavailable_said = True
             print(f"weight-sync check: rollout.name={self.config.rollout.name} does not expose its weights; "
                   "not checked", flush=True)  # fmt: skip
-
-    def _check_finite(self, metrics: dict[str, float]) -> None:
-        if metrics.get("actor/skipped_updates", 0) >= updates_per_step(self.config):
-            self.bad_steps += 1
-            log.warning(
-                "step %d: loss or gradient was not finite; the update was skipped (%d in a row)",
-                self.step,
-                self.bad_steps,
-            )
-            if self.bad_steps >= MAX_BAD_STEPS:
-                where = (
-                    f"resume from {self.last_checkpoint}"
-                    if self.last_checkpoint
-                    else "no checkpoint was saved yet"
-                )
-                raise TrainingDiverged(
-                    f"{MAX_BAD_STEPS} steps in a row had a non-finite loss or gradient (lower actor.optim.lr?); {where}"
-                )
-        else:
-            self.bad_steps = 0
-        metrics["training/nonfinite_steps"] = float(self.bad_steps)
-
-    def _diverged(self, what: str) -> TrainingDiverged:
-        where = (
-            f"last good checkpoint: {self.last_checkpoint}"
-            if self.last_checkpoint
-            else "no checkpoint was saved yet"
-        )
-        return TrainingDiverged(
-            f"{what}; the weights have blown up (actor.optim.lr={self.config.actor.optim.lr:g} too high?); {where}"
-        )
 
     def _log(self, metrics: dict[str, float], *, step: int) -> None:
         val = {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k}

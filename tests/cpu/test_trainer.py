@@ -7,7 +7,8 @@ import torch
 from rl_run import config, read_metrics
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.controller.trainer import RLTrainer, TrainingDiverged
+from hybridflow.controller.divergence import TrainingDiverged
+from hybridflow.controller.trainer import RLTrainer
 from hybridflow.errors import UserError
 from hybridflow.models import byte_tokenizer, save_hf
 
