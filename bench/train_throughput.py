@@ -18,6 +18,7 @@ import random
 import time
 
 import torch
+from rollout import SHAPES as ROLLOUT_SHAPES  # bench/ is the script's own directory
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybridflow.batch import pack_sequences, plan_microbatches
@@ -38,22 +39,10 @@ SHAPES = {
         num_attention_heads=12,
         num_key_value_heads=2,
     ),
-    # Qwen3-30B-A3B's layers, 4 of its 48 (bench/rollout.py's shape)
-    "30b-a3b-4layers": dict(
-        model_type="qwen3_moe",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-    ),
+}
+# Qwen3-30B-A3B's layers, 4 of its 48: bench/rollout.py's shape (the head's tying is set below)
+SHAPES["30b-a3b-4layers"] = {
+    k: v for k, v in ROLLOUT_SHAPES["30b-a3b-4layers"].items() if k != "tie_word_embeddings"
 }
 PEAK_TFLOPS = 989.0  # H200 dense bf16 (spec sheet)
 

@@ -227,19 +227,19 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         )
     phases["update_weights"] = static + (layer if w > 1 or c.actor.offload_params else 0.0)
     capped = False
-    if pool_beside_training(c, layout) and c.rollout.kv_cache_tokens is None:
-        # the engine works while the trainer does (or keeps its cache): the pool gets what the other
-        # phases leave, and the engine is built with that size (pool_tokens_beside_training)
+    beside = pool_beside_training(c, layout)  # the engine works while the trainer does, or keeps its cache
+    if beside and c.rollout.kv_cache_tokens is None:
+        # the pool gets what the other phases leave; the engine is built with that size
+        # (pool_tokens_beside_training)
         room = max(gpu_bytes * (1 - PLAN_SLACK) - max(phases.values()), 0.0)
         capped = room < kv_bytes
         kv_bytes = min(kv_bytes, room)
+    if beside:  # every phase holds the pool
         phases = {k: v + kv_bytes for k, v in phases.items()}
     phases = {"gen": (CUDA_CONTEXT + engine if apart else static) + kv_bytes, **phases}
-    if pool_beside_training(c, layout) and c.rollout.kv_cache_tokens is not None:
-        phases = {k: v + (kv_bytes if k != "gen" else 0.0) for k, v in phases.items()}
     plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token), pool_capped=capped)
-    beside = kv_bytes if pool_beside_training(c, layout) else 0.0  # held through the update too
-    plan.suggestions = _suggestions(config, shape, plan, static + beside, logits, kv_per_token)
+    held = kv_bytes if beside else 0.0  # through the update too
+    plan.suggestions = _suggestions(config, shape, plan, static + held, logits, kv_per_token)
     return plan
 
 

@@ -171,26 +171,19 @@ class RayWorkerGroup:
 
     def call_one(self, rank: int, method: Method | str, *args: Any, own: bool = False, **kwargs: Any) -> Any:
         """`method(*args, **kwargs)` on worker `rank` alone (errors as for `call`)."""
-        import ray
-
         name = method if isinstance(method, str) else method_name(method)
-        ref = self.workers[rank].run.remote(name, args, kwargs, own=own)
-        try:
-            status, value = ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise WorkerDied(f"worker rank {rank} died ({type(e).__name__})", rank, self) from e
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"worker rank {rank} did not finish within {self.timeout_s} s") from None
-        if status == "error":
-            raise WorkerError(f"worker rank {rank} raised:\n{value}")
+        (value,) = self._results([self.workers[rank].run.remote(name, args, kwargs, own=own)], ranks=[rank])
         return value
 
-    def _results(self, refs: list) -> list:
-        """Each worker's value, by rank. The first error is raised at once: the failed rank's peers
-        may be blocked in a collective it will never reach, so waiting for them would hang."""
+    def _results(self, refs: list, ranks: list[int] | None = None) -> list:
+        """Each worker's value, in the order of `refs` (the workers' ranks, or `ranks`). The first error
+        is raised at once: the failed rank's peers may be blocked in a collective it will never reach,
+        so waiting for them would hang."""
         import ray
 
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        rank_of = dict(zip(refs, ranks))
+        position = {ref: i for i, ref in enumerate(refs)}
         values: list[Any] = [None] * len(refs)
         pending = list(refs)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -217,7 +210,7 @@ class RayWorkerGroup:
                 ) from e
             if status == "error":
                 raise WorkerError(f"worker rank {rank} raised:\n{value}")
-            values[rank] = value
+            values[position[ref]] = value
         return values
 
     def _dump_stacks(self) -> None:

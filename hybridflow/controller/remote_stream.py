@@ -63,9 +63,10 @@ class RemoteGroupStream(GroupBuffer):
         runs = self._runs(prompts, params, first_group)
         with self._members:
             for rank, (part, run_params, first) in enumerate(runs):
-                stride = run_params.n * (CALLS_PER_EPISODE if self.agent else 1)
                 for i, prompt in enumerate(part):  # each group as it would be submitted alone
-                    shifted = replace(run_params, first_sequence=run_params.first_sequence + i * stride)
+                    shifted = replace(
+                        run_params, first_sequence=run_params.first_sequence + i * self._stride(params)
+                    )
                     self._holds[rank][first + i] = (prompt, shifted)
             # a dead worker's replacement is given what it holds, these groups too: no second call
             self._recovering(lambda: self.group.call_each(RolloutWorker.stream_submit, runs), retry=False)
@@ -164,15 +165,18 @@ class RemoteGroupStream(GroupBuffer):
     def _runs(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> list[tuple]:
         """(prompts, params, first group) per rollout worker: contiguous runs of the prompts, each
         starting at its first prompt's sampling streams."""
-        stride = params.n * (CALLS_PER_EPISODE if self.agent else 1)
         return [
             (
                 part,
-                replace(params, first_sequence=params.first_sequence + offset * stride),
+                replace(params, first_sequence=params.first_sequence + offset * self._stride(params)),
                 first_group + offset,
             )
             for part, offset in prompt_shards(prompts, self.group.world_size)
         ]
+
+    def _stride(self, params: SamplingParams) -> int:
+        """Sampling streams a group takes (an episode takes CALLS_PER_EPISODE)."""
+        return params.n * (CALLS_PER_EPISODE if self.agent else 1)
 
     def _poll(self) -> None:
         try:
