@@ -54,16 +54,17 @@ def prepare_data(raw: Path, out: Path, test_size: int) -> tuple[Path, Path]:
 
     train, test = out / "train.parquet", out / "test.parquet"
     for split, path in (("train", train), ("test", test)):
+        if path.is_file():  # prepared already (a carried copy, or an earlier run)
+            continue
         source = next(
             (raw / f"{split}{ext}" for ext in (".parquet", ".jsonl") if (raw / f"{split}{ext}").is_file()),
             None,
         )
         if source is None:
             raise SystemExit(f"{raw} has no {split}.parquet or {split}.jsonl (the original GSM8K files)")
-        if not path.is_file():
-            hybridflow(
-                "data", "preprocess", "gsm8k", "--input", str(source), "--out", str(path), "--split", split
-            )
+        hybridflow(
+            "data", "preprocess", "gsm8k", "--input", str(source), "--out", str(path), "--split", split
+        )
     subset = out / f"test_first{test_size}.parquet"
     pd.read_parquet(test).head(test_size).to_parquet(subset)
     return train, subset

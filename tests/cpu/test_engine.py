@@ -167,6 +167,29 @@ def test_sampling_frequencies_match_the_distribution(params):
     assert chi2 < critical, (chi2, counts.tolist(), expected.tolist())
 
 
+def test_a_long_tail_is_drawn_as_often_as_its_mass_along_a_sequence():
+    """A language model's row: one dominant token, a few plausible ones, 32k in a tail each below
+    1e-3. Drawn as the engine draws (each sequence's seed fixed, its step counting up), tokens of the
+    tail come up as often as their mass says (Poisson, 4 sigma); stray tokens in a real model's
+    samples are then the model's tail, not the noise's."""
+    torch.manual_seed(0)
+    sequences, steps, vocab = 256, 32, 32_768
+    logits = torch.randn(sequences, vocab) * 1.5  # [S, V]
+    logits[:, :5] += torch.tensor([12.0, 8.0, 7.0, 6.0, 5.0])
+    probs = torch.softmax(logits, -1)
+    tail = probs < 1e-3
+    expected = steps * (probs * tail).sum().item()
+    seeds = torch.randint(0, 2**40, (sequences,))
+    drawn = 0
+    for step in range(steps):
+        tokens, _, _ = sample_reference(
+            logits, SamplingParams(temperature=1.0), seeds, torch.full((sequences,), step)
+        )
+        drawn += tail[torch.arange(sequences), tokens].sum().item()
+    assert expected > 300  # enough mass for the bound to mean something
+    assert abs(drawn - expected) < 4 * expected**0.5, (drawn, expected)
+
+
 def test_sampler_noise_in_int32_is_the_int64_hash_and_both_draws_agree():
     """The noise is computed in int32 (the low 31 bits of a wrapping product are the int64
     product's): equal to mix31 in int64 at the edges of the 31-bit range and over a vocabulary that is
