@@ -22,6 +22,11 @@ from hybridflow.config.verl_rules import Entry, Translation, by_value, no_effect
 _ARR = "actor_rollout_ref"
 SAME_SP = r.SAME_SP
 
+
+def read_together(value: Any) -> Translation:
+    return Translation()  # read with the keys it goes with (config/verl_async.py)
+
+
 VERL: dict[str, Entry] = {
     # model
     f"{_ARR}.model.path": rename("model.path"),
@@ -50,6 +55,9 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.model.override_config.embd_pdrop": by_value(
         r.dropout, "(no effect at 0)", "as attention_dropout"
+    ),
+    f"{_ARR}.model.override_config.max_position_embeddings": no_effect(
+        "nothing here is limited by it: positions are rotary, the context is data.max_prompt_length + max_response_length"
     ),
     f"{_ARR}.model.override_config.resid_pdrop": by_value(
         r.dropout, "(no effect at 0)", "as attention_dropout"
@@ -88,6 +96,9 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(r.MICRO),
     f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(r.DYNAMIC),
+    f"{_ARR}.rollout.calculate_log_probs": no_effect(
+        "the engine always returns the log-probs of the tokens it samples"
+    ),
     f"{_ARR}.rollout.log_prob_max_token_len_per_gpu": no_effect(
         "the old-policy log-probs use actor.max_tokens_per_microbatch"
     ),
@@ -103,7 +114,7 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.hybrid_engine": by_value(
         r.hybrid_engine,
         "(no effect when True)",
-        "True: the engine shares the training GPUs (our default); False is refused: use resources.rollout_workers",
+        "True: the engine shares the training GPUs (our default); False needs `rollout.n_gpus_per_node`, the engine's own GPUs",
     ),
     f"{_ARR}.rollout.multi_stage_wake_up": no_effect("an SGLang option; SGLang is not used"),
     f"{_ARR}.rollout.over_sample_rate": no_effect(
@@ -230,7 +241,9 @@ VERL: dict[str, Entry] = {
         "model.dtype", "fp32 / bf16 / fp16 as float32 / bfloat16 / float16", convert=r.dtype
     ),
     f"{_ARR}.actor.fsdp_config.fsdp_size": by_value(
-        r.fsdp_size, "(no effect at -1)", "-1 accepted (shards over all workers); other sizes refused"
+        r.fsdp_size,
+        "(no effect)",
+        "FSDP2 shards over all training workers whatever the size (hybrid sharding changes memory and communication, not results)",
     ),
     f"{_ARR}.actor.policy_loss.loss_mode": rename("actor.policy_loss"),
     f"{_ARR}.actor.profiler.enable": no_effect(r.PROFILE),
@@ -321,6 +334,20 @@ VERL: dict[str, Entry] = {
     "reward_model.overlong_buffer.enable": rename("reward.overlong_buffer.enable"),
     "reward_model.overlong_buffer.len": rename("reward.overlong_buffer.buffer_tokens"),
     "reward_model.overlong_buffer.penalty_factor": rename("reward.overlong_buffer.penalty_factor"),
+    # verl's DAPO reward manager's own spelling of the same (its fully_async and newer DAPO scripts)
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": rename("reward.overlong_buffer.enable"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": rename("reward.overlong_buffer.buffer_tokens"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": rename(
+        "reward.overlong_buffer.penalty_factor"
+    ),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": no_effect(
+        "the overlong penalty is always in the metrics (reward/overlong_penalty)"
+    ),
+    "reward_model.reward_kwargs.max_resp_len": by_value(
+        lambda v: Translation(),
+        "(checked)",
+        "must equal `data.max_response_length`: the penalty is measured from it",
+    ),
     "reward_model.reward_manager": by_value(
         r.only(
             lambda v: v in ("naive", "batch", "prime", "dapo"),
@@ -369,6 +396,69 @@ VERL: dict[str, Entry] = {
         "code runs in hybridflow's local sandbox, reward.num_workers at a time"
     ),
     # trainer
+    # the engine on GPUs of its own: verl's one_step_off_policy and fully_async_policy recipes, read
+    # together by config/verl_async.py (these entries only accept the keys)
+    "rollout.nnodes": by_value(read_together, "`resources.rollout_workers`", "x rollout.n_gpus_per_node"),
+    "rollout.n_gpus_per_node": by_value(
+        read_together,
+        "`resources.rollout_workers`",
+        "rollout workers = rollout.nnodes x this, each an engine on a GPU of its own; with `hybrid_engine=False` and no `async_training.*` key: verl's one_step_off_policy (`trainer.async_mode=one_step`)",
+    ),
+    "rollout.total_rollout_steps": by_value(
+        read_together,
+        "`trainer.total_training_steps`",
+        "prompts in verl: divided by the prompts of one weight version",
+    ),
+    "rollout.test_freq": rename("trainer.test_freq", "in weight versions, which are our steps"),
+    "trainer.weight_sync_with_ray": no_effect(
+        "weights go from the actor to the rollout workers by NCCL broadcast, one decoder layer at a time"
+    ),
+    "async_training.staleness_threshold": by_value(
+        read_together,
+        "`rollout.max_staleness`",
+        "the share of the next version's samples generated ahead: that share of the next step's groups is admitted early (0 is the synchronous run)",
+    ),
+    "async_training.trigger_parameter_sync_step": by_value(
+        read_together,
+        "`data.prompts_per_step`",
+        "a step is one weight version: trigger_parameter_sync_step x require_batches x ppo_mini_batch_size prompts (`data.train_batch_size` does not count, as in verl)",
+    ),
+    "async_training.require_batches": by_value(
+        read_together, "`data.prompts_per_step`", "see trigger_parameter_sync_step"
+    ),
+    "async_training.partial_rollout": by_value(
+        read_together,
+        "`trainer.async_mode`",
+        "True: streaming (a weight update reaches sequences in flight, which go on under it); False: one_step (an update waits for them; threshold <= 1)",
+    ),
+    "async_training.use_rollout_log_probs": by_value(
+        read_together,
+        "`algorithm.rollout_correction.bypass_mode`",
+        "True (verl's default): pi_old is the rollout's own log-probs, nothing recomputed",
+    ),
+    f"{_ARR}.actor.use_rollout_log_probs": by_value(
+        read_together, "`algorithm.rollout_correction.bypass_mode`", "as async_training.use_rollout_log_probs"
+    ),
+    "async_training.compute_prox_log_prob": by_value(
+        read_together,
+        "`algorithm.rollout_correction.bypass_mode=false`",
+        "True: the trainer recomputes pi_old (decoupled PPO), for `algorithm.rollout_correction.rollout_is`",
+    ),
+    "async_training.use_trainer_do_validate": no_effect(
+        "validation generates on the rollout engine between two steps, wherever it runs"
+    ),
+    "async_training.checkpoint_engine.enable": no_effect(
+        "weights go from the actor to the rollout workers by NCCL broadcast, one decoder layer at a time"
+    ),
+    "async_training.checkpoint_engine.device_buffer_size_M": no_effect(
+        "the broadcast buffer is one decoder layer"
+    ),
+    "async_training.checkpoint_engine.overlap_broadcast_and_consume": no_effect(
+        "each layer is copied into the engine as it arrives"
+    ),
+    "async_training.compute_advantage_in_rollout": no_effect(
+        "advantages are computed when a step's groups are taken, from the whole groups"
+    ),
     "train.total_training_steps": rename("trainer.total_training_steps"),
     "trainer.default_local_dir": rename("trainer.run_dir"),
     "trainer.resume_mode": by_value(

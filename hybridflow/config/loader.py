@@ -12,8 +12,9 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from hybridflow.config import aliases
+from hybridflow.config import aliases, verl_async
 from hybridflow.config.schema import Config
+from hybridflow.config.sections_model_data import DataConfig
 from hybridflow.errors import UserError, closest
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -184,6 +185,18 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
         )
         out += list(settings.items())
         problems += [problem] if problem else []
+    if "reward_model.reward_kwargs.max_resp_len" in verl_values:
+        wanted = int(verl_values["reward_model.reward_kwargs.max_resp_len"])
+        length = dict(out).get("data.max_response_tokens", DataConfig().max_response_tokens)
+        if wanted != int(length):
+            problems.append(
+                f"reward_model.reward_kwargs.max_resp_len={wanted}: the overlong penalty is measured "
+                f"from data.max_response_length ({length}); make them equal"
+            )
+    settings, async_notes, async_problems = verl_async.disaggregated({**verl_values, **deferred})
+    out += settings
+    notes += async_notes
+    problems += async_problems
     resolved = dict(out)
     sp = resolved.get("actor.sequence_parallel_size", 1)
     for key in ("_sp.ref", "_sp.critic"):

@@ -104,11 +104,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Native engine: the share of the GPU memory free when it starts that its KV pool may take (vLLM: of the
     whole GPU)."""
-    max_staleness: int | None = None
+    max_staleness: float | None = None
     """With trainer.async_mode one_step or streaming: the most policy updates between a group's oldest
     token and the policy that trains on it, enforced by admission (a group waits to start; finished
     work is never discarded). None: 0 when async_mode=off, 1 otherwise; 0 in any mode is the
-    synchronous run, bit for bit."""
+    synchronous run, bit for bit. A fraction admits that share of one more step's groups early
+    (verl's async_training.staleness_threshold): 0.25 lets a quarter of the next step's groups start
+    under the policy before the one that trains on them, 1.5 a whole step and half of the next."""
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
     max_prefill_tokens: int = 16384

@@ -135,7 +135,8 @@ def fsdp_size(value: Any) -> Translation:
     if int(value) == -1:
         return Translation(note="FSDP2 shards over all training workers")
     return Translation(
-        refusal=f"fsdp_size={value}: hybridflow shards over all training workers (fsdp_size=-1)"
+        note=f"fsdp_size={value}: FSDP2 shards over all training workers, not groups of {value} "
+        "(the same results; more memory saved, more communication)"
     )
 
 
@@ -183,11 +184,10 @@ def interaction(value: Any) -> Translation:
 
 
 def hybrid_engine(value: Any) -> Translation:
+    # False is read with rollout.n_gpus_per_node (config/verl_async.py), which it needs
     if truthy(value):
         return Translation(note="the rollout engine shares the training GPUs (the default here)")
-    return Translation(
-        refusal="hybrid_engine=False: give the engine GPUs of its own with resources.rollout_workers=N"
-    )
+    return Translation()
 
 
 NO_TURN_LIMIT = 1_000_000  # verl's null: episodes end by the response length alone

@@ -9,10 +9,10 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 
 
-def max_staleness(config: Config) -> int:
+def max_staleness(config: Config) -> float:
     """rollout.max_staleness resolved: 0 for async_mode=off, 1 by default otherwise."""
     bound = config.rollout.max_staleness
-    return (0 if config.trainer.async_mode == "off" else 1) if bound is None else bound
+    return (0 if config.trainer.async_mode == "off" else 1) if bound is None else float(bound)
 
 
 def check_async(config: Config) -> None:

@@ -43,15 +43,39 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
 def admit(trainer) -> None:
     """Admit the groups of every step whose batch will be at most max_staleness updates behind the
     policy that trains on it: step s is trained by policy s - 1, so with the engine at version v the
-    steps up to v + 1 + max_staleness may start. Never past the run's last step."""
+    steps up to v + 1 + max_staleness may start. A fractional bound lets that share of the following
+    step's groups start too (the rest wait for the next update). Never past the run's last step."""
     c, stream = trainer.config, trainer.stream
-    last = min(trainer.stop_at, stream.version + 1 + max_staleness(c))
+    bound = max_staleness(c)
+    whole = int(bound)
+    last = min(trainer.stop_at, stream.version + 1 + whole)
     while trainer.admitted < last:
-        step = trainer.admitted + 1
+        admit_groups(trainer, trainer.admitted + 1, c.data.prompts_per_step)
+    early = int((bound - whole) * c.data.prompts_per_step + 1e-9)
+    if early and last < trainer.stop_at:
+        admit_groups(trainer, last + 1, early)
+
+
+def admit_groups(trainer, step: int, count: int) -> None:
+    """The first `count` groups of `step` started (its prompts drawn when it is first admitted, the
+    sampler's state kept for a resume); the step counts as admitted once all of them are."""
+    if step not in trainer.drawn:
         trainer.sampler_before[step] = trainer.sampler.state_dict()  # a checkpoint of step - 1 resumes here
-        prompts = trainer.sampler.next()
+        trainer.drawn[step] = (trainer.sampler.next(), [0])
         trainer.epoch_of[step] = trainer.sampler.epoch
-        stream.submit(prompts, trainer.sampling(1, step=step), first_group=group_base(c, step))
+    prompts, started = trainer.drawn[step]
+    count = min(count, len(prompts))
+    if count > started[0]:
+        params = trainer.sampling(1, step=step)
+        trainer.stream.submit(
+            prompts[started[0] : count],
+            params,
+            first_group=group_base(trainer.config, step),
+            offset=started[0],
+        )
+        started[0] = count
+    if count == len(prompts):
+        del trainer.drawn[step]
         trainer.admitted = step
 
 
@@ -81,13 +105,16 @@ def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
 
 def staleness_metrics(rollouts: Rollouts, *, trained_by: int) -> dict[str, float]:
     """Per sampled token, how many updates older its policy is than the one training on it; the share
-    of sequences continued across a weight update (two versions or more)."""
+    of sequences continued across a weight update (two versions or more), and of sequences with any
+    token older than the training policy."""
     ages = [trained_by - v for versions in rollouts.policy_versions for v in versions if v >= 0]
     mixed = sum(len({v for v in versions if v >= 0}) > 1 for versions in rollouts.policy_versions)
+    stale = sum(any(0 <= v < trained_by for v in versions) for versions in rollouts.policy_versions)
     return {
         "async/staleness_mean": sum(ages) / max(len(ages), 1),
         "async/staleness_max": float(max(ages, default=0)),
         "async/partial_sequences": mixed / max(len(rollouts), 1),
+        "async/stale_sequences": stale / max(len(rollouts), 1),
     }
 
 

@@ -130,9 +130,14 @@ class GroupStream(GroupBuffer):
         self.front = AsyncEngine(engine, own_device_stream=True)  # beside the trainer's kernels
 
     # ---- the trainer's side ----------------------------------------------------------------------
-    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+    def submit(
+        self, prompts: list[Prompt], params: SamplingParams, first_group: int, offset: int = 0
+    ) -> None:
         """Admit one group per prompt (group ids first_group..): prompt i's sample j draws from
-        (params.seed, params.first_sequence + i * n + j), as a synchronous step's would."""
+        (params.seed, params.first_sequence + i * n + j), as a synchronous step's would. `offset`:
+        these are the step's prompts from that position on (a step admitted in parts), which draw
+        and are numbered as they would in one call."""
+        params, first_group = self._params_of(params, offset), first_group + offset
         self._admitted(range(first_group, first_group + len(prompts)))
         asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
 

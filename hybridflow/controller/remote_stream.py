@@ -58,7 +58,12 @@ class RemoteGroupStream(GroupBuffer):
         self._poller = threading.Thread(target=self._poll, name="hybridflow-poll-groups", daemon=True)
         self._poller.start()
 
-    def submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
+    def submit(
+        self, prompts: list[Prompt], params: SamplingParams, first_group: int, offset: int = 0
+    ) -> None:
+        """As GroupStream.submit, the prompts spread over the rollout workers."""
+        params = replace(params, first_sequence=params.first_sequence + offset * self._stride(params))
+        first_group += offset
         self._admitted(range(first_group, first_group + len(prompts)))
         runs = self._runs(prompts, params, first_group)
         with self._members:

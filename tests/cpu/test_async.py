@@ -62,6 +62,37 @@ def test_staleness_reaches_its_bound_and_never_passes_it(setup, tmp_path, mode, 
     assert all("training/rollout_probs_diff_mean" in m for m in metrics)
 
 
+def test_a_fractional_bound_starts_that_share_of_the_next_steps_groups_early(setup, tmp_path):
+    """verl's staleness_threshold=0.5: half of the next step's 8 groups may start under the policy
+    before the one that trains them, the other half waits for the update; one update old at most."""
+    metrics = run(setup, tmp_path / "half", 5, "trainer.async_mode=streaming", "rollout.max_staleness=0.5")
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    assert all(m["async/stale_sequences"] <= 0.5 for m in metrics)
+    assert metrics[0]["async/stale_sequences"] == 0  # step 1 is trained by the policy that sampled it
+    assert max(m["async/stale_sequences"] for m in metrics) > 0  # the early half did start early
+    assert metrics[0]["critic/score/mean"] == run(setup, tmp_path / "sync", 1)[0]["critic/score/mean"]
+
+
+def test_a_step_admitted_in_parts_samples_what_it_would_in_one_call():
+    engine = tiny_engine()
+    params = SamplingParams(n=2, max_tokens=12, seed=5)
+    whole = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        whole.submit([prompt(0), prompt(1), prompt(2)], params, first_group=3)
+        expected, _ = whole.take([3, 4, 5])
+    finally:
+        whole.close()
+    parts = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        parts.submit([prompt(0)], params, first_group=3)
+        parts.submit([prompt(1), prompt(2)], params, first_group=3, offset=1)
+        got, _ = parts.take([3, 4, 5])
+    finally:
+        parts.close()
+    assert [g.rollouts.response_ids for g in got] == [g.rollouts.response_ids for g in expected]
+    assert [g.rollouts.group_ids for g in got] == [g.rollouts.group_ids for g in expected]
+
+
 KILLED = """
 import sys
 sys.path.insert(0, {tests!r})

@@ -203,6 +203,13 @@ def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path
     late = _train(setup, tmp_path / "one", 2, *workers, "trainer.async_mode=one_step")
     assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
     _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+    # a fractional bound (verl's staleness_threshold): half of step 2's groups start early, on the
+    # rollout worker too; step 1 is still the synchronous one
+    half = _train(
+        setup, tmp_path / "half", 2, *workers, "trainer.async_mode=streaming", "rollout.max_staleness=0.5"
+    )
+    assert half[1]["async/stale_sequences"] == 0.0 and 0.0 < half[2]["async/stale_sequences"] <= 0.5
+    _assert_same_step(single[1], half[1])
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ tests/cpu/data/verl_script_keys.json lists the keys each of verl's FSDP example 
 verl b178a3cd): every one must be in the table or be one of our own keys."""
 
 import json
+import re
 import shlex
 import typing
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import Config, to_yaml, valid_keys
-from hybridflow.config.aliases import DEFERRED, VERL
+from hybridflow.config.aliases import DEFERRED, VERL, read_together
 from hybridflow.config.loader import resolve_config
 from hybridflow.errors import UserError
 
@@ -86,6 +87,126 @@ trainer.save_freq=5 trainer.total_epochs=1 trainer.default_local_dir=$CKPTS trai
 """
 
 
+# verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_4_4.sh, its variables substituted
+FULLY_ASYNC = """
+data.train_files=$DATA/dapo-math-17k.parquet data.val_files=$DATA/aime-2024.parquet data.prompt_key=prompt
+data.truncation='left' data.max_prompt_length=2048 data.max_response_length=8192 data.train_batch_size=0
+data.gen_batch_size=1 data.return_raw_chat=True actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo
+algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.strategy=fsdp2
+critic.strategy=fsdp2 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.hybrid_engine=False +actor_rollout_ref.model.override_config.max_position_embeddings=32768
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720 actor_rollout_ref.model.path=$MODELS/Qwen2.5-Math-7B
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.lr_warmup_steps=10
+actor_rollout_ref.actor.optim.weight_decay=0.1 actor_rollout_ref.actor.ppo_mini_batch_size=32
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.grad_clip=1.0
+actor_rollout_ref.actor.loss_agg_mode=token-mean actor_rollout_ref.actor.ulysses_sequence_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.80 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.enable_chunked_prefill=True actor_rollout_ref.rollout.max_num_batched_tokens=10240
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.rollout.calculate_log_probs=True
+actor_rollout_ref.ref.fsdp_config.param_offload=True actor_rollout_ref.ref.ulysses_sequence_parallel_size=1
+actor_rollout_ref.actor.fsdp_config.fsdp_size=2 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.mode=async reward_model.reward_manager=dapo
++reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
++reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=8192
+trainer.logger=['console','tensorboard'] trainer.project_name=DAPO trainer.experiment_name=fully-async-4-4
+trainer.val_before_train=False trainer.save_freq=-1 trainer.default_local_dir=$CKPTS trainer.resume_mode=auto
+trainer.nnodes=1 trainer.n_gpus_per_node=4 rollout.nnodes=1 rollout.n_gpus_per_node=4
+rollout.total_rollout_steps=51200 trainer.total_epochs=10 rollout.test_freq=10
+async_training.staleness_threshold=0.1 async_training.trigger_parameter_sync_step=4
+async_training.require_batches=4 async_training.partial_rollout=True async_training.use_rollout_log_probs=True
+"""
+
+# recipe/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh, its variables substituted
+ONE_STEP_OFF = """
+algorithm.adv_estimator=grpo data.train_files=$DATA/train.parquet data.val_files=$DATA/test.parquet
+data.train_batch_size=1152 data.max_prompt_length=512 data.max_response_length=1024
+data.filter_overlong_prompts=True data.truncation='error' actor_rollout_ref.actor.strategy=fsdp2
+critic.strategy=fsdp2 actor_rollout_ref.model.path=$MODELS/Qwen3-0.6B actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.hybrid_engine=False actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.ppo_mini_batch_size=192 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.rollout.load_format=safetensors actor_rollout_ref.rollout.layered_summon=True
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.val_before_train=True
+trainer.logger=['console','tensorboard'] trainer.project_name=GRPO trainer.experiment_name=one-step-off-2-6
+trainer.save_freq=-1 trainer.test_freq=5 trainer.total_epochs=2 trainer.nnodes=1 trainer.n_gpus_per_node=6
+rollout.nnodes=1 rollout.n_gpus_per_node=2
+"""
+
+
+def test_verls_fully_async_script():
+    """A weight version of trigger x require x mini-batch prompts is one step; the staleness
+    threshold bounds admission as a fraction; pi_old is the rollout's (verl's default); 4 trainer
+    and 4 rollout GPUs on one node are 8 workers, the last 4 engines."""
+    resolved = resolve_config(None, words(FULLY_ASYNC, DATA="/d", MODELS="/m", CKPTS="/ck"))
+    c = resolved.config
+    assert (c.trainer.async_mode, c.rollout.max_staleness) == ("streaming", 0.1)
+    assert (c.data.prompts_per_step, c.actor.sequences_per_update) == (4 * 4 * 32, 32 * 16)
+    assert c.trainer.total_training_steps == 51200 // 512 and c.trainer.test_freq == 10
+    assert c.algorithm.rollout_correction.bypass_mode
+    r = c.resources
+    assert (r.n_gpus_per_node, r.nnodes, r.rollout_workers) == (8, 1, 4)
+    buffer = c.reward.overlong_buffer
+    assert (buffer.enable, buffer.buffer_tokens, buffer.penalty_factor) == (True, 4096, 1.0)
+    assert any("fully_async_policy" in n and "512 prompts" in n for n in resolved.notes)
+
+
+def test_verls_fully_async_options_and_defaults():
+    base = words(FULLY_ASYNC, DATA="/d", MODELS="/m", CKPTS="/ck")
+    drop = ("async_training.", "rollout.total_rollout_steps")
+    bare = [w for w in base if not w.startswith(drop)]
+    c = resolve_config(None, [*bare, "async_training.partial_rollout=False"]).config
+    # the YAML's defaults for the keys not given: threshold 0.1, trigger 4, require 1
+    assert (c.trainer.async_mode, c.rollout.max_staleness, c.data.prompts_per_step) == ("one_step", 0.1, 128)
+    c = resolve_config(None, [*base, "async_training.compute_prox_log_prob=True"]).config
+    assert not c.algorithm.rollout_correction.bypass_mode  # decoupled PPO: pi_old recomputed
+    c = resolve_config(None, [*base, "async_training.staleness_threshold=0"]).config
+    assert c.rollout.max_staleness == 0  # the synchronous run on the engine's own GPUs
+    for extra, message in (
+        (
+            ["async_training.partial_rollout=False", "async_training.staleness_threshold=2"],
+            "bounds staleness at 1",
+        ),
+        (["rollout.total_rollout_steps=100"], "fewer prompts than one weight version (512)"),
+        (["trainer.nnodes=2", "rollout.n_gpus_per_node=2"], "whole nodes"),
+        (["+reward_model.reward_kwargs.max_resp_len=4096"], "max_resp_len=4096"),
+    ):
+        with pytest.raises(UserError, match=re.escape(message)):
+            resolve_config(None, [*base, *extra])
+
+
+def test_verls_one_step_off_policy_script():
+    resolved = resolve_config(None, words(ONE_STEP_OFF, DATA="/d", MODELS="/m"))
+    c = resolved.config
+    assert (c.trainer.async_mode, c.rollout.max_staleness) == ("one_step", None)  # a bound of 1
+    assert (c.resources.n_gpus_per_node, c.resources.rollout_workers) == (8, 2)
+    assert (c.data.prompts_per_step, c.actor.sequences_per_update) == (1152, 192 * 5)
+    assert not c.algorithm.rollout_correction.bypass_mode  # pi_old recomputed by the trainer, as verl
+    assert any("one_step_off_policy" in n for n in resolved.notes)
+
+
+def test_the_engine_on_gpus_of_its_own_needs_them_named():
+    with pytest.raises(UserError, match="hybrid_engine=False: give the engine GPUs of its own"):
+        resolve_config(None, ["actor_rollout_ref.hybrid_engine=False"])
+    with pytest.raises(UserError, match="set actor_rollout_ref.hybrid_engine=False"):
+        resolve_config(None, ["rollout.n_gpus_per_node=2"])
+
+
 MULTI_TURN_BY_VALUE = ("enable", "format", "tool_response_truncate_side", "max_assistant_turns")
 
 
@@ -149,6 +270,8 @@ def test_each_table_entry_does_what_it_says(key):
             *(f"actor_rollout_ref.rollout.multi_turn.{k}" for k in MULTI_TURN_BY_VALUE),
         ):
             return  # by value: their own tests below
+        if entry.rule is read_together:
+            return  # read with the keys they go with: the fully-async and one-step-off tests
         value = sample if sample is not None else _sample(target) if target in ours else "v"
         also = ["actor_rollout_ref.rollout.val_kwargs.do_sample=True"] if "val_kwargs" in key else []
         config = resolve_config(None, [f"{key}={json.dumps(value)}", *also]).config
