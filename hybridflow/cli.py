@@ -189,12 +189,15 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from hybridflow.controller.memory_plan import GIB, plan_for
+    from hybridflow.controller.layout_choice import choose_layout
+    from hybridflow.controller.memory_plan import GIB, estimate, plan_inputs
 
     resolved = _resolve(args)
     _announce(resolved)
     gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
-    print(plan_for(resolved.config, gpu_bytes=gpu).report())
+    shape, gpu_bytes, workers = plan_inputs(resolved.config, gpu_bytes=gpu)
+    print(estimate(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
+    print(choose_layout(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -156,6 +156,13 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, tp: int = 
     return shape.layers * per_layer
 
 
+def engine_bytes(shape: ModelShape) -> float:
+    """The engine's whole copy: bf16 matmuls, an fp32 embedding, a bf16 LM head (a tied head gets a
+    copy of its own; an untied one is a matmul)."""
+    matmul = shape.params - shape.embedding * (1 if shape.tied else 2)
+    return 2 * matmul + 4 * shape.embedding + 2 * shape.embedding
+
+
 def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int) -> MemoryPlan:
     c = config
     master = DTYPES[c.model.dtype].itemsize  # the trained models' dtype
@@ -174,9 +181,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
     if layout.needs_critic:
         resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
-    head_copy = shape.embedding  # a tied head gets its own bf16 copy; an untied one is a matmul
-    matmul = p - shape.embedding * (1 if shape.tied else 2)
-    engine = 2 * matmul + 4 * shape.embedding + 2 * head_copy
+    engine = engine_bytes(shape)
     apart = not layout.colocated  # disaggregated: the engines sit on GPUs of their own
     if not apart:
         resident["engine weights"] = engine
@@ -339,8 +344,11 @@ def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) 
     return plan.kv_tokens
 
 
-def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:
-    """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
+def plan_inputs(
+    config: Config, *, gpu_bytes: int | None = None, workers: int | None = None
+) -> tuple[ModelShape, int, int]:
+    """`config`'s model shape (its config file only), this machine's GPU memory (or `gpu_bytes`; 80
+    GiB without a GPU) and the training workers (or `workers`)."""
     shape = model_shape(config)
     if gpu_bytes is None:
         gpu_bytes = (
@@ -350,6 +358,12 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
         workers = (
             config.resources.n_gpus_per_node * config.resources.nnodes - config.resources.rollout_workers
         )
+    return shape, gpu_bytes, workers
+
+
+def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | None = None) -> MemoryPlan:
+    """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
+    shape, gpu_bytes, workers = plan_inputs(config, gpu_bytes=gpu_bytes, workers=workers)
     return estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
 
 

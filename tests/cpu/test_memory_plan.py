@@ -91,6 +91,7 @@ def test_plan_command_prints_the_report(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "2 worker(s)" in out and "peak per phase:" in out
     assert "update_actor" in out and "suggestion:" in out  # half a GiB: the KV pool is too small
+    assert "\nchoice: " in out  # and the layout that fits, or why none does
 
 
 def test_offload_and_disaggregation_move_memory_off_the_training_gpu():

@@ -1,0 +1,93 @@
+"""`hybridflow plan`'s choice of a layout: the configured one kept when it fits, the micro-batch
+shrunk first, tensor parallelism where the logits and MLP channels are what overflows, offload last,
+and a model whose engine copy alone exceeds the GPU named as one that cannot fit."""
+
+from transformers import AutoConfig
+
+from hybridflow.config import load_config
+from hybridflow.controller.layout_choice import LayoutChoice, choose_layout, tensor_parallel_sizes
+from hybridflow.controller.memory_plan import GIB, PLAN_SLACK, ModelShape, engine_bytes, estimate
+
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, tie_word_embeddings=True, vocab_size=151936)  # fmt: skip
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False, vocab_size=152064)  # fmt: skip
+QWEN_72B = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, tie_word_embeddings=False, vocab_size=152064)  # fmt: skip
+# a 0.5B body under a million-entry vocabulary: the log-prob chunks' logits dominate the update
+BIG_VOCAB = {**QWEN_05B, "vocab_size": 1_000_000, "num_attention_heads": 16, "num_key_value_heads": 4}
+H200 = 139 * GIB
+FP32 = ["model.dtype=float32"]  # the GPU's master weights
+
+
+def _shape(**dims) -> ModelShape:
+    return ModelShape.from_hf_config(AutoConfig.for_model("qwen2", max_position_embeddings=32768, **dims))
+
+
+def _fits(config, shape, gpu, workers) -> bool:
+    plan = estimate(config, shape, gpu_bytes=gpu, workers=workers)
+    return max(plan.phases.values()) <= gpu * (1 - PLAN_SLACK)
+
+
+def test_a_layout_that_fits_is_kept():
+    choice = choose_layout(load_config("gsm8k_grpo", FP32), _shape(**QWEN_7B), gpu_bytes=H200, workers=8)
+    assert choice.settings == {} and choice.tried == []
+    assert choice.report().startswith("choice: as configured (largest phase update_actor")
+
+
+def test_the_micro_batch_shrinks_first_to_the_largest_that_fits():
+    shape, gpu = _shape(**QWEN_05B), 16 * GIB
+    config = load_config(None, [*FP32, "actor.max_tokens_per_microbatch=65536"])
+    choice = choose_layout(config, shape, gpu_bytes=gpu, workers=8)
+    (micro,) = choice.settings.values()
+    assert list(choice.settings) == ["actor.max_tokens_per_microbatch"] and micro % 1024 == 0
+    assert _fits(load_config(None, [*FP32, f"actor.max_tokens_per_microbatch={micro}"]), shape, gpu, 8)
+    assert not _fits(
+        load_config(None, [*FP32, f"actor.max_tokens_per_microbatch={micro + 1024}"]), shape, gpu, 8
+    )
+
+
+def test_tensor_parallelism_is_chosen_where_the_logits_overflow():
+    """FSDP2 already shards weights, gradients and Adam over all 8 workers; what tensor parallelism
+    splits further is the logits (vocabulary / tp) and the MLP channels."""
+    shape, gpu = _shape(**BIG_VOCAB), 16 * GIB
+    choice = choose_layout(load_config(None, FP32), shape, gpu_bytes=gpu, workers=8)
+    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2}
+    assert [t.split(":")[0] for t in choice.tried] == ["as configured", "gradient checkpointing"]
+    checkpointed = load_config(None, [*FP32, "model.enable_gradient_checkpointing=true"])
+    assert not _fits(checkpointed, shape, gpu, 8)
+    assert _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
+                                    "actor.tensor_parallel_size=2"]), shape, gpu, 8)  # fmt: skip
+
+
+def test_tensor_parallel_sizes_follow_heads_workers_and_the_model_kind():
+    config = load_config(None, [])
+    assert tensor_parallel_sizes(config, _shape(**QWEN_05B), 8) == [2]  # 14 heads, 2 KV heads
+    assert tensor_parallel_sizes(config, _shape(**QWEN_7B), 8) == [2, 4]  # 28 heads, 4 KV heads
+    assert tensor_parallel_sizes(config, _shape(**QWEN_7B), 2) == [2]  # the workers bound it
+    moe = _shape(**QWEN_7B)
+    moe.active_params = moe.params / 4  # experts: not with tensor parallelism
+    assert tensor_parallel_sizes(config, moe, 8) == []
+    assert tensor_parallel_sizes(load_config(None, ["model.impl=hf"]), _shape(**QWEN_7B), 8) == []
+
+
+def test_offload_comes_last_and_without_tensor_parallelism():
+    shape = _shape(**{**QWEN_7B, "num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 27648,
+                      "num_attention_heads": 40, "num_key_value_heads": 8})  # Qwen2.5-32B  # fmt: skip
+    choice = choose_layout(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=H200, workers=8)
+    assert choice.settings["actor.offload_optimizer"] and choice.settings["ref.offload_params"]
+    assert "actor.tensor_parallel_size" not in choice.settings
+    assert [t.split(":")[0] for t in choice.tried] == [
+        "as configured", "gradient checkpointing", "tensor parallel 2", "tensor parallel 4",
+        "tensor parallel 8", "the reference in CPU memory"]  # fmt: skip
+
+
+def test_a_model_whose_engine_copy_exceeds_the_gpu_cannot_fit():
+    shape = _shape(**QWEN_72B)
+    choice = choose_layout(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=H200, workers=8)
+    assert isinstance(choice, LayoutChoice) and choice.plan is None
+    # bf16 matmuls, an fp32 embedding and a bf16 head: 2 x (72.7e9 - 2 x 1.25e9) + 6 x 1.25e9 bytes
+    e = 152064 * 8192
+    assert engine_bytes(shape) == 2 * (shape.params - 2 * e) + 6 * e
+    assert f"whole copy of the model on one GPU ({engine_bytes(shape) / GIB:.1f} GiB)" in choice.report()
+    assert choice.report().startswith("choice: nothing fits these GPUs")
