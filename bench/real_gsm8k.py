@@ -12,6 +12,8 @@ learning the format and learning to solve are told apart; against wall-clock, wi
 
 Variants: --algo ppo (gsm8k_ppo: GAE with a critic), --algo dapo (DAPO's clip-higher, token-mean loss,
 dynamic sampling, overlong buffer), --lora-rank 32. More settings: --set key=value.
+--framework trl runs the same GRPO in TRL's GRPOTrainer instead (bench/vs_trl/gsm8k_trl.py, in
+--trl-python's environment: `make trl-venv`), with the same held-out evaluation and output.
 """
 
 from __future__ import annotations
@@ -70,6 +72,30 @@ def prepare_data(raw: Path, out: Path, test_size: int) -> tuple[Path, Path]:
     return train, subset
 
 
+def run_trl(args, train: Path, held_out: Path) -> Path:
+    """The same GRPO in TRL's GRPOTrainer, on the same prompts as jsonl; its run directory."""
+    import pandas as pd
+
+    run_dir = args.out / "trl-grpo"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model == "default":  # the embedded model as the transformers directory hybridflow keeps of it
+        from hybridflow.models.default import default_model_dir
+
+        model = str(default_model_dir())
+    for parquet in (train, held_out):
+        pd.read_parquet(parquet).to_json(run_dir / f"{parquet.stem}.jsonl", orient="records", lines=True)
+    subprocess.run(
+        [args.trl_python, str(Path(__file__).parent / "vs_trl" / "gsm8k_trl.py"), "--model", model,
+         "--train", str(run_dir / f"{train.stem}.jsonl"), "--test", str(run_dir / f"{held_out.stem}.jsonl"),
+         "--out", str(run_dir), "--steps", str(args.steps), "--test-freq", str(args.test_freq),
+         "--prompts", str(args.prompts), "--samples", str(args.samples), "--response", str(args.response),
+         "--lr", str(args.lr)],
+        check=True,
+    )  # fmt: skip
+    return run_dir
+
+
 def curve(run_dir: Path) -> tuple[list[dict], float | None]:
     """Per validation: the step, wall-clock seconds of training so far, strict and lenient accuracy."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -108,9 +134,16 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=512, help="max response tokens")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--set", action="append", default=[], help="more overrides, key=value")
+    ap.add_argument("--framework", choices=["hybridflow", "trl"], default="hybridflow")
+    ap.add_argument("--trl-python", default=".venv-trl/bin/python", help="TRL's environment (make trl-venv)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     train, held_out = prepare_data(args.data, args.out, args.test_size)
+    if args.framework == "trl":
+        if args.algo != "grpo" or args.lora_rank or args.set:
+            raise SystemExit("--framework trl runs GRPO as given (no --algo, --lora-rank or --set)")
+        run_trl(args, train, held_out)
+        return
     reward = args.out / "reward.py"
     reward.write_text(REWARD)
     run_dir = args.out / f"{args.algo}{f'-lora{args.lora_rank}' if args.lora_rank else ''}"
