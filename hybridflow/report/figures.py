@@ -140,3 +140,23 @@ def throughput(runs: list[Run]) -> Figure | None:
 FIGURES: tuple[Callable[[list[Run]], Figure | None], ...] = (
     reward, sft_loss, kl_and_entropy, response_length, time_per_phase, throughput
 )  # fmt: skip
+
+
+def accuracy_over_time(curves: dict[str, list[dict]], title: str) -> bytes:
+    """Held-out accuracy against training seconds, one line per run and scorer: `curves` maps a run's
+    name to its points ({"train_s", "strict", "lenient"}, bench/real_gsm8k.py's gsm8k_curve.json)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for (name, points), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        seconds = [p["train_s"] / 60 for p in points]
+        ax.plot(
+            seconds, [p["strict"] for p in points], marker="o", ms=3, color=color, label=f"{name}: strict"
+        )
+        lenient = [p.get("lenient") for p in points]
+        if all(v is not None for v in lenient):
+            ax.plot(seconds, lenient, ls="--", color=color, alpha=0.6, label=f"{name}: lenient")
+    ax.set_xlabel("training minutes (evaluation excluded)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _png(fig)

@@ -97,3 +97,26 @@ def test_headless_chromium_renders_the_report(run, tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]  # [H, W, 3] in 0..1
     ink = (pixels.min(axis=-1) < 0.9).mean()  # share of pixels that are not (near) white
     assert 0.02 < ink < 0.9, ink
+
+
+def test_accuracy_over_time_draws_every_run_on_one_plot(tmp_path):
+    """bench/plot_gsm8k.py's figure: two frameworks' curves (one without the lenient score) as PNG."""
+    import io
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    points = [{"step": 0, "train_s": 0.0, "strict": 0.0, "lenient": 0.4},
+              {"step": 10, "train_s": 60.0, "strict": 0.5, "lenient": 0.6}]  # fmt: skip
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    ours.write_text(json.dumps({"held_out": points}))
+    theirs.write_text(json.dumps({"held_out": [{**p, "lenient": None} for p in points]}))
+    out = tmp_path / "curve.png"
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, str(root / "bench" / "plot_gsm8k.py"), str(out), f"ours={ours}",
+                    f"theirs={theirs}"], check=True, env={"PYTHONPATH": str(root), "PATH": ""})  # fmt: skip
+    image = Image.open(io.BytesIO(out.read_bytes()))
+    assert image.format == "PNG" and image.size[0] > 400
