@@ -73,7 +73,9 @@ class ActorConfig:
     """Its estimator: 'kl'/'k1', 'abs', 'mse'/'k2', 'low_var_kl'/'k3'."""
     compute_dtype: str = "auto"
     """Autocast dtype for forward/backward: 'auto' (bfloat16 on CUDA, float32 on CPU, where bf16 matmuls
-    are only fast with AMX), 'bfloat16', 'float16' or 'float32' (no autocast)."""
+    are only fast with AMX), 'bfloat16', 'float16' (with a dynamic loss scale, as float16 gradients
+    underflow: roles/loss_scale.py; GPUs without bfloat16) or 'float32' (no autocast). The rollout
+    engine computes in the same dtype."""
     sequence_parallel_size: int = 1
     """Ulysses sequence parallelism: split each packed micro-batch's tokens over this many workers (attention
     heads exchanged by all-to-all)."""

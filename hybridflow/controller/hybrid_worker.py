@@ -241,6 +241,9 @@ class HybridWorker:
         save_sharded(self.actor.model, self.actor.optimizer, out / "actor_state")
         self._export(self.actor.model, out / "policy", score=False)
         schedulers = {"actor_scheduler": self.actor.scheduler.state_dict()}
+        for role, name in ((self.actor, "actor"), (self.critic, "critic")):
+            if role is not None and role.loss_scale.enabled:  # float16: the scale goes on from here
+                schedulers[f"{name}_loss_scale"] = role.loss_scale.state_dict()
         if self.critic is not None:
             save_sharded(self.critic.model, self.critic.optimizer, out / "critic_state")
             self._export(self.critic.model, out / "critic", score=True)
@@ -265,6 +268,8 @@ class HybridWorker:
                 continue
             load_sharded(role.model, role.optimizer, path / f"{name}_state")
             role.scheduler.load_state_dict(schedulers[f"{name}_scheduler"])
+            if f"{name}_loss_scale" in schedulers and role.loss_scale.enabled:
+                role.loss_scale.load_state_dict(schedulers[f"{name}_loss_scale"])
         if self.offload_actor_optimizer:
             move_optimizer_state(self.actor.optimizer, CPU)
 

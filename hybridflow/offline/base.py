@@ -48,6 +48,8 @@ def refuse_unsupported(c: Config, command: str) -> None:
         "resources.num_workers": c.resources.num_workers if c.resources.num_workers > 1 else 0,
         "resources.n_gpus_per_node": c.resources.n_gpus_per_node if c.resources.n_gpus_per_node > 1 else 0,
         "resources.nnodes": c.resources.nnodes if c.resources.nnodes > 1 else 0,
+        # float16 gradients underflow without a loss scale, which only the RL roles keep
+        "actor.compute_dtype": c.actor.compute_dtype if c.actor.compute_dtype == "float16" else 0,
     }
     named = [f"{k}={v}" for k, v in ignored.items() if v]
     if named:

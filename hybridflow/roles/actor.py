@@ -23,6 +23,7 @@ from hybridflow.parallel.collectives import (
     sum_over_ranks,
 )
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
+from hybridflow.roles.loss_scale import GradientOverflow, LossScale
 from hybridflow.tracking.progress import bar
 
 
@@ -55,19 +56,38 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def optimizer_step(model, optimizer, grad_clip: float, sums: dict[str, float]) -> dict[str, float] | None:
+def optimizer_step(
+    model, optimizer, grad_clip: float, sums: dict[str, float], loss_scale: LossScale | None = None
+) -> dict[str, float] | None:
     """After a mini-batch's backward passes: metric sums over ranks (each rank holds its share, so
-    the sums are the global values), clip to the global gradient norm and step; None (no step, the
-    gradients dropped) when the norm is not finite, which every rank sees alike."""
+    the sums are the global values), gradients unscaled (float16's loss scale), clipped to the global
+    gradient norm, and the step; None (no step, the gradients dropped) when the norm is not finite,
+    which every rank sees alike. Raises GradientOverflow when the loss scale was to blame (halved:
+    the caller runs the mini-batch again)."""
     keys = sorted(sums)
     sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
+    if loss_scale is not None:
+        loss_scale.unscale(model.parameters())
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
+        if loss_scale is not None and loss_scale.overflowed():
+            raise GradientOverflow
         return None
     optimizer.step()
+    if loss_scale is not None:
+        loss_scale.stepped()
     sums["grad_norm"] = grad_norm.item()
     return sums
+
+
+def with_loss_scale_retries(update, minibatch):
+    """`update(minibatch)`, again at each halved loss scale until its gradients are finite."""
+    while True:
+        try:
+            return update(minibatch)
+        except GradientOverflow:
+            continue
 
 
 def _on_host(sums: dict) -> dict[str, float]:
@@ -125,6 +145,7 @@ class Actor:
             else:  # the native model checkpoints each layer
                 model.gradient_checkpointing = True
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
+        self.loss_scale = LossScale(config.compute_dtype, self.device)
         self.progress = progress
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
@@ -183,7 +204,8 @@ class Actor:
         first_kl = None  # the step's first mini-batch, before any update: ppo_kl ~0 (a guard's check)
         for _ in range(self.config.ppo_epochs):
             for mb in minibatches:
-                metrics = self._update_minibatch(mb)
+                gaps = len(self._rollout_gaps)
+                metrics = with_loss_scale_retries(self._retried_gaps(gaps), mb)
                 if first_kl is None and mb.old_logprobs is not None:
                     first_kl = float("nan") if metrics is None else metrics.get("ppo_kl", 0.0)
                 if metrics is None:
@@ -203,6 +225,15 @@ class Actor:
         if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
             out |= self._rollout_gap_metrics()
         return out
+
+    def _retried_gaps(self, gaps: int):
+        """The mini-batch update, dropping the probability gaps a retried attempt recorded."""
+
+        def update(mb: TrainingBatch):
+            del self._rollout_gaps[gaps:]
+            return self._update_minibatch(mb)
+
+        return update
 
     def _rollout_gap_metrics(self) -> dict[str, float]:
         """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens."""
@@ -295,7 +326,7 @@ class Actor:
                 (loss * 0.0).backward()
                 continue
             # a non-finite loss makes the (global) gradient norm non-finite: every rank skips the step
-            (loss * data_parallel_scale()).backward()
+            self.loss_scale.scaled(loss * data_parallel_scale()).backward()
             self._bar.update()
             # metrics stay on the device until the mini-batch ends: a read per micro-batch would stall
             # the host until the GPU drains, and the GPU then waits for the next micro-batch's launch
@@ -303,7 +334,9 @@ class Actor:
             sums["entropy"] += entropy_loss.detach()
             for k, v in pg_metrics.items():
                 sums[k] += v.detach() * share
-        return optimizer_step(self.model, self.optimizer, cfg.optim.grad_clip, _on_host(sums))
+        return optimizer_step(
+            self.model, self.optimizer, cfg.optim.grad_clip, _on_host(sums), self.loss_scale
+        )
 
     def _router_aux_loss(self) -> torch.Tensor:
         routings = [block.routing for block in self.moe_blocks]
@@ -311,8 +344,11 @@ class Actor:
         return load_balancing_loss(routings, first.num_experts, first.top_k)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return state | ({"loss_scale": self.loss_scale.state_dict()} if self.loss_scale.enabled else {})
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "loss_scale" in state and self.loss_scale.enabled:
+            self.loss_scale.load_state_dict(state["loss_scale"])

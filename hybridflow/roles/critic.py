@@ -13,7 +13,7 @@ from hybridflow.algorithms.losses import value_loss
 from hybridflow.batch import TrainingBatch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.parallel.collectives import data_parallel_scale, sum_over_ranks
-from hybridflow.roles.actor import build_optimizer, optimizer_step
+from hybridflow.roles.actor import build_optimizer, optimizer_step, with_loss_scale_retries
 from hybridflow.roles.forward import (
     autocast,
     in_step_microbatches,
@@ -22,6 +22,7 @@ from hybridflow.roles.forward import (
     right_padded_inputs,
     unflatten_responses,
 )
+from hybridflow.roles.loss_scale import LossScale
 
 
 def value_model_from_policy(policy: torch.nn.Module) -> torch.nn.Module:
@@ -87,6 +88,7 @@ class Critic:
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
+        self.loss_scale = LossScale(compute_dtype, self.device)
 
     def _values(self, batch: TrainingBatch) -> torch.Tensor:
         if hasattr(self.model, "token_scores"):  # native: packed, no padding
@@ -121,7 +123,7 @@ class Critic:
         self.model.train()
         for _ in range(epochs):
             for mb in minibatches:
-                metrics = self._update_minibatch(mb)
+                metrics = with_loss_scale_retries(self._update_minibatch, mb)
                 if metrics is not None:
                     updates += 1
                     for k, v in metrics.items():
@@ -156,12 +158,12 @@ class Critic:
             if padding:
                 (loss * 0.0).backward()
                 continue
-            (loss * data_parallel_scale()).backward()
+            self.loss_scale.scaled(loss * data_parallel_scale()).backward()
             share = count_tokens(micro.response_mask) / max(tokens, 1)
             sums["vf_loss"] += loss.item()
             sums["vf_clipfrac"] += metrics["vf_clipfrac"].item() * share
             sums["vpred_mean"] += (v.detach().cpu() * micro.response_mask).sum().item() / max(tokens, 1)
-        return optimizer_step(self.model, self.optimizer, self.config.optim.grad_clip, sums)
+        return optimizer_step(self.model, self.optimizer, self.config.optim.grad_clip, sums, self.loss_scale)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
