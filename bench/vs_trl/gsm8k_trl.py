@@ -25,9 +25,12 @@ from pathlib import Path
 import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parents[2]))  # hybridflow's scorers
+sys.path.insert(0, str(Path(__file__).parent))
+from trl_config import matched_grpo_config  # noqa: E402
+
 from hybridflow.rewards.scorers import compute_score  # noqa: E402
 
 
@@ -114,36 +117,10 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
-    sequences = args.prompts * args.samples
-    micro = min(args.micro, sequences)
-    config = GRPOConfig(
-        output_dir=str(args.out / "run"),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=sequences // micro,  # one generation, one optimizer update a step
-        num_generations=args.samples,
-        max_completion_length=args.response,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,
-        beta=args.kl,
-        epsilon=0.2,
-        loss_type="dapo",
-        scale_rewards="group",
-        max_steps=args.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        bf16=cuda,
-        use_cpu=not cuda,
-        disable_tqdm=True,
-    )
+    config = matched_grpo_config(
+        args.out, prompts=args.prompts, samples=args.samples, micro=args.micro, response=args.response,
+        lr=args.lr, steps=args.steps, beta=args.kl, cuda=cuda,
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[2]))  # hybridflow's scorers
 from spec import Spec, peak_memory_gib, score, write_step  # noqa: E402
+from trl_config import matched_grpo_config  # noqa: E402
 
 
 class TimedGRPOTrainer(GRPOTrainer):
@@ -65,40 +66,12 @@ def main() -> None:
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    sequences = spec.prompts_per_step * spec.samples_per_prompt
-    micro = min(spec.sequences_per_microbatch, sequences)
-    if sequences % micro:
-        raise SystemExit(
-            f"prompts x samples ({sequences}) must be a multiple of sequences_per_microbatch ({micro})"
-        )
-    args = GRPOConfig(
-        output_dir=str(out / "run"),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=sequences // micro,  # = steps_per_generation: one generation per step
-        num_generations=spec.samples_per_prompt,
-        max_completion_length=spec.max_response_tokens,
-        temperature=spec.temperature,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=spec.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=spec.weight_decay,
-        max_grad_norm=1.0,
+    args = matched_grpo_config(
+        out, prompts=spec.prompts_per_step, samples=spec.samples_per_prompt, micro=spec.sequences_per_microbatch,
+        response=spec.max_response_tokens, lr=spec.lr, steps=spec.steps, weight_decay=spec.weight_decay,
+        beta=0.0, temperature=spec.temperature, seed=spec.seed, cuda=spec.device == "cuda",
         gradient_checkpointing=spec.trl_gradient_checkpointing,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="dapo",
-        scale_rewards="group",
-        max_steps=spec.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=spec.seed,
-        bf16=spec.device == "cuda",  # fp32 master weights, bf16 autocast: as hybridflow on a GPU
-        use_cpu=spec.device == "cpu",
-        disable_tqdm=True,
-    )
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
 
