@@ -10,9 +10,9 @@ The ladder (each rung keeps what the rungs before it turned on):
   tensor parallelism (offloaded weights do not combine with it), the reference's weights in CPU
   memory (ref.offload_params: one forward a step), Adam's state (actor.offload_optimizer: a PCIe
   round trip a step), the actor's weights and gradients too (actor.offload_params: the step runs on
-  the CPU). On each rung the
-  micro-batch keeps its configured size if it fits, else the largest multiple of 1,024 tokens that
-  does, down to one whole sequence (packed micro-batches lose little speed until they are small).
+  the CPU). On each rung the micro-batch keeps its configured size if it fits, else the largest
+  multiple of 1,024 tokens that does, down to one whole sequence (packed micro-batches lose little
+  speed until they are small).
 A phase fits when its estimate stays within (1 - PLAN_SLACK) of the GPU: the estimate's error.
 """
 
