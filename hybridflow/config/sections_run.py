@@ -48,6 +48,9 @@ class TrainerConfig:
     """Every N steps (and at step 1) a few generations go to RUN_DIR/samples.jsonl; 0: never."""
     log_samples: int = 4
     """How many generations each time, each from a different prompt."""
+    log_val_generations: int = 0
+    """Each validation writes its first N responses (prompt, response, score, the reward's prediction)
+    to RUN_DIR/val_samples.jsonl; 0: none (verl's key; verl sends them to its logger)."""
     progress: bool = True
     """A progress bar over the steps (with ETA and the phase running) when stderr is a terminal."""
     project_name: str = "hybridflow"

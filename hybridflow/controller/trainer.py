@@ -52,7 +52,7 @@ from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.reward import Reward
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
-from hybridflow.tracking.samples import append_samples, sample_rows
+from hybridflow.tracking.samples import append_samples, sample_rows, val_sample_rows
 from hybridflow.tracking.sinks import make_sinks
 
 
@@ -440,7 +440,12 @@ class RLTrainer:
         # beside a stream, the reward is called by one thread at a time (a function need not be thread-safe)
         scoring = self.stream.scoring if self.stream is not None else contextlib.nullcontext()
         with self.watchdog.phase("validation"), scoring:
-            metrics, _ = validate(generate, self.reward, self.val_prompts, params)
+            metrics, samples = validate(generate, self.reward, self.val_prompts, params)
+        if self.config.trainer.log_val_generations:
+            rows = val_sample_rows(
+                self.step, samples, self.val_prompts, self.tokenizer, self.config.trainer.log_val_generations
+            )
+            append_samples(self.run_dir / "val_samples.jsonl", rows)
         if self.stream is None:
             self.placement.sleep_rollout()
         return metrics

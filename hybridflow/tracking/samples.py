@@ -45,6 +45,26 @@ def sample_rows(
     return rows
 
 
+def val_sample_rows(step: int, samples: list[dict], prompts: list, tokenizer, count: int) -> list[dict]:
+    """The first `count` of a validation's responses (controller/validation.py's samples), in prompt
+    order, with their prompts' text."""
+    by_index = {p.index: p for p in prompts}
+    rows = []
+    for sample in samples[:count]:
+        prompt = by_index[sample["prompt_index"]]
+        rows.append(
+            {
+                "step": step,
+                "data_source": prompt.data_source,
+                "prompt": prompt.text or tokenizer.decode(prompt.token_ids),
+                "response": tokenizer.decode(sample["response_ids"], skip_special_tokens=True),
+                "score": round(sample["score"], 4),
+                "pred": sample["pred"],
+            }
+        )
+    return rows
+
+
 def append_samples(path: Path, rows: list[dict]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)

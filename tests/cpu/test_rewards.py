@@ -249,3 +249,24 @@ def test_validation_reports_further_numbers_of_the_reward_as_val_aux():
     assert metrics["val-core/openai/gsm8k/acc/mean@1"] == 0.5
     assert metrics["val-aux/openai/gsm8k/lenient/mean@1"] == 1.0
     assert metrics["val-aux/math/lenient/mean@1"] == 0.0
+
+
+def test_log_val_generations_writes_each_validations_first_responses(setup, tmp_path):
+    """verl's trainer.log_val_generations: the first N held-out responses of every validation, with
+    their prompts, scores and the reward's predictions, in RUN_DIR/val_samples.jsonl."""
+    import json
+
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    run_dir = tmp_path / "run"
+    c = config(setup, run_dir, f"data.val_files=[{setup / 'prompts.jsonl'}]", "data.max_val_prompts=5",
+               "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=true",
+               "trainer.log_val_generations=3")  # fmt: skip
+    RLTrainer(c).fit()
+    rows = [json.loads(line) for line in (run_dir / "val_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 0, 2, 2, 2]  # before training and at the last step
+    assert all(f"q{i}" in r["prompt"] for r, i in zip(rows, [0, 1, 2] * 2, strict=True))  # prompt order
+    assert all(set(r) == {"step", "data_source", "prompt", "response", "score", "pred"} for r in rows)
+    assert all(isinstance(r["response"], str) and isinstance(r["score"], float) for r in rows)
