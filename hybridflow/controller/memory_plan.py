@@ -368,9 +368,13 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
 
 
 def print_plan(config: Config) -> None:
-    """The trainer's start-up line, and a warning naming the fixes when a phase will not fit."""
+    """The trainer's start-up line, and a warning naming the fixes when a phase will not fit, with the
+    layout `hybridflow plan` would choose."""
+    from hybridflow.controller.layout_choice import choose_layout  # it builds on this module
+
     try:
-        plan = plan_for(config)
+        shape, gpu_bytes, workers = plan_inputs(config)
+        plan = estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
     except Exception as e:  # an estimate must never stop a run
         print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
         return
@@ -381,3 +385,4 @@ def print_plan(config: Config) -> None:
             + "; ".join(plan.suggestions),
             flush=True,
         )
+        print(choose_layout(config, shape, gpu_bytes=gpu_bytes, workers=workers).report(), flush=True)

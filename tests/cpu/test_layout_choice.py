@@ -91,3 +91,15 @@ def test_a_model_whose_engine_copy_exceeds_the_gpu_cannot_fit():
     assert engine_bytes(shape) == 2 * (shape.params - 2 * e) + 6 * e
     assert f"whole copy of the model on one GPU ({engine_bytes(shape) / GIB:.1f} GiB)" in choice.report()
     assert choice.report().startswith("choice: nothing fits these GPUs")
+
+
+def test_a_run_that_will_not_fit_hears_the_choice_at_its_start(tmp_path, capsys):
+    """The trainer's start line (print_plan): a Qwen2.5-7B shape (its config file alone) in fp32 on one
+    80 GiB GPU warns, then names the layout that fits."""
+    from hybridflow.controller.memory_plan import print_plan
+
+    AutoConfig.for_model("qwen2", max_position_embeddings=32768, **QWEN_7B).save_pretrained(tmp_path)
+    print_plan(load_config("gsm8k_grpo", [*FP32, f"model.path={tmp_path}"]))
+    out = capsys.readouterr().out
+    assert "warning: a phase will not fit" in out
+    assert "\nchoice: " in out and "actor.offload_optimizer=true" in out
