@@ -29,8 +29,9 @@ from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
-from hybridflow.roles.actor import build_optimizer, optimizer_step
+from hybridflow.roles.actor import build_optimizer, optimizer_step, with_loss_scale_retries
 from hybridflow.roles.forward import policy_logprobs
+from hybridflow.roles.loss_scale import LossScale
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
 
@@ -48,8 +49,6 @@ def refuse_unsupported(c: Config, command: str) -> None:
         "resources.num_workers": c.resources.num_workers if c.resources.num_workers > 1 else 0,
         "resources.n_gpus_per_node": c.resources.n_gpus_per_node if c.resources.n_gpus_per_node > 1 else 0,
         "resources.nnodes": c.resources.nnodes if c.resources.nnodes > 1 else 0,
-        # float16 gradients underflow without a loss scale, which only the RL roles keep
-        "actor.compute_dtype": c.actor.compute_dtype if c.actor.compute_dtype == "float16" else 0,
     }
     named = [f"{k}={v}" for k, v in ignored.items() if v]
     if named:
@@ -89,6 +88,7 @@ class OfflineTrainer:
             c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
         )
         self.optimizer, self.scheduler = build_optimizer(self.model, c.actor.optim, self.total_steps)
+        self.loss_scale = LossScale(c.actor.compute_dtype, self.device)  # float16's; 1 otherwise
         self.step = 0
         self.setup()
         self._resume()
@@ -160,7 +160,7 @@ class OfflineTrainer:
         c, last = self.config, self.step == self.total_steps
         start = time.perf_counter()
         self.model.train()
-        metrics = self.train_step(self.sampler.next())
+        metrics = with_loss_scale_retries(self.train_step, self.sampler.next())
         metrics["timing_s/step"] = time.perf_counter() - start
         if "train/tokens" in metrics:  # tokens through the policy's forward
             metrics["perf/throughput"] = metrics["train/tokens"] / metrics["timing_s/step"]
@@ -178,7 +178,9 @@ class OfflineTrainer:
     def finish_step(self, sums: dict[str, float], tokens: int) -> dict[str, float]:
         """The optimizer step after a batch's backward passes; `sums` (its loss and metrics) as the
         step's metrics, with the gradient norm, learning rate and token count."""
-        done = optimizer_step(self.model, self.optimizer, self.config.actor.optim.grad_clip, {})
+        done = optimizer_step(
+            self.model, self.optimizer, self.config.actor.optim.grad_clip, {}, self.loss_scale
+        )
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         out = {f"train/{k}" if k == "loss" else k: v for k, v in sums.items()}

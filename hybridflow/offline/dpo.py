@@ -105,7 +105,7 @@ class DPOTrainer(OfflineTrainer):
         for micro in self._microbatches(pairs):
             loss, metrics = self._loss(micro, len(pairs))
             if train:
-                loss.backward()
+                self.loss_scale.scaled(loss).backward()
             sums["loss"] += loss.item()
             for k, v in metrics.items():
                 sums[k] += v * len(micro) / len(pairs)

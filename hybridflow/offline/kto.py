@@ -64,7 +64,7 @@ class KTOTrainer(OfflineTrainer):
             loss, metrics = kto_loss(policy, reference, desirable, z0, beta=p.beta, desirable_weight=p.desirable_weight,
                                      undesirable_weight=p.undesirable_weight, global_seqs=len(items))  # fmt: skip
             if train:
-                loss.backward()
+                self.loss_scale.scaled(loss).backward()
             sums["loss"] += loss.item()
             rewards = p.beta * (policy - reference).detach()
             sums["rewards/chosen"] += rewards[desirable].sum().item() / max(good, 1)

@@ -51,7 +51,7 @@ class SFTTrainer(OfflineTrainer):
         total = 0.0
         for micro in self._microbatches(examples):
             nll, _ = self._nll(micro)
-            (nll / targets).backward()
+            self.loss_scale.scaled(nll / targets).backward()
             total += nll.item()
         tokens = sum(len(e.token_ids) for e in examples)
         return self.finish_step({"loss": total / targets, "train/target_tokens": float(targets)}, tokens)

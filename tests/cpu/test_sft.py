@@ -175,3 +175,23 @@ def test_sft_with_lora_trains_the_adapters_only_and_exports_merged(sft_setup, tm
         logits = merged(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits[0, 2:5].log_softmax(-1)
     theirs = logits.gather(-1, torch.tensor([[8], [9], [10]]))[:, 0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_sft_steps_as_float32_does(sft_setup, tmp_path):
+    """SFT under float16 autocast with the loss scale: one step moves the weights the way float32's
+    step does (Adam's first step is lr x the gradient's sign), where float16 alone would flush small
+    gradients to zero."""
+
+    def step(dtype: str):
+        trainer = SFTTrainer(_sft_config(sft_setup, tmp_path / dtype, "trainer.total_training_steps=1",
+                                         f"actor.compute_dtype={dtype}", "actor.optim.weight_decay=0"))  # fmt: skip
+        before = _weights(trainer)
+        trainer.fit()
+        after = _weights(trainer)
+        return torch.cat([(after[k] - before[k]).flatten() for k in before]), trainer
+
+    reference, _ = step("float32")
+    deltas, trainer = step("float16")
+    assert trainer.loss_scale.enabled and trainer.loss_scale.scale <= 2.0**16
+    agree = ((deltas.sign() == reference.sign()) | (reference.abs() < 1e-7)).float().mean().item()
+    assert agree > 0.99, agree
