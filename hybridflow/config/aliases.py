@@ -305,6 +305,12 @@ VERL: dict[str, Entry] = {
         "error / left / right, applied to the prompts that filtering kept (`error`, `truncate_left`, `truncate_right`); `middle` refused",
     ),
     "data.return_raw_chat": no_effect("prompts keep their chat messages"),
+    "data.custom_cls.path": refused(
+        "verl's dataset classes run only inside verl: give files whose rows hold prompt (chat messages), "
+        "data_source and reward_model.ground_truth, verl's schema (`hybridflow data preprocess` makes them "
+        "for GSM8K and MATH)"
+    ),
+    "data.custom_cls.name": refused("see data.custom_cls.path"),
     "data.apply_chat_template_kwargs.reasoning_effort": rename(
         "data.chat_template_kwargs.reasoning_effort", "passed to the tokenizer's chat template"
     ),

@@ -193,7 +193,9 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
                 f"reward_model.reward_kwargs.max_resp_len={wanted}: the overlong penalty is measured "
                 f"from data.max_response_length ({length}); make them equal"
             )
-    settings, async_notes, async_problems = verl_async.disaggregated({**verl_values, **deferred})
+    settings, async_notes, async_problems = verl_async.disaggregated(
+        {**verl_values, **deferred}, {key for key, _ in items if key in known}
+    )
     out += settings
     notes += async_notes
     problems += async_problems

@@ -28,8 +28,14 @@ ASYNC_DEFAULTS = {
 VERL_MINI_BATCH = 256  # verl's default actor.ppo_mini_batch_size (prompts)
 
 
-def disaggregated(verl: dict[str, Any]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
-    """(our settings, notes, problems) from the verl keys given (recipe and command, later wins)."""
+RESOURCE_KEYS = ("resources.n_gpus_per_node", "resources.nnodes", "resources.rollout_workers")
+
+
+def disaggregated(
+    verl: dict[str, Any], ours: set[str] = frozenset()
+) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
+    """(our settings, notes, problems) from the verl keys given (recipe and command, later wins) and
+    the names of our own keys given beside them."""
     hybrid = truthy(verl.get(f"{ARR}.hybrid_engine", True))
     gpus = verl.get("rollout.n_gpus_per_node")
     given = {k.split(".", 1)[1]: v for k, v in verl.items() if k.startswith("async_training.")}
@@ -60,6 +66,16 @@ def disaggregated(verl: dict[str, Any]) -> tuple[list[tuple[str, Any]], list[str
                 [
                     f"{ARR}.hybrid_engine=False: give the engine GPUs of its own with rollout.n_gpus_per_node "
                     "(and rollout.nnodes), as verl's recipes do, or resources.rollout_workers=N"
+                ],
+            )
+        mixed = [k for k in RESOURCE_KEYS if k in ours]
+        if mixed:  # verl's GPU counts would silently replace them
+            return (
+                [],
+                [],
+                [
+                    f"{', '.join(mixed)} beside verl's rollout.n_gpus_per_node: give the GPUs one way, verl's "
+                    "trainer.* / rollout.* counts or our resources.*"
                 ],
             )
         settings, problems = _workers(verl, int(gpus), int(verl.get("rollout.nnodes", 1)))

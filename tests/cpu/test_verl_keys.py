@@ -205,6 +205,15 @@ def test_the_engine_on_gpus_of_its_own_needs_them_named():
         resolve_config(None, ["actor_rollout_ref.hybrid_engine=False"])
     with pytest.raises(UserError, match="set actor_rollout_ref.hybrid_engine=False"):
         resolve_config(None, ["rollout.n_gpus_per_node=2"])
+    with pytest.raises(UserError, match="give the GPUs one way"):  # ours would be replaced silently
+        resolve_config(
+            None,
+            [
+                "actor_rollout_ref.hybrid_engine=False",
+                "rollout.n_gpus_per_node=2",
+                "resources.rollout_workers=1",
+            ],
+        )
 
 
 MULTI_TURN_BY_VALUE = ("enable", "format", "tool_response_truncate_side", "max_assistant_turns")
