@@ -16,15 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.config import verl_async
 from hybridflow.config import verl_rules as r
 from hybridflow.config.verl_rules import Entry, Translation, by_value, no_effect, refused, rename
 
 _ARR = "actor_rollout_ref"
 SAME_SP = r.SAME_SP
-
-
-def read_together(value: Any) -> Translation:
-    return Translation()  # read with the keys it goes with (config/verl_async.py)
 
 
 VERL: dict[str, Entry] = {
@@ -402,69 +399,6 @@ VERL: dict[str, Entry] = {
         "code runs in hybridflow's local sandbox, reward.num_workers at a time"
     ),
     # trainer
-    # the engine on GPUs of its own: verl's one_step_off_policy and fully_async_policy recipes, read
-    # together by config/verl_async.py (these entries only accept the keys)
-    "rollout.nnodes": by_value(read_together, "`resources.rollout_workers`", "x rollout.n_gpus_per_node"),
-    "rollout.n_gpus_per_node": by_value(
-        read_together,
-        "`resources.rollout_workers`",
-        "rollout workers = rollout.nnodes x this, each an engine on a GPU of its own; with `hybrid_engine=False` and no `async_training.*` key: verl's one_step_off_policy (`trainer.async_mode=one_step`)",
-    ),
-    "rollout.total_rollout_steps": by_value(
-        read_together,
-        "`trainer.total_training_steps`",
-        "prompts in verl: divided by the prompts of one weight version",
-    ),
-    "rollout.test_freq": rename("trainer.test_freq", "in weight versions, which are our steps"),
-    "trainer.weight_sync_with_ray": no_effect(
-        "weights go from the actor to the rollout workers by NCCL broadcast, one decoder layer at a time"
-    ),
-    "async_training.staleness_threshold": by_value(
-        read_together,
-        "`rollout.max_staleness`",
-        "the share of the next version's samples generated ahead: that share of the next step's groups is admitted early (0 is the synchronous run)",
-    ),
-    "async_training.trigger_parameter_sync_step": by_value(
-        read_together,
-        "`data.prompts_per_step`",
-        "a step is one weight version: trigger_parameter_sync_step x require_batches x ppo_mini_batch_size prompts (`data.train_batch_size` does not count, as in verl)",
-    ),
-    "async_training.require_batches": by_value(
-        read_together, "`data.prompts_per_step`", "see trigger_parameter_sync_step"
-    ),
-    "async_training.partial_rollout": by_value(
-        read_together,
-        "`trainer.async_mode`",
-        "True: streaming (a weight update reaches sequences in flight, which go on under it); False: one_step (an update waits for them; threshold <= 1)",
-    ),
-    "async_training.use_rollout_log_probs": by_value(
-        read_together,
-        "`algorithm.rollout_correction.bypass_mode`",
-        "True (verl's default): pi_old is the rollout's own log-probs, nothing recomputed",
-    ),
-    f"{_ARR}.actor.use_rollout_log_probs": by_value(
-        read_together, "`algorithm.rollout_correction.bypass_mode`", "as async_training.use_rollout_log_probs"
-    ),
-    "async_training.compute_prox_log_prob": by_value(
-        read_together,
-        "`algorithm.rollout_correction.bypass_mode=false`",
-        "True: the trainer recomputes pi_old (decoupled PPO), for `algorithm.rollout_correction.rollout_is`",
-    ),
-    "async_training.use_trainer_do_validate": no_effect(
-        "validation generates on the rollout engine between two steps, wherever it runs"
-    ),
-    "async_training.checkpoint_engine.enable": no_effect(
-        "weights go from the actor to the rollout workers by NCCL broadcast, one decoder layer at a time"
-    ),
-    "async_training.checkpoint_engine.device_buffer_size_M": no_effect(
-        "the broadcast buffer is one decoder layer"
-    ),
-    "async_training.checkpoint_engine.overlap_broadcast_and_consume": no_effect(
-        "each layer is copied into the engine as it arrives"
-    ),
-    "async_training.compute_advantage_in_rollout": no_effect(
-        "advantages are computed when a step's groups are taken, from the whole groups"
-    ),
     "train.total_training_steps": rename("trainer.total_training_steps"),
     "trainer.default_local_dir": rename("trainer.run_dir"),
     "trainer.resume_mode": by_value(
@@ -486,6 +420,8 @@ VERL: dict[str, Entry] = {
     "global_profiler.save_path": no_effect(r.PROFILE),
     "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": no_effect(r.PROFILE),
     "global_profiler.global_tool_config.torch_memory.stack_depth": no_effect(r.PROFILE),
+    # the engine on GPUs of its own: verl's one_step_off_policy and fully_async_policy recipes
+    **verl_async.ENTRIES,
 }
 
 

@@ -186,9 +186,9 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
         out += list(settings.items())
         problems += [problem] if problem else []
     if "reward_model.reward_kwargs.max_resp_len" in verl_values:
-        wanted = int(verl_values["reward_model.reward_kwargs.max_resp_len"])
+        wanted = verl_values["reward_model.reward_kwargs.max_resp_len"]
         length = dict(out).get("data.max_response_tokens", DataConfig().max_response_tokens)
-        if wanted != int(length):
+        if str(wanted) != str(length):
             problems.append(
                 f"reward_model.reward_kwargs.max_resp_len={wanted}: the overlong penalty is measured "
                 f"from data.max_response_length ({length}); make them equal"

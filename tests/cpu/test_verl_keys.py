@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import Config, to_yaml, valid_keys
-from hybridflow.config.aliases import DEFERRED, VERL, read_together
+from hybridflow.config.aliases import DEFERRED, VERL
 from hybridflow.config.loader import resolve_config
+from hybridflow.config.verl_async import read_together
 from hybridflow.errors import UserError
 
 SCRIPT_KEYS = json.loads((Path(__file__).parent / "data" / "verl_script_keys.json").read_text())
@@ -443,3 +444,30 @@ def test_config_show_prints_what_train_runs(capsys):
     assert out.splitlines()[0].startswith("# config base: verl's defaults")
     shown = OmegaConf.to_container(OmegaConf.create(out))
     assert shown == OmegaConf.to_container(OmegaConf.create(to_yaml(resolve_config(None, argv).config)))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "async_training.staleness_threshold=abc",
+            "async_training.staleness_threshold='abc' must be a number",
+        ),
+        ("async_training.trigger_parameter_sync_step=0", "trigger_parameter_sync_step=0 must be >= 1"),
+        ("async_training.require_batches=1.5", "require_batches=1.5 must be a whole number"),
+        ("rollout.n_gpus_per_node=two", "rollout.n_gpus_per_node='two' must be a whole number"),
+        ("rollout.nnodes=0", "rollout.nnodes=0 must be >= 1"),
+        ("async_training.partial_rollout=maybe", "partial_rollout='maybe' must be True or False"),
+        ("async_training.compute_prox_log_prob=2", "compute_prox_log_prob=2 must be True or False"),
+        ("+reward_model.reward_kwargs.max_resp_len=abc", "max_resp_len=abc"),
+    ],
+)
+def test_a_malformed_async_value_stops_naming_its_key(extra, message):
+    """Never read as False or 0 (partial_rollout=maybe was one_step, a 0 divided the rollout total)."""
+    base = [
+        "actor_rollout_ref.hybrid_engine=False",
+        "rollout.n_gpus_per_node=2",
+        "rollout.total_rollout_steps=4096",
+    ]
+    with pytest.raises(UserError, match=re.escape(message)):
+        resolve_config(None, [*base, extra])
