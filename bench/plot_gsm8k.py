@@ -24,7 +24,12 @@ def main() -> None:
         name, _, path = item.partition("=")
         if not path:
             raise SystemExit(f"{item!r}: give NAME=PATH")
-        curves[name] = json.loads(Path(path).read_text())["held_out"]
+        try:
+            curves[name] = json.loads(Path(path).read_text())["held_out"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(
+                f"{path}: not a gsm8k_curve.json with held_out points ({type(e).__name__}: {e})"
+            ) from None
     args.out.write_bytes(accuracy_over_time(curves, args.title))
     print(args.out)
 
