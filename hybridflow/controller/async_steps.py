@@ -5,6 +5,7 @@ RLTrainer; its GroupStream is `trainer.stream`."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.controller.async_checks import max_staleness
@@ -56,25 +57,32 @@ def admit(trainer) -> None:
         admit_groups(trainer, last + 1, early)
 
 
+@dataclass
+class DrawnStep:
+    """A step whose prompts are drawn, not all of whose groups have started yet."""
+
+    prompts: list
+    started: int = 0
+
+
 def admit_groups(trainer, step: int, count: int) -> None:
     """The first `count` groups of `step` started (its prompts drawn when it is first admitted, the
     sampler's state kept for a resume); the step counts as admitted once all of them are."""
     if step not in trainer.drawn:
         trainer.sampler_before[step] = trainer.sampler.state_dict()  # a checkpoint of step - 1 resumes here
-        trainer.drawn[step] = (trainer.sampler.next(), [0])
+        trainer.drawn[step] = DrawnStep(trainer.sampler.next())
         trainer.epoch_of[step] = trainer.sampler.epoch
-    prompts, started = trainer.drawn[step]
-    count = min(count, len(prompts))
-    if count > started[0]:
-        params = trainer.sampling(1, step=step)
+    drawn = trainer.drawn[step]
+    count = min(count, len(drawn.prompts))
+    if count > drawn.started:
         trainer.stream.submit(
-            prompts[started[0] : count],
-            params,
+            drawn.prompts[drawn.started : count],
+            trainer.sampling(1, step=step),
             first_group=group_base(trainer.config, step),
-            offset=started[0],
+            offset=drawn.started,
         )
-        started[0] = count
-    if count == len(prompts):
+        drawn.started = count
+    if count == len(drawn.prompts):
         del trainer.drawn[step]
         trainer.admitted = step
 

@@ -150,7 +150,7 @@ class RLTrainer:
         self.val_last: dict[str, float] = {}
         self.stream = None  # an asynchronous run's GroupStream
         self.admitted = 0  # the last step whose groups were all admitted to the stream
-        self.drawn: dict[int, tuple[list, list[int]]] = {}  # step -> (its prompts, [how many started])
+        self.drawn: dict = {}  # step -> its DrawnStep while only some of its groups have started
         self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
         self.epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from
         self._resume()

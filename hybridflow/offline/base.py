@@ -88,7 +88,7 @@ class OfflineTrainer:
             c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
         )
         self.optimizer, self.scheduler = build_optimizer(self.model, c.actor.optim, self.total_steps)
-        self.loss_scale = LossScale(c.actor.compute_dtype, self.device)  # float16's; 1 otherwise
+        self.loss_scale = LossScale(c.actor.compute_dtype)  # float16's; 1 otherwise
         self.step = 0
         self.setup()
         self._resume()

@@ -145,7 +145,7 @@ class Actor:
             else:  # the native model checkpoints each layer
                 model.gradient_checkpointing = True
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
-        self.loss_scale = LossScale(config.compute_dtype, self.device)
+        self.loss_scale = LossScale(config.compute_dtype)
         self.progress = progress
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
@@ -204,8 +204,7 @@ class Actor:
         first_kl = None  # the step's first mini-batch, before any update: ppo_kl ~0 (a guard's check)
         for _ in range(self.config.ppo_epochs):
             for mb in minibatches:
-                gaps = len(self._rollout_gaps)
-                metrics = with_loss_scale_retries(self._retried_gaps(gaps), mb)
+                metrics = with_loss_scale_retries(self._update_minibatch, mb)
                 if first_kl is None and mb.old_logprobs is not None:
                     first_kl = float("nan") if metrics is None else metrics.get("ppo_kl", 0.0)
                 if metrics is None:
@@ -225,15 +224,6 @@ class Actor:
         if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
             out |= self._rollout_gap_metrics()
         return out
-
-    def _retried_gaps(self, gaps: int):
-        """The mini-batch update, dropping the probability gaps a retried attempt recorded."""
-
-        def update(mb: TrainingBatch):
-            del self._rollout_gaps[gaps:]
-            return self._update_minibatch(mb)
-
-        return update
 
     def _rollout_gap_metrics(self) -> dict[str, float]:
         """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens."""
@@ -260,6 +250,7 @@ class Actor:
         tokens, seqs = (int(x) for x in sum_over_ranks([count_tokens(mask), count_sequences(mask)]))
         lengths = _lengths(mb)
         sums: dict[str, float] = defaultdict(float)
+        gaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # the rollout/trainer gaps, per micro-batch
         self.optimizer.zero_grad(set_to_none=True)
         # every rank runs as many micro-batches (FSDP gathers per forward); padding ones count zero
         for rows, padding in in_step_microbatches(
@@ -278,7 +269,7 @@ class Actor:
                 old = logp.detach()
                 if micro.rollout_logprobs is not None and not padding:
                     gap = (old.exp() - to_device(micro.rollout_logprobs, old.device).exp()).abs()  # [b, T]
-                    self._rollout_gaps.append((gap.float().flatten(), m.flatten() > 0))  # to the host later
+                    gaps.append((gap.float().flatten(), m.flatten() > 0))  # to the host later
             weights = (
                 to_device(micro.importance_weights, logp.device)
                 if micro.importance_weights is not None
@@ -334,9 +325,11 @@ class Actor:
             sums["entropy"] += entropy_loss.detach()
             for k, v in pg_metrics.items():
                 sums[k] += v.detach() * share
-        return optimizer_step(
+        stepped = optimizer_step(
             self.model, self.optimizer, cfg.optim.grad_clip, _on_host(sums), self.loss_scale
         )
+        self._rollout_gaps += gaps  # not reached by an attempt the loss scale retries
+        return stepped
 
     def _router_aux_loss(self) -> torch.Tensor:
         routings = [block.routing for block in self.moe_blocks]

@@ -88,7 +88,7 @@ class Critic:
         self.compute_dtype = compute_dtype
         self.pad_token_id = pad_token_id
         self.optimizer, self.scheduler = build_optimizer(model, config.optim, total_steps)
-        self.loss_scale = LossScale(compute_dtype, self.device)
+        self.loss_scale = LossScale(compute_dtype)
 
     def _values(self, batch: TrainingBatch) -> torch.Tensor:
         if hasattr(self.model, "token_scores"):  # native: packed, no padding

@@ -20,7 +20,7 @@ class GradientOverflow(Exception):
 
 
 class LossScale:
-    def __init__(self, compute_dtype: str, device: torch.device) -> None:
+    def __init__(self, compute_dtype: str) -> None:
         """Enabled when the forward runs under float16 autocast (never for 'auto', which is bfloat16
         on CUDA and float32 elsewhere)."""
         self.enabled = compute_dtype == "float16"

@@ -60,7 +60,7 @@ def test_an_overflow_is_taken_again_at_half_the_scale():
 
 
 def test_the_scales_rules_by_hand():
-    scale = LossScale("float16", torch.device("cpu"))
+    scale = LossScale("float16")
     assert scale.overflowed() and scale.scale == INITIAL_SCALE / 2
     for _ in range(GROWTH_INTERVAL):
         scale.stepped()
@@ -68,7 +68,7 @@ def test_the_scales_rules_by_hand():
     scale.scale = 1.0
     assert not scale.overflowed()  # at 1 a non-finite gradient is the model's: the step is skipped
     for dtype in ("bfloat16", "float32", "auto"):
-        off = LossScale(dtype, torch.device("cpu"))
+        off = LossScale(dtype)
         assert not off.enabled and off.scale == 1.0 and not off.overflowed()
         loss = torch.tensor(3.0)
         assert off.scaled(loss) is loss
