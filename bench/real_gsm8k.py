@@ -90,7 +90,7 @@ def run_trl(args, train: Path, held_out: Path) -> Path:
          "--train", str(run_dir / f"{train.stem}.jsonl"), "--test", str(run_dir / f"{held_out.stem}.jsonl"),
          "--out", str(run_dir), "--steps", str(args.steps), "--test-freq", str(args.test_freq),
          "--prompts", str(args.prompts), "--samples", str(args.samples), "--response", str(args.response),
-         "--lr", str(args.lr)],
+         "--lr", str(args.lr), "--budget-s", str(args.budget_s)],
         check=True,
     )  # fmt: skip
     return run_dir
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--set", action="append", default=[], help="more overrides, key=value")
     ap.add_argument("--framework", choices=["hybridflow", "trl"], default="hybridflow")
+    ap.add_argument("--budget-s", type=float, default=0, help="TRL: stop after this many training seconds")
     ap.add_argument("--trl-python", default=".venv-trl/bin/python", help="TRL's environment (make trl-venv)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

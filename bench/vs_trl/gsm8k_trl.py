@@ -46,14 +46,11 @@ class HeldOut(TrainerCallback):
     """Greedy accuracy on the held-out rows before training and every `freq` steps; the steps' own
     seconds (generation and update), evaluation left out."""
 
-    def __init__(self, rows: list[dict], tokenizer, freq: int, max_tokens: int, out: Path) -> None:
-        self.rows, self.tokenizer, self.freq, self.max_tokens, self.out = (
-            rows,
-            tokenizer,
-            freq,
-            max_tokens,
-            out,
-        )
+    def __init__(
+        self, rows: list[dict], tokenizer, freq: int, max_tokens: int, out: Path, batch: int, budget_s: float
+    ) -> None:
+        self.rows, self.tokenizer, self.freq, self.max_tokens, self.out = rows, tokenizer, freq, max_tokens, out
+        self.batch, self.budget_s = batch, budget_s
         self.train_s, self.points, self.trainer, self.started = 0.0, [], None, 0.0
 
     def evaluate(self, step: int) -> None:
@@ -67,15 +64,15 @@ class HeldOut(TrainerCallback):
             for r in self.rows
         ]
         right = {"strict": 0.0, "lenient": 0.0}
-        for i in range(0, len(texts), 64):
-            batch = tok(texts[i : i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
+        for i in range(0, len(texts), self.batch):
+            batch = tok(texts[i : i + self.batch], return_tensors="pt", padding=True, add_special_tokens=False)
             batch = batch.to(model.device)
             with (
                 torch.no_grad(),
                 torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"),
             ):
                 out = model.generate(**batch, do_sample=False, max_new_tokens=self.max_tokens)
-            for row, ids in zip(self.rows[i : i + 64], out[:, batch["input_ids"].shape[1] :]):
+            for row, ids in zip(self.rows[i : i + self.batch], out[:, batch["input_ids"].shape[1] :]):
                 text = tok.decode(ids, skip_special_tokens=True)
                 truth = row["reward_model"]["ground_truth"]
                 right["strict"] += strict(text, truth)
@@ -95,7 +92,13 @@ class HeldOut(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.train_s += time.perf_counter() - self.started
-        if state.global_step % self.freq == 0 or state.global_step == state.max_steps:
+        if self.budget_s and self.train_s >= self.budget_s:  # the wall-clock budget of the comparison
+            control.should_training_stop = True
+        if (
+            state.global_step % self.freq == 0
+            or state.global_step == state.max_steps
+            or control.should_training_stop
+        ):
             self.evaluate(state.global_step)
             (self.out / "held_out.jsonl").write_text("".join(json.dumps(p) + "\n" for p in self.points))
 
@@ -114,6 +117,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--kl", type=float, default=0.001, help="TRL's beta: our actor.kl_loss_coef")
     ap.add_argument("--micro", type=int, default=32, help="sequences per forward (gradient accumulation)")
+    ap.add_argument("--eval-batch", type=int, default=0, help="held-out prompts per generate (0: 64 on CPU, all on a GPU)")
+    ap.add_argument("--budget-s", type=float, default=0, help="stop once training took this many seconds (0: --steps)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -129,7 +134,8 @@ def main() -> None:
         return [strict(t, r["ground_truth"]) for t, r in zip(texts, reward_model)]
 
     held_out = [json.loads(line) for line in Path(args.test).read_text().splitlines()]
-    callback = HeldOut(held_out, tokenizer, args.test_freq, args.response, args.out)
+    eval_batch = args.eval_batch or (len(held_out) if cuda else 64)
+    callback = HeldOut(held_out, tokenizer, args.test_freq, args.response, args.out, eval_batch, args.budget_s)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
