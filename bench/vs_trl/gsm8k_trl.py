@@ -49,7 +49,13 @@ class HeldOut(TrainerCallback):
     def __init__(
         self, rows: list[dict], tokenizer, freq: int, max_tokens: int, out: Path, batch: int, budget_s: float
     ) -> None:
-        self.rows, self.tokenizer, self.freq, self.max_tokens, self.out = rows, tokenizer, freq, max_tokens, out
+        self.rows, self.tokenizer, self.freq, self.max_tokens, self.out = (
+            rows,
+            tokenizer,
+            freq,
+            max_tokens,
+            out,
+        )
         self.batch, self.budget_s = batch, budget_s
         self.train_s, self.points, self.trainer, self.started = 0.0, [], None, 0.0
 
@@ -65,7 +71,9 @@ class HeldOut(TrainerCallback):
         ]
         right = {"strict": 0.0, "lenient": 0.0}
         for i in range(0, len(texts), self.batch):
-            batch = tok(texts[i : i + self.batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = tok(
+                texts[i : i + self.batch], return_tensors="pt", padding=True, add_special_tokens=False
+            )
             batch = batch.to(model.device)
             with (
                 torch.no_grad(),
@@ -117,8 +125,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--kl", type=float, default=0.001, help="TRL's beta: our actor.kl_loss_coef")
     ap.add_argument("--micro", type=int, default=32, help="sequences per forward (gradient accumulation)")
-    ap.add_argument("--eval-batch", type=int, default=0, help="held-out prompts per generate (0: 64 on CPU, all on a GPU)")
-    ap.add_argument("--budget-s", type=float, default=0, help="stop once training took this many seconds (0: --steps)")
+    ap.add_argument(
+        "--eval-batch", type=int, default=0, help="held-out prompts per generate (0: 64 on CPU, all on a GPU)"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=0, help="stop once training took this many seconds (0: --steps)"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -135,7 +147,9 @@ def main() -> None:
 
     held_out = [json.loads(line) for line in Path(args.test).read_text().splitlines()]
     eval_batch = args.eval_batch or (len(held_out) if cuda else 64)
-    callback = HeldOut(held_out, tokenizer, args.test_freq, args.response, args.out, eval_batch, args.budget_s)
+    callback = HeldOut(
+        held_out, tokenizer, args.test_freq, args.response, args.out, eval_batch, args.budget_s
+    )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
