@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,11 @@ from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hybridflow.engine.tensor_parallel import EngineTP
 
 
 def pool_tokens_for(sequences: int, context_tokens: int, page_size: int) -> int:
@@ -82,8 +88,17 @@ class Engine:
         eos_token_ids: list[int],
         config: EngineConfig | None = None,
         device: torch.device | str | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
+        """tp_mesh: a 1-D mesh named 'tp' over which this engine is one of a tensor-parallel group
+        (engine/tensor_parallel.py): every rank builds it from the same whole model and is given the
+        same requests and weight updates."""
         self.config = c = config or EngineConfig()
+        self.tp: EngineTP | None = None
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            from hybridflow.engine.tensor_parallel import EngineTP
+
+            self.tp = EngineTP(tp_mesh)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         master = next(model.parameters()).dtype
         if c.compute_dtype == "auto":
@@ -92,11 +107,14 @@ class Engine:
             self.compute_dtype = getattr(torch, c.compute_dtype)
         shared = (
             c.share_weights
+            and self.tp is None
             and self.device == next(model.parameters()).device
             and self.compute_dtype == master
         )
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
-        if not shared:
+        if self.tp is not None:
+            self.tp.shard(self.model)
+        elif not shared:
             fuse_projections(self.model)  # q/k/v and gate/up as views of one tensor each
         self._shares_trainer_module = shared
         self._weights_stamp = self._stamp()
@@ -104,15 +122,16 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         mc = self.model.config
         kv_dtype = self.compute_dtype
+        kv_heads = self.tp.kv_heads(self.model) if self.tp is not None else mc.num_key_value_heads
         self.page_bytes = KVCache.bytes_per_page(
-            mc.num_hidden_layers, c.page_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+            mc.num_hidden_layers, c.page_size, kv_heads, mc.head_dim, kv_dtype
         )
         self.num_pages = self._pool_pages()
         self.cache = KVCache(
             num_layers=mc.num_hidden_layers,
             num_pages=self.num_pages,
             page_size=c.page_size,
-            kv_heads=mc.num_key_value_heads,
+            kv_heads=kv_heads,
             head_dim=mc.head_dim,
             dtype=kv_dtype,
             device=self.device,
@@ -123,17 +142,21 @@ class Engine:
             compute_dtype=self.compute_dtype,
             max_batch=c.max_batch_sequences,
             max_context=c.max_context_tokens,
-            cuda_graphs=c.cuda_graphs,
-            compile_layers=c.compile_layers,
+            cuda_graphs=c.cuda_graphs and self.tp is None,
+            compile_layers=c.compile_layers and self.tp is None,
             # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests); their
-            # tiles span a head in two halves of a power-of-two size
+            # tiles span a head in two halves of a power-of-two size. A tensor-parallel copy runs the
+            # trainer's modules under its plan (the fused layers have no all-reduce) without graphs
+            # (a capture of the plan's collectives is not tried yet)
             fused_decode=c.fused_decode
+            and self.tp is None
             and mc.moe is None  # the fused layers are dense; an MoE model runs its own modules
             and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
             and mc.head_dim >= 4
             and mc.head_dim & (mc.head_dim - 1) == 0,
-            onednn_layers=c.fused_decode,
+            onednn_layers=c.fused_decode and self.tp is None,
             decode_steps=c.decode_steps,
+            head=self.tp.logits(self.model) if self.tp is not None else None,
         )
         self.asleep = False
         self.paused = False
@@ -187,6 +210,8 @@ class Engine:
                 f"engine KV cache of {pages} pages ({c.page_size} tokens each) cannot hold one sequence of "
                 f"max_context_tokens={c.max_context_tokens}; raise the cache size or lower the context"
             )
+        if self.tp is not None:
+            pages = self.tp.fewest(pages)
         return pages + 1  # page 0 is reserved
 
     # ----------------------------------------------------------------------------------- public
@@ -198,7 +223,7 @@ class Engine:
         if request_id in self._requests:
             raise UserError(f"request {request_id!r} is already running")
         self._check_prompt(request_id, prompt_token_ids)
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        base = params.seed if params.seed is not None else self._random_seed()
         first = params.first_sequence
         seeds = step_keys(
             torch.full((params.n,), base, dtype=torch.int64), torch.arange(first, first + params.n)
@@ -215,6 +240,11 @@ class Engine:
         self._requests[request_id] = group
         for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
             self.scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
+
+    def _random_seed(self) -> int:
+        if self.tp is not None:  # the group's ranks must draw the same tokens
+            return self.tp.seed()
+        return int(torch.randint(0, 2**31 - 1, ()))
 
     def _check_prompt(self, name, prompt_token_ids: list[int]) -> None:
         limit = self.config.max_context_tokens
@@ -283,7 +313,7 @@ class Engine:
             raise RuntimeError(
                 f"the engine is {'asleep' if self.asleep else 'paused'}; call {'wake' if self.asleep else 'resume'}() first"
             )
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        base = params.seed if params.seed is not None else self._random_seed()
         ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
             self._check_prompt(i, prompt)  # all before any is queued
@@ -358,8 +388,10 @@ class Engine:
 
     def _prefill(self, jobs: list[PrefillJob]) -> list[Sequence]:
         """Prefill the jobs' prompts and sample every sequence's next token."""
-        logits = self.runner.prefill(jobs)  # [J, V]
         batch = [s for job in jobs for s in job.seqs]
+        if self.tp is not None:
+            self.tp.check_same_step("prefill", batch)
+        logits = self.runner.prefill(jobs)  # [J, V]
         rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
         logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
         for s in batch:
@@ -383,6 +415,8 @@ class Engine:
         batch = scheduler.schedule_decode(wanted)
         if not batch:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
+        if self.tp is not None:
+            self.tp.check_same_step("decode", batch)
         limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
         sampled = SampledRun(batch, self._stops_for, steps=max(limits), device=self.device)
         self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)

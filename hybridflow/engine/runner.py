@@ -7,6 +7,7 @@ trainer compute the same numbers."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import numpy as np
@@ -50,8 +51,12 @@ class Runner:
         fused_decode: bool = False,
         onednn_layers: bool = False,
         decode_steps: int = 8,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """head: hidden [N, H] -> logits [N, V] where the model's own LM head does not give them whole
+        (a tensor-parallel copy)."""
         self.model, self.cache, self.page_size = model, cache, cache.page_size
+        self.head = head or model.lm_head
         self.device = cache.device
         self.compute_dtype = compute_dtype
         self.max_batch = max_batch
@@ -109,7 +114,7 @@ class Runner:
         """[B, V] in the compute dtype: the sampler reads them in float32, as the trainer does."""
         if self.cpu_layers is not None:
             return self.cpu_layers.logits(hidden)
-        return self.model.lm_head(hidden)
+        return self.head(hidden)
 
     def _slots(self, pages: list[int], start: int, end: int) -> list[int]:
         ps = self.page_size

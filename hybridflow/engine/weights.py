@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.models.native.moe import Experts, Router
+from hybridflow.parallel.tensor import local_part
 
 if TYPE_CHECKING:
     from hybridflow.engine.triton_copy import CastCopyPlan
@@ -54,12 +56,20 @@ def weight_targets(model: NativeCausalLM) -> dict[str, list[torch.Tensor]]:
     return targets
 
 
+def _local(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors a copy writes and reads: for a tensor-parallel copy's parameter, this rank's part."""
+    if isinstance(dst, DTensor):
+        return dst.to_local(), local_part(src, dst)
+    return dst, src
+
+
 class WeightUpdater:
     """Copies (and casts) trainer tensors into the engine's tensors in place, so captured decode
     graphs stay valid. On CUDA the copies run as one Triton launch per dtype pair, from a plan that
     is kept while the same tensors come back at the same addresses (a trainer's parameters) and
     made again otherwise (layers gathered from FSDP shards). The first update plans too, so the
-    kernel compiles then (the first step) and not in the middle of a later step."""
+    kernel compiles then (the first step) and not in the middle of a later step. A tensor-parallel
+    copy takes whole tensors, or the trainer's DTensors, and writes its own part of each."""
 
     def __init__(self, targets: dict[str, list[torch.Tensor]]) -> None:
         self.targets = targets
@@ -82,8 +92,8 @@ class WeightUpdater:
                 raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
         copies = [
             (dst, src)
-            for name, src in pairs
-            for dst in self.targets[name]
+            for name, whole in pairs
+            for dst, src in map(_local, self.targets[name], [whole] * len(self.targets[name]))
             if dst.data_ptr() != src.data_ptr()
         ]
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)

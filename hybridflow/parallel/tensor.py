@@ -8,8 +8,9 @@ layer); the attention module is told its local head counts. The embedding is voc
 computes log-probs and entropy from each rank's [tokens, vocab / tp] logits with three all-reduces of
 [tokens] vectors per chunk, never gathering the vocabulary. Norms and RoPE are replicated.
 
-Used by actor.tensor_parallel_size (controller/worker_models.py: FSDP2 over a (dp, tp) mesh). Not here yet:
-MoE layers (expert parallelism), sequence-parallel norms, the engine's TP."""
+Used by actor.tensor_parallel_size (controller/worker_models.py: FSDP2 over a (dp, tp) mesh) and by the
+engine's copy (engine/tensor_parallel.py: the same plan, so a trainer's TP shard is an engine's TP
+shard). Not here yet: MoE layers (expert parallelism), sequence-parallel norms."""
 
 from __future__ import annotations
 
@@ -78,6 +79,21 @@ def apply_tensor_parallel(model: NativeModule, mesh: DeviceMesh) -> NativeModule
     else:
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return model
+
+
+def local_part(source: torch.Tensor, target: DTensor) -> torch.Tensor:
+    """This rank's part of `source` as `target` places it on its 1-D mesh: `source` whole (a trainer's
+    gathered tensor: sliced here, nothing sent) or a DTensor (placed alike: its local part, nothing
+    sent; else gathered first)."""
+    if isinstance(source, DTensor):
+        if source.placements == target.placements and source.device_mesh == target.device_mesh:
+            return source.to_local()
+        source = source.full_tensor()
+    (placement,) = target.placements
+    if isinstance(placement, Shard):  # Shard splits as torch.chunk: ceil-sized leading parts
+        mesh = target.device_mesh
+        return source.chunk(mesh.size(), placement.dim)[mesh.get_local_rank()]
+    return source
 
 
 def full_logits(model: NativeCausalLM, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""The engine over a tensor-parallel group (engine/tensor_parallel.py), gloo, 2 ranks on CPU: greedy and
+sampled tokens equal one whole engine's, log-probs within float32 summation order, each rank holding
+half the heads, KV heads and MLP channels and its rows of a vocabulary (259) that does not split evenly;
+weight updates from whole tensors and from a trainer's TP shards land as in one engine; ranks that
+would run different steps stop with one line instead of waiting on each other."""
+
+import copy
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing import assert_close
+
+from hybridflow.controller.worker_group import free_address
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.parallel.tensor import apply_tensor_parallel
+from hybridflow.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 200, 17, 3, 8, 77, 258], [44, 2, 2, 90], list(range(30, 52))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
+SAMPLED = SamplingParams(n=3, temperature=1.0, max_tokens=14, seed=11)
+CONFIG = EngineConfig(max_batch_sequences=8, max_context_tokens=96, page_size=16, share_weights=False)
+
+
+def _run(engine: Engine, params: SamplingParams) -> tuple[list[list[int]], list[list[float]]]:
+    out = engine.generate(PROMPTS, params)
+    return [g.token_ids for g in out], [g.logprobs for g in out]
+
+
+def _same(tp: Engine, one: Engine, what: str) -> list[list[int]]:
+    tokens = []
+    for params in (GREEDY, SAMPLED):
+        (tp_tokens, tp_logp), (tokens_1, logp_1) = _run(tp, params), _run(one, params)
+        assert tp_tokens == tokens_1, f"{what}: tokens differ ({'greedy' if params.greedy else 'sampled'})"
+        for a, b in zip(tp_logp, logp_1):
+            assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4, msg=what)
+        tokens += tp_tokens
+    return tokens
+
+
+def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        for family in families:
+            _engine_over_tp_equals_one_engine(family, mesh)
+        _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
+    model = from_hf_model(tiny_model(family, seed=3)).eval()
+    eos = [model.config.vocab_size - 1]
+    # the whole engine runs the same modules (not the oneDNN layers), so only summation order differs
+    one = Engine(model, eos_token_ids=eos, config=replace(CONFIG, fused_decode=False))
+    tp = Engine(model, eos_token_ids=eos, config=CONFIG, tp_mesh=mesh)
+    c, attn = model.config, tp.model.model.layers[0].self_attn
+    assert (attn.heads, attn.kv_heads) == (c.num_attention_heads // 2, c.num_key_value_heads // 2)
+    assert tp.cache.k[0].shape[-2] == c.num_key_value_heads // 2, "KV pages of the local KV heads"
+    assert tp.model.model.layers[0].mlp.up_proj.weight.to_local().shape[0] == c.intermediate_size // 2
+    assert tp.num_pages == one.num_pages
+    before = _same(tp, one, family)
+
+    newer = from_hf_model(tiny_model(family, seed=4)).eval()
+    for engine in (tp, one):  # whole tensors, as a trainer that gathers its shards sends them
+        engine.update_weights(newer.named_parameters())
+    after = _same(tp, one, f"{family} after update_weights")
+    assert after != before, "the update changed nothing"
+
+    # the trainer's own TP shards (the same plan): each rank copies its part, nothing gathered
+    trainer = apply_tensor_parallel(copy.deepcopy(model), mesh)
+    tp.update_weights(trainer.named_parameters())
+    one.update_weights(model.named_parameters())
+    assert _same(tp, one, f"{family} from the trainer's TP shards") == before
+
+
+def _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh) -> None:
+    model = from_hf_model(tiny_model("qwen2", seed=3)).eval()
+    tp = Engine(model, eos_token_ids=[258], config=CONFIG, tp_mesh=mesh)
+    mine = [g.token_ids for g in tp.generate(PROMPTS, SamplingParams(n=2, max_tokens=10))]  # no seed
+    every = [None] * mesh.size()
+    dist.all_gather_object(every, mine)
+    assert all(tokens == every[0] for tokens in every), "ranks sampled different tokens"
+    prompt = [7, 8, 9] if mesh.get_local_rank() == 0 else [7, 8, 10]
+    with pytest.raises(RuntimeError, match="must be given the same requests"):
+        tp.generate([prompt], GREEDY)
+
+
+@pytest.mark.slow
+def test_engine_over_two_tensor_parallel_ranks_equals_one_engine():
+    # q/k/v biases and a tied head; Qwen3's q/k norms; an untied head
+    mp.spawn(_rank, args=(2, free_address()[1], ["qwen2", "qwen3", "llama3"]), nprocs=2, join=True)
