@@ -89,7 +89,8 @@ VERL: dict[str, Entry] = {
         "the built-in engine splits prefills by its token budget (rollout.max_prefill_tokens)"
     ),
     f"{_ARR}.rollout.tensor_model_parallel_size": no_effect(
-        "each GPU runs its own engine replica (tensor parallelism in the engine is issue #31); results are the same, memory per GPU is not: check with `hybridflow plan`"
+        "each GPU runs its own engine replica; results are the same, memory per GPU is not (`hybridflow plan`); "
+        "to split the engine, set rollout.tensor_parallel_size with actor.tensor_parallel_size"
     ),
     f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(r.MICRO),
     f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(r.DYNAMIC),

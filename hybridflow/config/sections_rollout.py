@@ -111,6 +111,12 @@ class RolloutConfig:
     synchronous run, bit for bit. A fraction admits that share of one more step's groups early
     (verl's async_training.staleness_threshold): 0.25 lets a quarter of the next step's groups start
     under the policy before the one that trains on them, 1.5 a whole step and half of the next."""
+    tensor_parallel_size: int = 1
+    """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
+    MLP channels, vocabulary rows; the same prompts on each, one all-reduce after attention and after
+    the MLP), so a model that one GPU cannot hold with its KV cache generates; equal to
+    actor.tensor_parallel_size (the same groups hold the same data), colocated, synchronous (vLLM's /
+    verl's tensor_model_parallel_size)."""
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
     max_prefill_tokens: int = 16384
@@ -157,6 +163,7 @@ class RolloutConfig:
         check_choice("rollout", "backend", self.backend, ("auto", "native", "hf", "vllm"))
         check_positive("rollout", "samples_per_prompt", self.samples_per_prompt)
         check_positive("rollout", "decode_steps", self.decode_steps)
+        check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
         check_positive("rollout", "server_api_processes", self.server_api_processes)
         check_positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:

@@ -195,13 +195,15 @@ class HybridWorker:
         return plan, trainer, self.rollout.sampled_weights(plan) if self.rollout is not None else None
 
     def _gathered_units(self):
-        """(name, full tensor) pairs of the actor, one FSDP unit at a time."""
+        """(name, full tensor) pairs of the actor, one FSDP unit at a time; for an engine split over
+        the actor's tensor-parallel groups, the unit's TP shards (it takes its part, none gathered)."""
         model = self.actor.model
         sharded = isinstance(model, FSDPModule)
+        whole = _full if self.config.rollout.tensor_parallel_size == 1 else torch.Tensor.detach
         for prefix, unit in _fsdp_units(model):
             if sharded:
                 unit.unshard()
-            yield [(name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
+            yield [(name, whole(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
             if sharded:
                 unit.reshard()
 

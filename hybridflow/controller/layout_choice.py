@@ -84,10 +84,17 @@ def _ladder(c: Config, shape: ModelShape, workers: int):
     if not c.model.enable_gradient_checkpointing:
         on["model.enable_gradient_checkpointing"] = True
         yield "gradient checkpointing", dict(on)
+    split_engine = engine_splits(c)
     for tp in tensor_parallel_sizes(c, shape, workers):
-        yield f"tensor parallel {tp}", {**on, "actor.tensor_parallel_size": tp}
+        engine = {"rollout.tensor_parallel_size": tp} if split_engine else {}
+        yield (
+            f"tensor parallel {tp}{' (the engine too)' if split_engine else ''}",
+            {**on, "actor.tensor_parallel_size": tp, **engine},
+        )
     if c.actor.tensor_parallel_size > 1:  # offloaded weights do not combine with it
         on["actor.tensor_parallel_size"] = 1
+        if c.rollout.tensor_parallel_size > 1:
+            on["rollout.tensor_parallel_size"] = 1
     if WorkerLayout.of(c, workers).needs_ref and not c.ref.offload_params:
         on["ref.offload_params"] = True
         yield "the reference in CPU memory", dict(on)
@@ -97,6 +104,17 @@ def _ladder(c: Config, shape: ModelShape, workers: int):
     if not c.actor.offload_params:
         on["actor.offload_params"] = True
         yield "the actor in CPU memory", dict(on)
+
+
+def engine_splits(c: Config) -> bool:
+    """The engine can be split with the actor (worker_models' refusals for rollout.tensor_parallel_size)."""
+    return (
+        c.resources.rollout_workers == 0
+        and c.trainer.async_mode == "off"
+        and c.rollout.backend in ("auto", "native")
+        and not c.rollout.server
+        and not c.rollout.agent.loop
+    )
 
 
 def tensor_parallel_sizes(c: Config, shape: ModelShape, workers: int) -> list[int]:
@@ -133,9 +151,16 @@ def _largest_micro_batch(c: Config, shape, gpu_bytes, workers, limit) -> int | N
 def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float) -> str:
     engine = (plan.resident.get("engine weights") if plan else None) or engine_bytes(shape)
     if engine + CUDA_CONTEXT > limit:
+        split = c.rollout.tensor_parallel_size
         return (
-            f"the rollout engine holds a whole copy of the model on one GPU ({engine / GIB:.1f} GiB); "
-            "tensor parallelism in the engine is not built yet (issue #31): GPUs with more memory"
+            f"the rollout engine's copy of the model takes {engine / GIB:.1f} GiB of one GPU"
+            + (
+                f" split over {split}"
+                if split > 1
+                else " (whole: it splits with actor.tensor_parallel_size, "
+                "which offload does not combine with)"
+            )
+            + "; more GPUs (a larger tensor-parallel size), or GPUs with more memory"
         )
     worst = max(plan.phases, key=plan.phases.get) if plan else "?"
     return (

@@ -181,7 +181,8 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     critic_params = p - (0 if shape.tied else shape.embedding)  # the backbone, no LM head
     if layout.needs_critic:
         resident["critic weights+grads+Adam"] = (2 * master + 8) * critic_params / w
-    engine = engine_bytes(shape)
+    rtp = c.rollout.tensor_parallel_size  # an engine split over the actor's TP group: 1/rtp of it here
+    engine = engine_bytes(shape) / rtp
     apart = not layout.colocated  # disaggregated: the engines sit on GPUs of their own
     if not apart:
         resident["engine weights"] = engine
@@ -200,7 +201,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         )
     if apart:  # a rollout worker sizes its pool beside the engine alone
         at_engine_build = engine
-    kv_per_token = shape.kv_bytes_per_token()
+    kv_per_token = shape.kv_bytes_per_token() / rtp  # the local KV heads' pages
     if c.rollout.kv_cache_tokens is not None:
         kv_bytes = c.rollout.kv_cache_tokens * kv_per_token
     else:

@@ -31,14 +31,17 @@ class RoleCalls:
         self.workers = placement.train  # the workers that hold actor, reference and critic
 
     def rollouts(self, prompts: list, params: SamplingParams, *, first_group: int = 0) -> Rollouts:
-        """Each generator samples a contiguous run of the prompts; rollouts come back in prompt order."""
+        """Each generator samples a contiguous run of the prompts; rollouts come back in prompt order.
+        The ranks of one tensor-parallel engine (rollout.tensor_parallel_size) share a run."""
         generators = self.placement.generators
-        shards = prompt_shards(prompts, generators.world_size)
-        per_rank = [
+        tp = self.config.rollout.tensor_parallel_size
+        shards = prompt_shards(prompts, generators.world_size // tp)
+        per_engine = [
             (part, dataclasses.replace(params, first_sequence=offset * params.n), first_group + offset)
             for part, offset in shards
         ]
-        return Rollouts.concat(generators.call_each(HybridWorker.generate, per_rank))
+        per_rank = to_sequence_parallel_ranks(per_engine, tp)
+        return Rollouts.concat(generators.call_each(HybridWorker.generate, per_rank)[::tp])
 
     def log_probs(self, batch: TrainingBatch) -> torch.Tensor:
         """The actor's log-probs of the response tokens [B, T] (the old policy's, before the update)."""

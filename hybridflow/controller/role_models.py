@@ -109,6 +109,7 @@ def rollout_backend(
     run_dir: Path,
     *,
     share_weights: bool = True,
+    tp_mesh=None,
 ):
     """The native engine over the actor's model (it shares the weights when device and dtype match,
     else keeps a copy that update_weights refreshes; always a copy without `share_weights`),
@@ -176,4 +177,5 @@ def rollout_backend(
     )
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
         policy = merged_model(policy)
-    return Engine(policy, eos_token_ids=eos, config=engine_config, device=device)
+    # tp_mesh: rollout.tensor_parallel_size (the actor's TP groups); every rank shards its own copy
+    return Engine(policy, eos_token_ids=eos, config=engine_config, device=device, tp_mesh=tp_mesh)

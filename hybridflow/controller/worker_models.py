@@ -108,15 +108,18 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         ref_model = policy_model(c, ref_hf.to(device))
     elif layout.needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
         ref_model = model if lora else copy.deepcopy(model)
+    grid = _tensor_parallel_grid(c, world_size, device)
     # the rollout backend takes its own full copy before the trained models are sharded, or when it
-    # generates while the trainer updates (an asynchronous run)
+    # generates while the trainer updates (an asynchronous run); split over the actor's TP groups
+    # with rollout.tensor_parallel_size
+    engine_tp = grid["tp"] if grid is not None and c.rollout.tensor_parallel_size > 1 else None
     backend = (
         rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
-                        share_weights=not layout.shard_actor and c.trainer.async_mode == "off")
+                        share_weights=not layout.shard_actor and c.trainer.async_mode == "off", tp_mesh=engine_tp)
         if layout.colocated
         else None
     )  # fmt: skip
-    own_group = _shard(c, layout, world_size, device, model, ref_model, critic_model)
+    own_group = _shard(c, layout, world_size, device, model, ref_model, critic_model, grid)
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
     if sp is not None:  # every trained (and reference) model splits its micro-batches' tokens
         for m in (model, ref_model, critic_model):
@@ -126,8 +129,19 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
                         lora, own_group)  # fmt: skip
 
 
+def _tensor_parallel_grid(c: Config, world_size: int, device: torch.device):
+    """The (dp, tp) device mesh of actor.tensor_parallel_size (consecutive ranks split each layer;
+    FSDP2 shards over the groups), or None without tensor parallelism."""
+    tp = c.actor.tensor_parallel_size
+    if tp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
 def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
-           critic_model) -> bool:  # fmt: skip
+           critic_model, grid) -> bool:  # fmt: skip
     """FSDP2 per the layout; True when a one-rank process group was started for it here."""
     if not layout.sharded:
         return False
@@ -146,11 +160,10 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         )
         own_group = True
     tp = c.actor.tensor_parallel_size
-    if tp > 1:  # consecutive ranks split each layer; FSDP2 shards over the groups
+    if grid is not None:
         from hybridflow.parallel import collectives
         from hybridflow.parallel.tensor import apply_tensor_parallel
 
-        grid = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         for m in (model, ref_model, critic_model):
             if m is not None:
                 apply_tensor_parallel(m, grid["tp"])
@@ -168,7 +181,8 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
 
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
-    """What actor.tensor_parallel_size cannot run with yet, one line each, before anything is built."""
+    """What actor/rollout.tensor_parallel_size cannot run with yet, one line each, before anything is built."""
+    _check_rollout_tensor_parallel(c)
     tp = c.actor.tensor_parallel_size
     if tp == 1:
         return
@@ -188,6 +202,33 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
     for refused, why in refusals:
         if refused:
             raise UserError(f"actor.tensor_parallel_size={tp} {why}")
+
+
+def _check_rollout_tensor_parallel(c: Config) -> None:
+    rtp, tp = c.rollout.tensor_parallel_size, c.actor.tensor_parallel_size
+    if rtp == 1:
+        return
+    refusals = [
+        (
+            rtp != tp,
+            f"splits the engine over the actor's tensor-parallel groups (their ranks hold the same "
+            f"prompts): set actor.tensor_parallel_size={rtp} too (it is {tp})",
+        ),
+        (
+            c.resources.rollout_workers > 0,
+            "runs in the training workers' engines, not on resources.rollout_workers, for now",
+        ),
+        (c.trainer.async_mode != "off", "runs synchronous generation only for now (trainer.async_mode=off)"),
+        (c.rollout.backend not in ("auto", "native"), "splits the native engine (rollout.backend=native)"),
+        (c.rollout.server, "does not serve the policy (rollout.server) yet"),
+        (
+            bool(c.rollout.agent.loop),
+            "runs single-turn generation only for now: each rank would run the agent's tools itself",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"rollout.tensor_parallel_size={rtp} {why}")
 
 
 def _indexed(device: torch.device) -> torch.device | None:

@@ -244,12 +244,15 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_groups_generated_again(
 
 
 @pytest.mark.slow
-def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_path, single):
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_path, single, rollout_tp):
     """actor.tensor_parallel_size=2: actor, reference and critic split over both Ray workers (heads,
     MLP channels, the vocabulary; the value head whole), the same rows on both ranks; the steps
-    (policy, KL and value losses) and the weights of one process."""
+    (policy, KL and value losses) and the weights of one process. rollout.tensor_parallel_size=2
+    splits the engine over the same pair too (fed the actor's TP shards at each sync): the same."""
     single_dir, single = single
-    tp = _train(setup, tmp_path / "tp", 2, *TWO, "actor.tensor_parallel_size=2")
+    tp = _train(setup, tmp_path / "tp", 2, *TWO, "actor.tensor_parallel_size=2",
+                f"rollout.tensor_parallel_size={rollout_tp}")  # fmt: skip
     for step in (1, 2):
         _assert_same_step(single[step], tp[step])
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "tp", 2))

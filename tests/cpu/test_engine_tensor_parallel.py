@@ -2,7 +2,9 @@
 sampled tokens equal one whole engine's, log-probs within float32 summation order, each rank holding
 half the heads, KV heads and MLP channels and its rows of a vocabulary (259) that does not split evenly;
 weight updates from whole tensors and from a trainer's TP shards land as in one engine; ranks that
-would run different steps stop with one line instead of waiting on each other."""
+would run different steps stop with one line instead of waiting on each other; a training worker
+pair with rollout.tensor_parallel_size=2 builds its engine split (the runs themselves:
+test_distributed_trainer.py), and what it cannot run with is refused in one line."""
 
 import copy
 import os
@@ -16,7 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing import assert_close
 
 from hybridflow.controller.worker_group import free_address
+from hybridflow.controller.worker_models import build_models
 from hybridflow.engine import Engine, EngineConfig
+from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.parallel.tensor import apply_tensor_parallel
@@ -98,3 +102,43 @@ def _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh) -> N
 def test_engine_over_two_tensor_parallel_ranks_equals_one_engine():
     # q/k/v biases and a tied head; Qwen3's q/k norms; an untied head
     mp.spawn(_rank, args=(2, free_address()[1], ["qwen2", "qwen3", "llama3"]), nprocs=2, join=True)
+
+
+def _worker_rank(rank: int, world: int, port: int, setup, run_dir) -> None:
+    from rl_run import config
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        c = config(setup, run_dir, "resources.device=cpu", "resources.num_workers=2",
+                   "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2")  # fmt: skip
+        built = build_models(c, world, torch.device("cpu"))
+        engine, mc = built.backend, built.hf_config
+        assert engine.tp is not None and engine.tp.size == 2
+        assert engine.cache.k[0].shape[-2] == mc.num_key_value_heads // 2
+        assert engine.model.model.layers[0].self_attn.heads == mc.num_attention_heads // 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_training_worker_pair_builds_its_engine_split(setup, tmp_path):
+    mp.spawn(_worker_rank, args=(2, free_address()[1], setup, tmp_path / "run"), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        (["actor.tensor_parallel_size=1"], "set actor.tensor_parallel_size=2 too"),
+        (["resources.rollout_workers=1"], "not on resources.rollout_workers"),
+        (["trainer.async_mode=one_step"], "synchronous generation only"),
+        (["rollout.backend=hf"], "rollout.backend=native"),
+    ],
+)
+def test_what_an_engine_split_cannot_run_with_is_refused(setup, tmp_path, overrides, refusal):
+    from rl_run import config
+
+    c = config(setup, tmp_path / "run", "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2",
+               *overrides)  # fmt: skip
+    with pytest.raises(UserError, match=f"rollout.tensor_parallel_size=2 .*{refusal}"):
+        build_models(c, 2, torch.device("cpu"))

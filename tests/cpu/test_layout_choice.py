@@ -1,6 +1,7 @@
 """`hybridflow plan`'s choice of a layout: the configured one kept when it fits, the micro-batch
-shrunk first, tensor parallelism where the logits and MLP channels are what overflows, offload last,
-and a model whose engine copy alone exceeds the GPU named as one that cannot fit."""
+shrunk first, tensor parallelism (the engine split with the actor where it can be) where the logits,
+MLP channels or the engine's copy are what overflows, offload last, and a model that fits no rung
+named as one that cannot fit."""
 
 from transformers import AutoConfig
 
@@ -52,7 +53,8 @@ def test_tensor_parallelism_is_chosen_where_the_logits_overflow():
     splits further is the logits (vocabulary / tp) and the MLP channels."""
     shape, gpu = _shape(**BIG_VOCAB), 16 * GIB
     choice = choose_layout(load_config(None, FP32), shape, gpu_bytes=gpu, workers=8)
-    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2}
+    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2,
+                               "rollout.tensor_parallel_size": 2}  # fmt: skip
     assert [t.split(":")[0] for t in choice.tried] == ["as configured", "gradient checkpointing"]
     checkpointed = load_config(None, [*FP32, "model.enable_gradient_checkpointing=true"])
     assert not _fits(checkpointed, shape, gpu, 8)
@@ -71,10 +73,28 @@ def test_tensor_parallel_sizes_follow_heads_workers_and_the_model_kind():
     assert tensor_parallel_sizes(load_config(None, ["model.impl=hf"]), _shape(**QWEN_7B), 8) == []
 
 
-def test_offload_comes_last_and_without_tensor_parallelism():
-    shape = _shape(**{**QWEN_7B, "num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 27648,
-                      "num_attention_heads": 40, "num_key_value_heads": 8})  # Qwen2.5-32B  # fmt: skip
+QWEN_32B = {**QWEN_7B, "num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 27648,
+            "num_attention_heads": 40, "num_key_value_heads": 8}  # fmt: skip
+
+
+def test_a_32b_model_splits_its_engine_over_four():
+    """FSDP2 shards the trained models over all 8 already; what overflows is generation beside the
+    engine's whole bf16 copy (65.6 GiB): split over 2 it is still over, over 4 it fits."""
+    shape = _shape(**QWEN_32B)
     choice = choose_layout(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=H200, workers=8)
+    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 4,
+                               "rollout.tensor_parallel_size": 4}  # fmt: skip
+    assert choice.tried[-1].startswith("tensor parallel 2 (the engine too): gen")
+    whole = estimate(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=H200, workers=8)
+    assert choice.plan.resident["engine weights"] == whole.resident["engine weights"] / 4
+
+
+def test_offload_comes_last_and_without_tensor_parallelism():
+    """Where the engine cannot be split (transformers' generate here), tensor parallelism leaves the
+    engine whole and does not help; offload does."""
+    shape = _shape(**QWEN_32B)
+    choice = choose_layout(load_config("gsm8k_grpo", [*FP32, "rollout.backend=hf"]), shape, gpu_bytes=H200,
+                           workers=8)  # fmt: skip
     assert choice.settings["actor.offload_optimizer"] and choice.settings["ref.offload_params"]
     assert "actor.tensor_parallel_size" not in choice.settings
     assert [t.split(":")[0] for t in choice.tried] == [
@@ -82,14 +102,20 @@ def test_offload_comes_last_and_without_tensor_parallelism():
         "tensor parallel 8", "the reference in CPU memory"]  # fmt: skip
 
 
-def test_a_model_whose_engine_copy_exceeds_the_gpu_cannot_fit():
+def test_a_72b_model_in_float32_fits_no_rung_of_eight_gpus():
+    """fp32 master weights, gradients and Adam of 72.7B parameters over 8 (145 GiB each) do not fit
+    at any tensor-parallel size; with offload the engine stays whole (137.7 GiB), which is the line."""
     shape = _shape(**QWEN_72B)
     choice = choose_layout(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=H200, workers=8)
     assert isinstance(choice, LayoutChoice) and choice.plan is None
     # bf16 matmuls, an fp32 embedding and a bf16 head: 2 x (72.7e9 - 2 x 1.25e9) + 6 x 1.25e9 bytes
     e = 152064 * 8192
     assert engine_bytes(shape) == 2 * (shape.params - 2 * e) + 6 * e
-    assert f"whole copy of the model on one GPU ({engine_bytes(shape) / GIB:.1f} GiB)" in choice.report()
+    assert "tensor parallel 8 (the engine too): update_actor" in choice.report()
+    assert (
+        f"engine's copy of the model takes {engine_bytes(shape) / GIB:.1f} GiB of one GPU (whole"
+        in choice.report()
+    )
     assert choice.report().startswith("choice: nothing fits these GPUs")
 
 
