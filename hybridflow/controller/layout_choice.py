@@ -163,6 +163,13 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
             + "; more GPUs (a larger tensor-parallel size), or GPUs with more memory"
         )
     worst = max(plan.phases, key=plan.phases.get) if plan else "?"
+    if worst == "load":
+        return (
+            f"loading holds whole copies of the models on each GPU before FSDP2 shards them "
+            f"({plan.phases['load'] / GIB:.1f} GiB: the policy, the reference, the critic, the engine's "
+            "copy); each rank loading only its shards is not built yet: GPUs with more memory, or "
+            "model.dtype=bfloat16"
+        )
     return (
         f"{worst} is over even with everything offloaded: more GPUs (FSDP2 shards the trained models "
         "over all of them), GPUs with more memory, or a shorter context (data.max_prompt_tokens + "

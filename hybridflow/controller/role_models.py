@@ -28,7 +28,7 @@ def policy_model(config: Config, hf_model):
     supported, else the transformers model itself."""
     impl = config.model.impl
     if impl in ("native", "auto") and native.supports(hf_model.config):
-        return native.from_hf_model(hf_model)
+        return native.from_hf_model(hf_model, share=True)  # the caller moves ours to its device
     if impl == "native":
         raise UserError(
             f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"

@@ -29,8 +29,9 @@ class RolloutWorker:
         self.device = resolve_device(c.resources.device)
         torch.manual_seed(c.trainer.seed)
         hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
-        hf_model.to(self.device)
-        policy = policy_model(c, hf_model)  # the engine copies it (the same start as the actor's)
+        policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
+        if c.rollout.backend == "hf":
+            hf_model.to(self.device)
         backend = rollout_backend(
             c, hf_model, policy, tokenizer, self.device, Path(c.trainer.run_dir), share_weights=False
         )

@@ -90,8 +90,10 @@ class WorkerModels:
 def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
     torch.manual_seed(c.trainer.seed)
     hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
-    hf_model.to(device)
-    model = policy_model(c, hf_model)
+    # converted where it was loaded (the CPU), sharing its tensors, then moved: one copy on the GPU
+    model = policy_model(c, hf_model).to(device)
+    if c.rollout.backend == "hf":  # transformers' generate runs the loaded model itself
+        hf_model.to(device)
     layout = WorkerLayout.of(c, world_size)
     layout.check(c, model, hf_model.config.model_type)
     _check_tensor_parallel(c, world_size, model, layout)
@@ -105,7 +107,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     ref_model = None
     if layout.needs_ref and c.ref.model_path:
         ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
-        ref_model = policy_model(c, ref_hf.to(device))
+        ref_model = policy_model(c, ref_hf).to(device)
     elif layout.needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
         ref_model = model if lora else copy.deepcopy(model)
     grid = _tensor_parallel_grid(c, world_size, device)

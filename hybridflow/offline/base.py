@@ -72,7 +72,7 @@ class OfflineTrainer:
         )
         self.hf_config = hf_model.config
         # LoRA as in the RL trainer: adapters on the frozen policy; exports merge them
-        self.model = lora_policy(c, policy_model(c, hf_model.to(self.device)))
+        self.model = lora_policy(c, policy_model(c, hf_model).to(self.device))
         if c.model.enable_gradient_checkpointing:
             if isinstance(self.model, native.NativeModule):
                 self.model.gradient_checkpointing = True

@@ -81,6 +81,34 @@ def test_round_trip_hf_to_ours_to_hf_is_identical(tmp_path):
     assert all(torch.equal(original[k], v) for k, v in reloaded.state_dict().items())
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])  # a tied head, an untied one
+def test_a_shared_conversion_holds_no_second_copy_until_moved(family):
+    """build_models converts the loaded model on the CPU sharing its tensors, then moves ours: only
+    ours reaches the GPU. Shared, ours reads the same storage and computes the same logits; a tied
+    head stays one parameter; a move (a copy here: to float64) leaves the loaded model as it was."""
+    hf = tiny_model(family, seed=2)
+    ours = from_hf_model(hf, share=True)
+    hf_state = hf.state_dict()
+    for name, p in ours.named_parameters():
+        assert p.data_ptr() == hf_state[name].data_ptr(), name
+    tied = hf.config.tie_word_embeddings
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    packed = pack_sequences(SEQS)
+    with torch.no_grad():
+        assert_close(
+            ours(packed.input_ids, packed.position_ids, packed.cu_seqlens),
+            from_hf_model(hf)(packed.input_ids, packed.position_ids, packed.cu_seqlens),
+            atol=0,
+            rtol=0,
+        )
+        before = hf.model.embed_tokens.weight.clone()
+        moved = ours.to(torch.float64)
+        moved.model.embed_tokens.weight.add_(1.0)
+    assert hf.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(hf.model.embed_tokens.weight, before)
+    assert (moved.lm_head.weight is moved.model.embed_tokens.weight) == tied
+
+
 def test_load_causal_lm_native_and_auto(tiny_dir):
     model, _ = load_causal_lm(str(tiny_dir), impl="native")
     assert type(model).__name__ == "NativeCausalLM"

@@ -38,17 +38,22 @@ def supports(hf_config) -> bool:
     )
 
 
-def from_hf_model(hf_model) -> NativeCausalLM:
-    """Our model with the same weights as a transformers model of a supported family."""
+def from_hf_model(hf_model, *, share: bool = False) -> NativeCausalLM:
+    """Our model with the same weights as a transformers model of a supported family: a copy, or
+    with `share` the same tensors (no second copy while a loaded model is converted on the CPU and
+    moved: `.to(device)` then gives ours tensors of its own)."""
     config = from_hf(hf_model.config)
     dtype = next(hf_model.parameters()).dtype
     with torch.device("meta"):
         model = NativeCausalLM(config)
-    model = model.to_empty(device=next(hf_model.parameters()).device).to(dtype)
-    if config.tie_word_embeddings:
+    state = {k: v.detach() for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+    if share:
+        model.load_state_dict(state, strict=True, assign=True)
+    else:
+        model = model.to_empty(device=next(hf_model.parameters()).device).to(dtype)
+        model.load_state_dict(state, strict=True)
+    if config.tie_word_embeddings:  # one parameter under both names (assign set each name apart)
         model.lm_head.weight = model.model.embed_tokens.weight
-    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
-    model.load_state_dict(state, strict=True)
     model.generation_config = getattr(hf_model, "generation_config", None)  # where generation stops
     return model.eval()
 
