@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from hybridflow.controller.worker_group import free_address
@@ -81,7 +82,13 @@ def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
 
     # the trainer's own TP shards (the same plan): each rank copies its part, nothing gathered
     trainer = apply_tensor_parallel(copy.deepcopy(model), mesh)
-    tp.update_weights(trainer.named_parameters())
+    written = tp.update_weights(trainer.named_parameters())
+    engine = tp.weight_tensors().values()
+    mine = sum(
+        t.to_local().numel() * t.element_size() if isinstance(t, DTensor) else t.nbytes for t in engine
+    )
+    whole = sum(t.numel() * t.element_size() for t in engine)
+    assert written == mine < 0.6 * whole, "a rank writes its part (and the replicated norms) only"
     one.update_weights(model.named_parameters())
     assert _same(tp, one, f"{family} from the trainer's TP shards") == before
 
