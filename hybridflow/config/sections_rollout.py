@@ -114,9 +114,11 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows; the same prompts on each, one all-reduce after attention and after
-    the MLP), so a model that one GPU cannot hold with its KV cache generates; equal to
-    actor.tensor_parallel_size (the same groups hold the same data), colocated, synchronous (vLLM's /
-    verl's tensor_model_parallel_size)."""
+    the MLP), so a model that one GPU cannot hold with its KV cache generates; the actor's TP groups
+    when actor.tensor_parallel_size equals it (each rank's weights then come from its own TP shard),
+    groups of its own when the actor has none; colocated, synchronous (vLLM's / verl's
+    tensor_model_parallel_size). Without CUDA graphs or the fused layers for now: slower than whole
+    engines where those fit."""
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
     max_prefill_tokens: int = 16384

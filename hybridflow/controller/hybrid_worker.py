@@ -199,7 +199,9 @@ class HybridWorker:
         the actor's tensor-parallel groups, the unit's TP shards (it takes its part, none gathered)."""
         model = self.actor.model
         sharded = isinstance(model, FSDPModule)
-        whole = _full if self.config.rollout.tensor_parallel_size == 1 else torch.Tensor.detach
+        c = self.config
+        on_actor_groups = c.rollout.tensor_parallel_size == c.actor.tensor_parallel_size > 1
+        whole = torch.Tensor.detach if on_actor_groups else _full
         for prefix, unit in _fsdp_units(model):
             if sharded:
                 unit.unshard()

@@ -113,8 +113,8 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     grid = _tensor_parallel_grid(c, world_size, device)
     # the rollout backend takes its own full copy before the trained models are sharded, or when it
     # generates while the trainer updates (an asynchronous run); split over the actor's TP groups
-    # with rollout.tensor_parallel_size
-    engine_tp = grid["tp"] if grid is not None and c.rollout.tensor_parallel_size > 1 else None
+    # with rollout.tensor_parallel_size, or over groups of its own where the actor has none
+    engine_tp = _engine_mesh(c, world_size, device, grid)
     backend = (
         rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
                         share_weights=not layout.shard_actor and c.trainer.async_mode == "off", tp_mesh=engine_tp)
@@ -140,6 +140,19 @@ def _tensor_parallel_grid(c: Config, world_size: int, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
+    """The 1-D 'tp' mesh an engine splits over (rollout.tensor_parallel_size): the actor's TP group, or
+    consecutive ranks of their own; None for whole engines."""
+    rtp = c.rollout.tensor_parallel_size
+    if rtp == 1:
+        return None
+    if grid is not None:
+        return grid["tp"]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // rtp, rtp), mesh_dim_names=("rollout_dp", "tp"))["tp"]
 
 
 def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
@@ -184,7 +197,7 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
     """What actor/rollout.tensor_parallel_size cannot run with yet, one line each, before anything is built."""
-    _check_rollout_tensor_parallel(c)
+    _check_rollout_tensor_parallel(c, world_size, model)
     tp = c.actor.tensor_parallel_size
     if tp == 1:
         return
@@ -206,15 +219,24 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
             raise UserError(f"actor.tensor_parallel_size={tp} {why}")
 
 
-def _check_rollout_tensor_parallel(c: Config) -> None:
+def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
     rtp, tp = c.rollout.tensor_parallel_size, c.actor.tensor_parallel_size
     if rtp == 1:
         return
     refusals = [
         (
-            rtp != tp,
-            f"splits the engine over the actor's tensor-parallel groups (their ranks hold the same "
-            f"prompts): set actor.tensor_parallel_size={rtp} too (it is {tp})",
+            tp not in (1, rtp),
+            f"splits the engine over the actor's tensor-parallel groups when the actor has them: set "
+            f"actor.tensor_parallel_size={rtp} or 1 (it is {tp})",
+        ),
+        (
+            world_size % rtp != 0,
+            f"needs a multiple of {rtp} training workers (resources.num_workers / trainer.n_gpus_per_node), "
+            f"not {world_size}",
+        ),
+        (
+            not isinstance(model, native.NativeCausalLM) or model.config.moe is not None,
+            "splits our native dense models (not model.impl=hf, not mixture-of-experts)",
         ),
         (
             c.resources.rollout_workers > 0,

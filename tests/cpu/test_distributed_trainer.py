@@ -256,3 +256,15 @@ def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_
     for step in (1, 2):
         _assert_same_step(single[step], tp[step])
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "tp", 2))
+
+
+@pytest.mark.slow
+def test_an_engine_split_over_two_fsdp_workers_trains_as_one_process(setup, tmp_path, single):
+    """rollout.tensor_parallel_size=2 with an FSDP2 actor (verl's usual layout: FSDP training, a TP
+    engine): both ranks generate the same prompts with half the engine each, each trains its own share,
+    every sync slices the gathered layers: the steps and the weights of one process."""
+    single_dir, single = single
+    split = _train(setup, tmp_path / "split", 2, *TWO, "rollout.tensor_parallel_size=2")
+    for step in (1, 2):
+        _assert_same_step(single[step], split[step])
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "split", 2))

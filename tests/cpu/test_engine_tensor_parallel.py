@@ -112,14 +112,14 @@ def test_engine_over_two_tensor_parallel_ranks_equals_one_engine():
     mp.spawn(_rank, args=(2, free_address()[1], ["qwen2", "llama3"]), nprocs=2, join=True)
 
 
-def _worker_rank(rank: int, world: int, port: int, setup, run_dir) -> None:
+def _worker_rank(rank: int, world: int, port: int, setup, run_dir, actor_tp: int) -> None:
     from rl_run import config
 
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         c = config(setup, run_dir, "resources.device=cpu", "resources.num_workers=2",
-                   "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2")  # fmt: skip
+                   f"actor.tensor_parallel_size={actor_tp}", "rollout.tensor_parallel_size=2")  # fmt: skip
         built = build_models(c, world, torch.device("cpu"))
         engine, mc = built.backend, built.hf_config
         assert engine.tp is not None and engine.tp.size == 2
@@ -130,23 +130,27 @@ def _worker_rank(rank: int, world: int, port: int, setup, run_dir) -> None:
 
 
 @pytest.mark.slow
-def test_a_training_worker_pair_builds_its_engine_split(setup, tmp_path):
-    mp.spawn(_worker_rank, args=(2, free_address()[1], setup, tmp_path / "run"), nprocs=2, join=True)
+@pytest.mark.parametrize("actor_tp", [2, 1])  # over the actor's TP group; over a group of its own
+def test_a_training_worker_pair_builds_its_engine_split(setup, tmp_path, actor_tp):
+    mp.spawn(
+        _worker_rank, args=(2, free_address()[1], setup, tmp_path / "run", actor_tp), nprocs=2, join=True
+    )
 
 
 @pytest.mark.parametrize(
-    "overrides, refusal",
+    "overrides, world, refusal",
     [
-        (["actor.tensor_parallel_size=1"], "set actor.tensor_parallel_size=2 too"),
-        (["resources.rollout_workers=1"], "not on resources.rollout_workers"),
-        (["trainer.async_mode=one_step"], "synchronous generation only"),
-        (["rollout.backend=hf"], "rollout.backend=native"),
+        (["actor.tensor_parallel_size=4"], 2, "set actor.tensor_parallel_size=2 or 1"),
+        (["actor.tensor_parallel_size=1"], 3, "needs a multiple of 2 training workers"),
+        (["resources.rollout_workers=1"], 2, "not on resources.rollout_workers"),
+        (["trainer.async_mode=one_step"], 2, "synchronous generation only"),
+        (["rollout.backend=hf"], 2, "rollout.backend=native"),
     ],
 )
-def test_what_an_engine_split_cannot_run_with_is_refused(setup, tmp_path, overrides, refusal):
+def test_what_an_engine_split_cannot_run_with_is_refused(setup, tmp_path, overrides, world, refusal):
     from rl_run import config
 
     c = config(setup, tmp_path / "run", "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2",
                *overrides)  # fmt: skip
     with pytest.raises(UserError, match=f"rollout.tensor_parallel_size=2 .*{refusal}"):
-        build_models(c, 2, torch.device("cpu"))
+        build_models(c, world, torch.device("cpu"))
