@@ -85,6 +85,9 @@ def _ladder(c: Config, shape: ModelShape, workers: int):
         on["model.enable_gradient_checkpointing"] = True
         yield "gradient checkpointing", dict(on)
     split_engine = engine_splits(c)
+    if split_engine and c.actor.tensor_parallel_size == 1:  # training untouched: the engine alone
+        for tp in tensor_parallel_sizes(c, shape, workers, above=c.rollout.tensor_parallel_size):
+            yield f"the engine split over {tp}", {**on, "rollout.tensor_parallel_size": tp}
     for tp in tensor_parallel_sizes(c, shape, workers):
         engine = {"rollout.tensor_parallel_size": tp} if split_engine else {}
         yield (
@@ -117,15 +120,15 @@ def engine_splits(c: Config) -> bool:
     )
 
 
-def tensor_parallel_sizes(c: Config, shape: ModelShape, workers: int) -> list[int]:
-    """The sizes the trainer's tensor parallelism takes here (worker_models' and parallel/tensor's
-    refusals, read from the shape)."""
+def tensor_parallel_sizes(c: Config, shape: ModelShape, workers: int, above: int | None = None) -> list[int]:
+    """The sizes the trainer's (or, `above` the engine's size, the engine's) tensor parallelism takes
+    here (worker_models' and parallel/tensor's refusals, read from the shape)."""
     if c.model.impl == "hf" or c.actor.sequence_parallel_size > 1 or shape.active_params < shape.params:
         return []  # transformers' modules, Ulysses, mixture-of-experts: not with tensor parallelism
     return [
         tp
         for tp in (2, 4, 8)
-        if tp > c.actor.tensor_parallel_size
+        if tp > (c.actor.tensor_parallel_size if above is None else above)
         and workers % tp == 0
         and shape.heads % tp == 0
         and shape.kv_heads % tp == 0

@@ -50,16 +50,21 @@ def test_the_micro_batch_shrinks_first_to_the_largest_that_fits():
 
 def test_tensor_parallelism_is_chosen_where_the_logits_overflow():
     """FSDP2 already shards weights, gradients and Adam over all 8 workers; what tensor parallelism
-    splits further is the logits (vocabulary / tp) and the MLP channels."""
-    shape, gpu = _shape(**BIG_VOCAB), 16 * GIB
+    splits further is the logits (vocabulary / tp) and the MLP channels: splitting the engine alone
+    (its copy of a million-row vocabulary) is not enough on 12 GiB."""
+    shape, gpu = _shape(**BIG_VOCAB), 12 * GIB
     choice = choose_layout(load_config(None, FP32), shape, gpu_bytes=gpu, workers=8)
     assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2,
                                "rollout.tensor_parallel_size": 2}  # fmt: skip
-    assert [t.split(":")[0] for t in choice.tried] == ["as configured", "gradient checkpointing"]
+    assert [t.split(":")[0] for t in choice.tried] == [
+        "as configured", "gradient checkpointing", "the engine split over 2", "the engine split over 4"]  # fmt: skip
     checkpointed = load_config(None, [*FP32, "model.enable_gradient_checkpointing=true"])
     assert not _fits(checkpointed, shape, gpu, 8)
     assert _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
-                                    "actor.tensor_parallel_size=2"]), shape, gpu, 8)  # fmt: skip
+                                    "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2"]), shape, gpu,
+                 8)  # fmt: skip
+    assert not _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
+                                        "rollout.tensor_parallel_size=4"]), shape, gpu, 8)  # fmt: skip
 
 
 def test_tensor_parallel_sizes_follow_heads_workers_and_the_model_kind():
@@ -79,13 +84,14 @@ QWEN_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, 
                 num_key_value_heads=2, tie_word_embeddings=True, vocab_size=151936)  # fmt: skip
 
 
-def test_the_engine_splits_with_the_actor_where_that_fits():
-    """Qwen2.5-1.5B in fp32 on two 24 GiB GPUs: with checkpointing the update still overflows; TP 2
-    splits the channels, the logits and the engine's copy and KV pages (rollout.tensor_parallel_size)."""
+def test_the_engine_splits_alone_where_generation_is_what_overflows():
+    """Qwen2.5-1.5B in fp32 on two 24 GiB GPUs: with checkpointing, generation beside the engine's whole
+    copy is over; the engine split over both (rollout.tensor_parallel_size: its copy and KV pages
+    halved) fits, training as it was."""
     shape, gpu = _shape(**QWEN_15B), 24 * GIB
     choice = choose_layout(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=gpu, workers=2)
-    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2,
-                               "rollout.tensor_parallel_size": 2}  # fmt: skip
+    assert choice.settings == {"model.enable_gradient_checkpointing": True, "rollout.tensor_parallel_size": 2}
+    assert choice.tried[-1].startswith("gradient checkpointing: gen")
     whole = estimate(load_config("gsm8k_grpo", FP32), shape, gpu_bytes=gpu, workers=2)
     assert choice.plan.resident["engine weights"] == whole.resident["engine weights"] / 2
 
@@ -100,6 +106,7 @@ def test_offload_comes_last_and_without_tensor_parallelism():
                                "actor.offload_optimizer": True}  # fmt: skip
     assert [t.split(":")[0] for t in choice.tried] == [
         "as configured", "gradient checkpointing", "tensor parallel 2", "the reference in CPU memory"]  # fmt: skip
+    assert not any("engine split" in t for t in choice.tried)
 
 
 def test_a_32b_model_cannot_load_on_eight_h200s_yet():
