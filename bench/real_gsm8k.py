@@ -11,7 +11,8 @@ learning the format and learning to solve are told apart; against wall-clock, wi
         --response 32 --test-freq 1
 
 Variants: --algo ppo (gsm8k_ppo: GAE with a critic), --algo dapo (DAPO's clip-higher, token-mean loss,
-dynamic sampling, overlong buffer), --lora-rank 32. More settings: --set key=value.
+dynamic sampling, overlong buffer), --lora-rank 32; ppo and dapo update 4 times a step by default
+(--updates-per-step), grpo once (TRL's side). More settings: --set key=value.
 --framework trl runs the same GRPO in TRL's GRPOTrainer instead (bench/vs_trl/gsm8k_trl.py, in
 --trl-python's environment: `make trl-venv`), with the same held-out evaluation and output.
 """
@@ -46,7 +47,10 @@ DAPO = [
 
 
 def hybridflow(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], check=True)
+    """`hybridflow ARGS`; its failure (its own one-line error above) ends this script with its code."""
+    code = subprocess.run([sys.executable, "-m", "hybridflow.cli", *args]).returncode
+    if code:
+        raise SystemExit(code)
 
 
 def prepare_data(raw: Path, out: Path, test_size: int) -> tuple[Path, Path]:
@@ -133,6 +137,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
     ap.add_argument("--response", type=int, default=512, help="max response tokens")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument(
+        "--updates-per-step",
+        type=int,
+        default=0,
+        help="optimizer updates per step (mini-batches of the step's responses); 0: 1 for grpo (as TRL's "
+        "side), 4 for ppo and dapo (clip-higher binds only from a step's second update on)",
+    )
     ap.add_argument("--set", action="append", default=[], help="more overrides, key=value")
     ap.add_argument("--framework", choices=["hybridflow", "trl"], default="hybridflow")
     ap.add_argument("--budget-s", type=float, default=0, help="TRL: stop after this many training seconds")
@@ -145,6 +156,11 @@ def main() -> None:
             raise SystemExit("--framework trl runs GRPO as given (no --algo, --lora-rank or --set)")
         run_trl(args, train, held_out)
         return
+    updates = args.updates_per_step or (1 if args.algo == "grpo" else 4)
+    if (args.prompts * args.samples) % updates:
+        raise SystemExit(
+            f"--updates-per-step {updates} does not divide {args.prompts} x {args.samples} responses"
+        )
     reward = args.out / "reward.py"
     reward.write_text(REWARD)
     run_dir = args.out / f"{args.algo}{f'-lora{args.lora_rank}' if args.lora_rank else ''}"
@@ -156,7 +172,7 @@ def main() -> None:
         f"data.prompts_per_step={args.prompts}",
         f"data.max_response_tokens={args.response}",
         f"rollout.samples_per_prompt={args.samples}",
-        f"actor.sequences_per_update={args.prompts * args.samples}",
+        f"actor.sequences_per_update={args.prompts * args.samples // updates}",
         f"actor.optim.lr={args.lr}",
         f"reward.custom_function_path={reward}",
         f"trainer.total_training_steps={args.steps}",
