@@ -1,7 +1,8 @@
 """The engine over a tensor-parallel group (engine/tensor_parallel.py), gloo, 2 ranks on CPU: greedy and
 sampled tokens equal one whole engine's, log-probs within float32 summation order, each rank holding
 half the heads, KV heads and MLP channels and its rows of a vocabulary (259) that does not split evenly;
-weight updates from whole tensors and from a trainer's TP shards land as in one engine; ranks that
+weight updates from whole tensors and from a trainer's TP shards land as in one engine (each rank
+writing its part only) and gather back to the trainer's weights bit for bit; ranks that
 would run different steps stop with one line instead of waiting on each other; a training worker
 pair with rollout.tensor_parallel_size=2 builds its engine split (the runs themselves:
 test_distributed_trainer.py), and what it cannot run with is refused in one line."""
@@ -49,6 +50,10 @@ def _same(tp: Engine, one: Engine, what: str) -> list[list[int]]:
     return tokens
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -89,6 +94,9 @@ def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
     )
     whole = sum(t.numel() * t.element_size() for t in engine)
     assert written == mine < 0.6 * whole, "a rank writes its part (and the replicated norms) only"
+    trained = dict(trainer.named_parameters())
+    for name, t in tp.weight_tensors().items():  # the round trip: the engine's parts gathered = the trainer's
+        assert torch.equal(_whole(t), _whole(trained[name])), name
     one.update_weights(model.named_parameters())
     assert _same(tp, one, f"{family} from the trainer's TP shards") == before
 
