@@ -265,6 +265,7 @@ def test_an_engine_split_over_two_fsdp_workers_trains_as_one_process(setup, tmp_
     every sync slices the gathered layers: the steps and the weights of one process."""
     single_dir, single = single
     split = _train(setup, tmp_path / "split", 2, *TWO, "rollout.tensor_parallel_size=2")
+    assert "each engine split over 2 workers" in (tmp_path / "split" / "step_plan.txt").read_text()
     for step in (1, 2):
         _assert_same_step(single[step], split[step])
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "split", 2))
