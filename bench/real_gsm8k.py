@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0, help="TRL: stop after this many training seconds")
     ap.add_argument("--trl-python", default=".venv-trl/bin/python", help="TRL's environment (make trl-venv)")
     args = ap.parse_args()
+    if args.updates_per_step < 0 or args.budget_s < 0:
+        raise SystemExit("--updates-per-step and --budget-s take 0 (the default) or a positive number")
     args.out.mkdir(parents=True, exist_ok=True)
     train, held_out = prepare_data(args.data, args.out, args.test_size)
     if args.framework == "trl":

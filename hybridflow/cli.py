@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
     elif hasattr(model, "hidden_states"):  # our model: the built-in engine
         from hybridflow.engine import Engine, EngineConfig
-        from hybridflow.engine.engine import pool_tokens_for
+        from hybridflow.engine.config import pool_tokens_for
 
         context = max(map(len, prompt_ids)) + args.max_tokens + 1
         sequences = min(len(prompt_ids) * args.n, 256)

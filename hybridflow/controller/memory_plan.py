@@ -171,7 +171,7 @@ def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout) -> float:
     master = DTYPES[c.model.dtype].itemsize
     p = shape.params
     held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)
-    if layout.needs_ref and not c.model.lora_rank:
+    if layout.needs_ref and not (c.model.lora_rank or c.model.lora_adapter_path):
         held += master * p
     if layout.needs_critic:
         held += master * (p - (0 if shape.tied else shape.embedding))

@@ -116,7 +116,7 @@ def rollout_backend(
     transformers' generate on the transformers model (for a native actor, a copy synced by name
     after each update), or vLLM."""
     from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.engine import pool_tokens_for
+    from hybridflow.engine.config import pool_tokens_for
 
     c, r = config, config.rollout
     backend = r.backend

@@ -1,5 +1,6 @@
 """Built-in rollout engine: paged KV cache, continuous batching, shared prompts, CUDA graphs."""
 
-from hybridflow.engine.engine import Engine, EngineConfig
+from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.engine import Engine
 
 __all__ = ["Engine", "EngineConfig"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.requests import RequestOutput
@@ -30,50 +31,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from hybridflow.engine.tensor_parallel import EngineTP
-
-
-def pool_tokens_for(sequences: int, context_tokens: int, page_size: int) -> int:
-    """A KV pool that holds `sequences` whole sequences of `context_tokens` at once (each in whole
-    pages), plus the one page the scheduler keeps spare: the CPU's pool, sized to a step."""
-    return (sequences * -(-context_tokens // page_size) + 1) * page_size
-
-
-@dataclass
-class EngineConfig:
-    max_batch_sequences: int = 256
-    """Most sequences decoded together (and the largest captured CUDA graph)."""
-    max_prefill_tokens: int = 16384
-    """Token budget of one prefill step (a longer prompt is prefilled alone)."""
-    max_context_tokens: int = 4096
-    """Longest prompt + response; a sequence that reaches it stops with finish_reason 'length'."""
-    page_size: int = 64
-    kv_cache_tokens: int | None = None
-    """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory (at
-    most room for max_batch_sequences at full context), or that room on CPU."""
-    gpu_memory_utilization: float = 0.5
-    cuda_graphs: bool = True
-    decode_steps: int = 8
-    """Decode steps the device runs between two looks of the host: the host plans and records once per
-    run while the GPU works on (a sequence that stops in a run computes to its end, at most this many
-    steps more; 1: a host round trip per token)."""
-    compile_layers: bool = False
-    """torch.compile the parts of each layer around attention (fused norms, RoPE, SwiGLU)."""
-    fused_decode: bool = True
-    """On CUDA, run the fused layers (engine/fused_decode.py: nine kernels a layer where the trainer's
-    modules launch ~45) in prefill and decode, and a decode step's draw and record inside its graph;
-    on CPU in fp32, the trainer's modules with their matmuls on oneDNN-packed weights
-    (engine/cpu_layers.py, 2-4x MKL's matmuls); False: the trainer's modules as they are."""
-    compute_dtype: str = "auto"
-    """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
-    progress: bool = False
-    """A transient bar of finished sequences during `generate` (on a terminal only)."""
-    prefix_cache: bool = True
-    """Keep the K/V of full pages after their requests end, keyed by their token prefix, so a prompt
-    that extends an earlier one (a conversation's next turn, a shared system prompt) prefills only
-    what is new; dropped at every update_weights and sleep."""
-    share_weights: bool = True
-    """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
-    False keeps a copy (the trainer's module is about to be sharded)."""
 
 
 class Engine:
@@ -113,7 +70,7 @@ class Engine:
         )
         self.model = model if shared else engine_model(model, self.device, self.compute_dtype)
         if self.tp is not None:
-            self.tp.shard(self.model)
+            self.tp.shard(self.model, self.compute_dtype)
         elif not shared:
             fuse_projections(self.model)  # q/k/v and gate/up as views of one tensor each
         self._shares_trainer_module = shared
@@ -390,7 +347,7 @@ class Engine:
         """Prefill the jobs' prompts and sample every sequence's next token."""
         batch = [s for job in jobs for s in job.seqs]
         if self.tp is not None:
-            self.tp.check_same_step("prefill", batch)
+            self.tp.check_same_step("prefill", batch, prompts=[job.tokens for job in jobs])
         logits = self.runner.prefill(jobs)  # [J, V]
         rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
         logits = logits.index_select(0, rows)  # the samples of a prompt share its logits

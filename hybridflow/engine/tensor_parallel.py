@@ -16,7 +16,9 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.parallel.tensor import TP_MESH, apply_tensor_parallel, full_logits
@@ -32,9 +34,19 @@ class EngineTP:
         self.group = mesh.get_group()
         self._device = torch.device(mesh.device_type)  # what the group's collectives take
 
-    def shard(self, model: NativeCausalLM) -> NativeCausalLM:
-        """The engine's copy, sharded in place (every rank holds the same whole copy before)."""
-        return apply_tensor_parallel(model, self.mesh)
+    def shard(self, model: NativeCausalLM, compute_dtype: torch.dtype) -> NativeCausalLM:
+        """The engine's copy, sharded in place (every rank holds the same whole copy before). The plan
+        ties a tied head to the embedding's rows again (master dtype); the engine keeps its rows in the
+        compute dtype, as a whole copy does, so no step casts them."""
+        apply_tensor_parallel(model, self.mesh)
+        head = model.lm_head.weight
+        if head.dtype != compute_dtype:
+            rows = head.to_local().to(compute_dtype)
+            model.lm_head.weight = nn.Parameter(
+                DTensor.from_local(rows, self.mesh, head.placements, shape=head.shape, stride=head.stride()),
+                requires_grad=False,
+            )
+        return model
 
     def logits(self, model: NativeCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
         """hidden [N, H] -> the whole logits [N, V] on every rank (each computes its vocabulary rows)."""
@@ -58,19 +70,17 @@ class EngineTP:
         mine = int(torch.randint(0, 2**31 - 1, ()))
         return self._reduce([mine if self.rank == 0 else 0], dist.ReduceOp.SUM)[0]
 
-    def check_same_step(self, kind: str, seqs: list) -> None:
+    def check_same_step(self, kind: str, seqs: list, prompts: list[list[int]] = ()) -> None:
         """Every rank is about to run the same prefill or decode of the same sequences at the same
         lengths, from the same tokens; else stop with one line (a rank would otherwise wait in a
         collective the others never join, join one of another shape, or compute its share of the
-        logits from another prompt). A prefill compares every token (a prompt is new there), a decode
-        the token each sequence is fed (what it generated before is the same on every rank: the same
+        logits from another prompt). A prefill compares its `prompts` whole (new there), a decode the
+        token each sequence is fed (what it generated before is the same on every rank: the same
         logits drew it)."""
         rows = np.array([[s.seq_id, len(s.tokens), s.cached, s.tokens[-1]] for s in seqs], dtype=np.int64)
         signature = zlib.crc32(kind.encode() + rows.tobytes())
-        if kind == "prefill":
-            signature = zlib.crc32(
-                np.array([t for s in seqs for t in s.tokens], dtype=np.int64).tobytes(), signature
-            )
+        for prompt in prompts:
+            signature = zlib.crc32(np.array(prompt, dtype=np.int64).tobytes(), signature)
         low, high = self._reduce([-signature, signature], dist.ReduceOp.MAX)
         if -low != high:
             raise RuntimeError(

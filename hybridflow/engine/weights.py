@@ -90,12 +90,12 @@ class WeightUpdater:
         for name, _ in pairs:
             if name not in self.targets:
                 raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
-        copies = [
-            (dst, src)
-            for name, whole in pairs
-            for dst, src in map(_local, self.targets[name], [whole] * len(self.targets[name]))
-            if dst.data_ptr() != src.data_ptr()
-        ]
+        copies = []
+        for name, whole in pairs:
+            for target in self.targets[name]:
+                dst, src = _local(target, whole)
+                if dst.data_ptr() != src.data_ptr():
+                    copies.append((dst, src))
         written = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         self._plan, self._key, self._sources = None, None, []
         if copies and all(

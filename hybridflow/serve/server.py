@@ -31,7 +31,7 @@ def build_engine(model: str, *, device: str, dtype: str, max_context: int, gpu_m
     """(engine, tokenizer) of the built-in engine over our model of `model`."""
     from hybridflow.devices import resolve_device
     from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.engine import pool_tokens_for
+    from hybridflow.engine.config import pool_tokens_for
     from hybridflow.models import load_causal_lm
     from hybridflow.models.loading import stop_token_ids
 

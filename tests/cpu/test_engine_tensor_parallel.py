@@ -94,6 +94,15 @@ def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
     )
     whole = sum(t.numel() * t.element_size() for t in engine)
     assert written == mine < 0.6 * whole, "a rank writes its part (and the replicated norms) only"
+    if c.tie_word_embeddings:  # in bfloat16 the head keeps its rows in the compute dtype, as a whole copy
+        half = Engine(
+            model, eos_token_ids=eos, config=replace(CONFIG, compute_dtype="bfloat16"), tp_mesh=mesh
+        )
+        head, embed = half.model.lm_head.weight, half.model.model.embed_tokens.weight
+        assert head.dtype == torch.bfloat16 and embed.dtype == torch.float32
+        half.update_weights(newer.named_parameters())  # the embedding's update reaches both
+        assert torch.equal(head.to_local(), embed.to_local().to(torch.bfloat16))
+        assert torch.equal(_whole(embed), newer.model.embed_tokens.weight)
     trained = dict(trainer.named_parameters())
     for name, t in tp.weight_tensors().items():  # the round trip: the engine's parts gathered = the trainer's
         assert torch.equal(_whole(t), _whole(trained[name])), name

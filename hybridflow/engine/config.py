@@ -1,0 +1,49 @@
+"""The engine's settings (EngineConfig) and the CPU pool's size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def pool_tokens_for(sequences: int, context_tokens: int, page_size: int) -> int:
+    """A KV pool that holds `sequences` whole sequences of `context_tokens` at once (each in whole
+    pages), plus the one page the scheduler keeps spare: the CPU's pool, sized to a step."""
+    return (sequences * -(-context_tokens // page_size) + 1) * page_size
+
+
+@dataclass
+class EngineConfig:
+    max_batch_sequences: int = 256
+    """Most sequences decoded together (and the largest captured CUDA graph)."""
+    max_prefill_tokens: int = 16384
+    """Token budget of one prefill step (a longer prompt is prefilled alone)."""
+    max_context_tokens: int = 4096
+    """Longest prompt + response; a sequence that reaches it stops with finish_reason 'length'."""
+    page_size: int = 64
+    kv_cache_tokens: int | None = None
+    """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory (at
+    most room for max_batch_sequences at full context), or that room on CPU."""
+    gpu_memory_utilization: float = 0.5
+    cuda_graphs: bool = True
+    decode_steps: int = 8
+    """Decode steps the device runs between two looks of the host: the host plans and records once per
+    run while the GPU works on (a sequence that stops in a run computes to its end, at most this many
+    steps more; 1: a host round trip per token)."""
+    compile_layers: bool = False
+    """torch.compile the parts of each layer around attention (fused norms, RoPE, SwiGLU)."""
+    fused_decode: bool = True
+    """On CUDA, run the fused layers (engine/fused_decode.py: nine kernels a layer where the trainer's
+    modules launch ~45) in prefill and decode, and a decode step's draw and record inside its graph;
+    on CPU in fp32, the trainer's modules with their matmuls on oneDNN-packed weights
+    (engine/cpu_layers.py, 2-4x MKL's matmuls); False: the trainer's modules as they are."""
+    compute_dtype: str = "auto"
+    """'auto': bfloat16 on CUDA, the model's own dtype elsewhere."""
+    progress: bool = False
+    """A transient bar of finished sequences during `generate` (on a terminal only)."""
+    prefix_cache: bool = True
+    """Keep the K/V of full pages after their requests end, keyed by their token prefix, so a prompt
+    that extends an earlier one (a conversation's next turn, a shared system prompt) prefills only
+    what is new; dropped at every update_weights and sleep."""
+    share_weights: bool = True
+    """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
+    False keeps a copy (the trainer's module is about to be sharded)."""
