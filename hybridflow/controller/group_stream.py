@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import threading
 import time
 from concurrent.futures import Future
@@ -124,6 +125,9 @@ class GroupStream(GroupBuffer):
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
         self._policy_versions = [version]
         self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
+        # finished groups queue here for the scoring lock: in asyncio's shared pool, waiting groups
+        # would fill the threads the engine's steps need (validation, holding the lock, then hangs)
+        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridflow-scoring")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
         self._thread.start()
@@ -191,6 +195,7 @@ class GroupStream(GroupBuffer):
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=60)
             self.loop.close()
+            self._scorer.shutdown(wait=False)
 
     # ---- the stream's thread -------------------------------------------------------------------
     async def _groups(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
@@ -209,7 +214,7 @@ class GroupStream(GroupBuffer):
         rollouts = await self._sample(prompt, params, group_id)
         outcomes = None
         if self.reward is not None:  # off the event loop: the engine goes on meanwhile
-            outcomes = await asyncio.to_thread(self._score, rollouts)
+            outcomes = await asyncio.get_running_loop().run_in_executor(self._scorer, self._score, rollouts)
         self._done(group_id, rollouts, outcomes)
 
     def _params_of(self, params: SamplingParams, i: int) -> SamplingParams:

@@ -3,8 +3,9 @@
 `await AsyncEngine(engine).generate(prompt_ids, params)` returns the request's generations;
 `async for out in async_engine.stream(...)` yields each step's new tokens. Cancelling either aborts
 the request (its pages are freed). One task drives the engine: requests added or aborted meanwhile
-are applied between two steps, and each step runs in a worker thread, so the event loop keeps
-serving while the device works. With `own_device_stream` on CUDA the engine's kernels go to a stream of
+are applied between two steps, and each step runs in a thread of the engine's own (not asyncio's
+shared pool, which callers may fill with work that waits: the steps must never queue behind it), so
+the event loop keeps serving while the device works. With `own_device_stream` on CUDA the engine's kernels go to a stream of
 its own, so that they run beside another thread's (the trainer's in an asynchronous run) instead of
 queueing behind them on the default stream. A reader that needs only the result (`generate`, or
 `stream(every_step=False)`) is woken once, when a sample finishes, not at every step: at hundreds of
@@ -14,6 +15,7 @@ requests, a wake-up per request per step would take the GIL from the engine's th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -83,6 +85,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._stepper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridflow-engine")
         self.error: BaseException | None = None
 
     @property
@@ -183,6 +186,10 @@ class AsyncEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._stepper.shutdown(wait=False)
+
+    def _in_engine_thread(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self._stepper, fn, *args)
 
     def _on_device_stream(self, fn, reads_others: bool = False):
         """fn() with the engine's kernels on its stream, complete when it returns (what it wrote is
@@ -216,7 +223,7 @@ class AsyncEngine:
                 calls, self._calls = self._calls, []
                 for fn, future in calls:
                     try:
-                        result = await asyncio.to_thread(
+                        result = await self._in_engine_thread(
                             self._on_device_stream, functools.partial(fn, engine), True
                         )
                     except Exception as e:
@@ -230,7 +237,7 @@ class AsyncEngine:
                     await self._wake.wait()
                     continue
                 streams = self._streams
-                for out in await asyncio.to_thread(self._on_device_stream, engine.step):
+                for out in await self._in_engine_thread(self._on_device_stream, engine.step):
                     if (listener := streams.get(out.request_id)) is not None:
                         listener.put(out)
         except asyncio.CancelledError:

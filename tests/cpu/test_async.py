@@ -260,6 +260,26 @@ def test_generation_beside_the_stream_uses_the_same_seeds_as_a_batch():
     assert got.response_logprobs == [g.logprobs for g in expected]
 
 
+def test_validation_beside_more_finished_groups_than_threads_does_not_starve_the_engine():
+    """Found on the H200 (one_step, 32 groups a step, validation every 5 steps): validation holds the
+    scoring lock while its batch generates; the stream's groups that finish meanwhile wait to be
+    scored. Waiting in threads of asyncio's default pool (at most 32), they took every thread the
+    engine's steps run in, and the run hung. 40 groups finish here while validation generates."""
+    engine = tiny_engine()
+    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=30)
+    try:
+        stream.submit(
+            [prompt(i) for i in range(40)], SamplingParams(n=1, max_tokens=2, seed=1), first_group=0
+        )
+        with stream.scoring:  # as the trainer's validation does
+            val = stream.generate_now([prompt(100)], SamplingParams(n=1, max_tokens=400, seed=2))
+        groups, _ = stream.take(list(range(40)))
+    finally:
+        stream.close()
+    assert [len(ids) for ids in val.response_ids] == [400]
+    assert [g.rollouts.group_ids[0] for g in groups] == list(range(40))
+
+
 def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(tmp_path):
     """Environment episodes (guess_number; its answers masked out) through the stream: with
     staleness 0 the synchronous run's metrics and weights; with one_step every sampled token one
