@@ -38,6 +38,7 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
         version=trainer.step,
         in_flight_updates=c.trainer.async_mode == "streaming",
         deadline_s=c.trainer.watchdog_s or 3600.0,
+        resume=trainer.in_flight,
     )
 
 

@@ -10,6 +10,11 @@ tokens and go on with the new weights; without (one_step) once every admitted gr
 Versions: the engine counts its weight writes (several per update when a sharded actor sends one
 layer at a time); the stream maps that count to the policy version (updates applied), so every
 sampled token says which policy sampled it.
+
+Checkpoints: `snapshot()` reads, between two engine steps, every admitted group not yet taken — its
+samples' tokens, log-probs, versions and finish — and a stream opened with `resume=` that snapshot
+continues each group from there when it is submitted again (finished ones are only scored again;
+unfinished samples draw what they would have drawn next). Agent episodes in flight start over.
 """
 
 from __future__ import annotations
@@ -25,8 +30,31 @@ from dataclasses import dataclass, replace
 from hybridflow.agents.runner import CALLS_PER_EPISODE, run_episodes
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.engine.async_engine import AsyncEngine
+from hybridflow.engine.requests import SampleSoFar
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
+
+
+@dataclass
+class SampleRecord:
+    """One sample's response so far, as the stream has seen it (the engine's outputs, each token's
+    policy version); finish None while it runs."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str | None = None
+
+    def as_json(self) -> dict:
+        return {"ids": self.ids, "logprobs": self.logprobs, "versions": self.versions, "finish": self.finish}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SampleRecord:
+        return cls(list(d["ids"]), list(d["logprobs"]), list(d["versions"]), d["finish"])
+
+
+def fresh_records(n: int) -> list[SampleRecord]:
+    return [SampleRecord([], [], []) for _ in range(n)]
 
 
 @dataclass
@@ -113,13 +141,26 @@ class GroupBuffer:
 
 class GroupStream(GroupBuffer):
     def __init__(
-        self, engine, reward, *, agent=None, version: int, in_flight_updates: bool, deadline_s: float
+        self,
+        engine,
+        reward,
+        *,
+        agent=None,
+        version: int,
+        in_flight_updates: bool,
+        deadline_s: float,
+        resume: dict | None = None,
     ) -> None:
         """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
         Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
         a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
-        episode) or None; `version`: the policy version its weights hold."""
+        episode) or None; `version`: the policy version its weights hold; `resume`: a `snapshot()`
+        of the run this one continues."""
         super().__init__(deadline_s)
+        self._records: dict[int, list[SampleRecord]] = {}  # groups sampling now (the loop's)
+        self._resume = {
+            int(g): [SampleRecord.from_json(d) for d in samples] for g, samples in (resume or {}).items()
+        }
         self.engine, self.reward, self.agent = engine, reward, agent
         self.in_flight_updates, self.version = in_flight_updates, version
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
@@ -177,6 +218,30 @@ class GroupStream(GroupBuffer):
         self.version = version
         return waited
 
+    def snapshot(self) -> dict | None:
+        """Every admitted group not taken yet, as JSON: group id -> its samples so far (a group that
+        has not started is left out: it starts afresh). None with an agent loop (its episodes are
+        not kept: they start over)."""
+        if self.agent is not None or self.loop.is_closed():  # (closed: the run ended, nothing in flight)
+            return None
+
+        def read(_engine) -> dict:  # on the loop, between two engine steps: the records are whole
+            with self._changed:
+                finished = {g: f.rollouts for g, f in self._finished.items()}
+            groups = {g: [r.as_json() for r in records] for g, records in self._records.items()}
+            for g, r in finished.items():
+                groups[g] = [
+                    SampleRecord(ids, lp, v, f).as_json()
+                    for ids, lp, v, f in zip(
+                        r.response_ids, r.response_logprobs, r.policy_versions, r.finish_reasons
+                    )
+                ]
+            return {str(g): samples for g, samples in sorted(groups.items())}
+
+        return self._wait(
+            asyncio.run_coroutine_threadsafe(self.front.between_steps(read, on_loop=True), self.loop)
+        )
+
     def run_in_engine(self, fn):
         """`fn(engine)` between two engine steps (the weight-sync check reads the weights there)."""
         return self._call(fn)
@@ -211,37 +276,51 @@ class GroupStream(GroupBuffer):
             raise
 
     async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
-        rollouts = await self._sample(prompt, params, group_id)
+        if self.agent is not None:
+            rollouts = await self._episodes(prompt, params, group_id)
+        else:
+            records = self._resume.pop(group_id, None) or fresh_records(params.n)
+            self._records[group_id] = records  # read by snapshot() until the group is done
+            rollouts = await self._sample(prompt, params, records, group_id)
         outcomes = None
         if self.reward is not None:  # off the event loop: the engine goes on meanwhile
             outcomes = await asyncio.get_running_loop().run_in_executor(self._scorer, self._score, rollouts)
         self._done(group_id, rollouts, outcomes)
+        self._records.pop(group_id, None)
 
     def _params_of(self, params: SamplingParams, i: int) -> SamplingParams:
         """Prompt i's sampling streams, as in one batch call (an episode takes CALLS_PER_EPISODE)."""
         stride = params.n * (CALLS_PER_EPISODE if self.agent is not None else 1)
         return replace(params, first_sequence=params.first_sequence + i * stride)
 
-    async def _sample(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:
-        if self.agent is not None:
-            return await self._episodes(prompt, params, group_id)
-        ids = [[] for _ in range(params.n)]
-        logprobs = [[] for _ in range(params.n)]
-        versions = [[] for _ in range(params.n)]
-        finish = [""] * params.n
-        async for out in self.front.stream(prompt.token_ids, params, every_step=False):
-            ids[out.sample] += out.token_ids
-            logprobs[out.sample] += out.logprobs
-            versions[out.sample] += [self._policy_version(out.weight_version)] * len(out.token_ids)
-            finish[out.sample] = out.finish_reason or finish[out.sample]
+    async def _sample(
+        self, prompt: Prompt, params: SamplingParams, records: list[SampleRecord], group_id: int
+    ) -> Rollouts:
+        """The prompt's samples, each going on from its record (empty: from the start), the records
+        kept current at every engine step."""
+
+        def record(out) -> None:
+            r = records[out.sample]
+            r.ids += out.token_ids
+            r.logprobs += out.logprobs
+            r.versions += [self._policy_version(out.weight_version)] * len(out.token_ids)
+            r.finish = out.finish_reason or r.finish
+
+        if not all(r.finish for r in records):
+            so_far = [SampleSoFar(r.ids, r.logprobs, r.finish) if r.ids else None for r in records]
+            resume = so_far if any(so_far) else None
+            async for _ in self.front.stream(
+                prompt.token_ids, params, every_step=False, on_output=record, resume=resume
+            ):
+                pass
         return Rollouts(
             prompt_ids=[prompt.token_ids] * params.n,
-            response_ids=ids,
-            response_logprobs=logprobs,
-            finish_reasons=finish,
+            response_ids=[r.ids for r in records],
+            response_logprobs=[r.logprobs for r in records],
+            finish_reasons=[r.finish or "" for r in records],
             group_ids=[group_id] * params.n,
             prompts=[prompt] * params.n,
-            policy_versions=versions,
+            policy_versions=[r.versions for r in records],
         )
 
     async def _episodes(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:
@@ -258,7 +337,10 @@ class GroupStream(GroupBuffer):
 
     async def _batch(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> Rollouts:
         parts = await asyncio.gather(
-            *(self._sample(p, self._params_of(params, i), first_group + i) for i, p in enumerate(prompts))
+            *(
+                self._sample(p, self._params_of(params, i), fresh_records(params.n), first_group + i)
+                for i, p in enumerate(prompts)
+            )
         )
         return Rollouts.concat(list(parts))
 

@@ -94,6 +94,10 @@ class RemoteGroupStream(GroupBuffer):
             self.version = version
             return waited
 
+    def snapshot(self) -> None:
+        """Groups on rollout workers are not kept in a checkpoint: a resume generates them again."""
+        return None
+
     def run_in_engine(self, fn):
         raise NotImplementedError("the engines are on the rollout workers")
 

@@ -1,6 +1,6 @@
 """A run's checkpoints from the controller's side: what a save adds to the workers' states (the
-LR schedulers, the sampler, the KL controller, RNGs, the step's metrics row) and how a resume puts
-it back. `trainer` is the RLTrainer."""
+LR schedulers, the sampler, the KL controller, RNGs, the step's metrics row, an asynchronous run's
+groups in flight) and how a resume puts it back. `trainer` is the RLTrainer."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def save_run(trainer, metrics: dict[str, float] | None = None) -> Path:
         "rng": rng_state(),
         "bad_steps": trainer.bad_steps,
         "metrics_row": jsonl_row(metrics, trainer.step) if metrics is not None else None,
+        # an asynchronous run's groups admitted and not yet trained on, as far as they got
+        "in_flight": trainer.stream.snapshot() if trainer.stream is not None else None,
     }
     with trainer.watchdog.phase("save_checkpoint"):
         return save_checkpoint(
@@ -72,6 +74,7 @@ def resume_run(trainer) -> None:
     trainer.sampler.load_state_dict(state["sampler"])
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])
     set_rng_state(state["rng"])
+    trainer.in_flight = state.get("in_flight")
     trainer.last_checkpoint = path
     for name in ("metrics.jsonl", "samples.jsonl"):
         truncate_jsonl(trainer.run_dir / name, trainer.step)

@@ -153,6 +153,7 @@ class RLTrainer:
         self.drawn: dict = {}  # step -> its DrawnStep while only some of its groups have started
         self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
         self.epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from
+        self.in_flight: dict | None = None  # a resumed checkpoint's groups in flight (GroupStream.snapshot)
         self._resume()
         if c.trainer.async_mode != "off":
             self.stream, self.admitted = open_stream(self), self.step

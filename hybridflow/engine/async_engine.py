@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from hybridflow.engine.engine import Engine
-from hybridflow.engine.requests import RequestOutput
+from hybridflow.engine.requests import RequestOutput, SampleSoFar
 from hybridflow.rollout.sampling import Generation, SamplingParams
 
 
@@ -42,11 +42,11 @@ class _Listener:
     finishes. Held outputs of a sample are merged while the weight version stays (one object per
     sample, not one per step: the garbage collector walks every live object)."""
 
-    __slots__ = ("queue", "every_step", "held", "last", "on_first_output")
+    __slots__ = ("queue", "every_step", "held", "last", "on_first_output", "on_output")
 
-    def __init__(self, every_step: bool, on_first_output) -> None:
+    def __init__(self, every_step: bool, on_first_output, on_output) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.every_step, self.on_first_output = every_step, on_first_output
+        self.every_step, self.on_first_output, self.on_output = every_step, on_first_output, on_output
         self.held: list[RequestOutput] = []
         self.last: dict[int, RequestOutput] = {}  # sample -> its latest held output
 
@@ -54,6 +54,8 @@ class _Listener:
         if self.on_first_output is not None:
             self.on_first_output()
             self.on_first_output = None
+        if self.on_output is not None:
+            self.on_output(out)
         if self.every_step:
             self.queue.put_nowait([out])
             return
@@ -78,9 +80,9 @@ class AsyncEngine:
         # only with a weight copy of its own: a module shared with the trainer is written on its stream
         separate = own_device_stream and engine.device.type == "cuda" and not engine.shares_trainer_module
         self._device_stream = torch.cuda.Stream(engine.device) if separate else None
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._adds: list[tuple[str, list[int], SamplingParams, list[SampleSoFar | None] | None]] = []
         self._aborts: list[str] = []
-        self._calls: list[tuple[object, asyncio.Future]] = []
+        self._calls: list[tuple[object, asyncio.Future, bool]] = []
         self._streams: dict[str, _Listener] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -111,18 +113,22 @@ class AsyncEngine:
         *,
         every_step: bool = True,
         on_first_output=None,
+        on_output=None,
+        resume: list[SampleSoFar | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Each step's new tokens of every sample, until all `params.n` have finished. With
         `every_step=False` a sample's outputs arrive together when it finishes (the same outputs,
-        one wake-up). `on_first_output()` is called by the driver when the first tokens exist."""
+        one wake-up). `on_first_output()` is called by the driver when the first tokens exist, and
+        `on_output(out)` with every step's output (on the loop, between two steps: state it keeps is
+        whole whenever `between_steps(..., on_loop=True)` reads it). `resume`: Engine.add_request's."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        listener = _Listener(every_step, on_first_output)
+        listener = _Listener(every_step, on_first_output, on_output)
         self._streams[request_id] = listener
-        self._adds.append((request_id, list(prompt_ids), params))
+        self._adds.append((request_id, list(prompt_ids), params, resume))
         self._ensure_running()
-        left = params.n
+        left = params.n - sum(r is not None and r.finish_reason is not None for r in resume or [])
         try:
             while left:
                 outs = await listener.queue.get()
@@ -140,11 +146,12 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._ensure_running()
 
-    async def between_steps(self, fn):
+    async def between_steps(self, fn, *, on_loop: bool = False):
         """Run `fn(engine)` in the driver between two steps (e.g. pause, update_weights, resume):
-        nothing else touches the engine meanwhile. Returns its result."""
+        nothing else touches the engine meanwhile. Returns its result. `on_loop`: on the event loop's
+        thread (a quick read of what `on_output` callbacks keep), else in the engine's thread."""
         future = asyncio.get_running_loop().create_future()
-        self._calls.append((fn, future))
+        self._calls.append((fn, future, on_loop))
         self._ensure_running()
         return await future
 
@@ -221,11 +228,14 @@ class AsyncEngine:
                             listener.queue.put_nowait(_Failed(e, fatal=False))
                 self._adds.clear()
                 calls, self._calls = self._calls, []
-                for fn, future in calls:
+                for fn, future, on_loop in calls:
                     try:
-                        result = await self._in_engine_thread(
-                            self._on_device_stream, functools.partial(fn, engine), True
-                        )
+                        if on_loop:
+                            result = fn(engine)
+                        else:
+                            result = await self._in_engine_thread(
+                                self._on_device_stream, functools.partial(fn, engine), True
+                            )
                     except Exception as e:
                         future.set_exception(e)
                     else:

@@ -15,7 +15,7 @@ import torch
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
-from hybridflow.engine.requests import RequestOutput
+from hybridflow.engine.requests import RequestOutput, SampleSoFar
 from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
@@ -172,14 +172,27 @@ class Engine:
         return pages + 1  # page 0 is reserved
 
     # ----------------------------------------------------------------------------------- public
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume: list[SampleSoFar | None] | None = None,
+    ) -> None:
         """Queue `params.n` samples of one prompt; they share continuous batching with every other
         request. Sample j draws from the stream (params.seed, params.first_sequence + j), so a
-        request samples the same tokens whatever else runs beside it (a random seed when None)."""
+        request samples the same tokens whatever else runs beside it (a random seed when None).
+        `resume[j]`: sample j's tokens from an earlier run; it goes on from there (its K/V recomputed,
+        as after a preemption) or, finished, stays as it is; only new tokens are reported."""
         c = self.config
         if request_id in self._requests:
             raise UserError(f"request {request_id!r} is already running")
         self._check_prompt(request_id, prompt_token_ids)
+        resume = resume if resume is not None else [None] * params.n
+        if len(resume) != params.n or all(r is not None and r.finish_reason for r in resume):
+            raise ValueError(
+                f"request {request_id!r}: resume needs one entry per sample and one to go on with"
+            )
         base = params.seed if params.seed is not None else self._random_seed()
         first = params.first_sequence
         seeds = step_keys(
@@ -188,15 +201,27 @@ class Engine:
         sampling_group = self._sampling_groups.setdefault(params_key(params), len(self._sampling_groups))
         end = min(len(prompt_token_ids) + params.max_tokens, c.max_context_tokens)
         group = []
-        for j, seed in enumerate(seeds.tolist()):
-            group.append(
-                Sequence(self._next_seq_id, 0, list(prompt_token_ids), len(prompt_token_ids), seed,
-                         request_id=request_id, sample=j, params=params, sampling_group=sampling_group, end=end)
-            )  # fmt: skip
+        for j, (seed, so_far) in enumerate(zip(seeds.tolist(), resume)):
+            s = Sequence(self._next_seq_id, 0, list(prompt_token_ids), len(prompt_token_ids), seed,
+                         request_id=request_id, sample=j, params=params, sampling_group=sampling_group, end=end)  # fmt: skip
+            if so_far is not None:
+                if not so_far.finish_reason and len(s.tokens) + len(so_far.token_ids) >= end:
+                    raise ValueError(f"request {request_id!r}: sample {j} has no room left to go on")
+                s.tokens += so_far.token_ids
+                s.logprobs, s.unscaled_logprobs = (
+                    list(so_far.logprobs),
+                    list(so_far.logprobs),
+                )  # never reported
+                s.reported, s.finish_reason = len(so_far.token_ids), so_far.finish_reason
+            group.append(s)
             self._next_seq_id += 1
         self._requests[request_id] = group
-        for k in range(0, params.n, c.max_batch_sequences):  # a job never outgrows the batch
-            self.scheduler.add(PrefillJob(group[k : k + c.max_batch_sequences]))
+        fresh = [s for s in group if not s.num_generated and not s.finished]
+        for k in range(0, len(fresh), c.max_batch_sequences):  # a job never outgrows the batch
+            self.scheduler.add(PrefillJob(fresh[k : k + c.max_batch_sequences]))
+        for s in group:  # prefilled alone with its tokens so far, as a preempted sequence is
+            if s.num_generated and not s.finished:
+                self.scheduler.add(PrefillJob([s]))
 
     def _random_seed(self) -> int:
         if self.tp is not None:  # the group's ranks must draw the same tokens

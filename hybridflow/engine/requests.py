@@ -1,4 +1,5 @@
-"""What the engine's request API hands back: per step, each advanced sample's new tokens."""
+"""What the engine's request API hands back (per step, each advanced sample's new tokens), and what a
+request may start from (a sample's tokens from an earlier run)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SampleSoFar:
+    """One sample's response as far as an earlier run got (a checkpoint's groups in flight):
+    `add_request(..., resume=)` continues it, drawing the tokens it would have drawn next (the noise
+    is keyed by the sequence's seed and position), or keeps it as it is when it had finished."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None

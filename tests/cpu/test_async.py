@@ -144,6 +144,114 @@ def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(s
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_kill_9_in_one_step_mode_resumes_the_groups_in_flight_exactly(setup, tmp_path):
+    """A checkpoint keeps the groups admitted and not yet trained on (one_step: the next step's,
+    finished, and the one after's, started): the resumed run is the uninterrupted one, metrics
+    and weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = ["trainer.total_training_steps=5", "trainer.val_before_train=false", "trainer.save_freq=1",
+            "trainer.async_mode=one_step"]  # fmt: skip
+    RLTrainer(config(setup, tmp_path / "whole", *args)).fit()
+    run_dir = tmp_path / "killed"
+    script = tmp_path / "train.py"
+    script.write_text(
+        KILLED.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run_dir), args=args)
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed_from = max(int(d.name.rsplit("_", 1)[1]) for d in (run_dir / "checkpoints").glob("global_step_*"))
+    assert resumed_from < 5
+    state = json.loads(
+        (run_dir / "checkpoints" / f"global_step_{resumed_from}" / "trainer_state.json").read_text()
+    )
+    kept = {int(g) for g in state["in_flight"]}
+    per_step = config(setup, run_dir, *args).data.prompts_per_step  # group ids: (step - 1) * per_step + i
+    next_step = set(range(resumed_from * per_step, (resumed_from + 1) * per_step))
+    assert next_step <= kept  # one_step: the next step's groups had all finished before the update
+    assert all(s["finish"] for g in next_step for s in state["in_flight"][str(g)])
+    RLTrainer(config(setup, run_dir, *args)).fit()
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
+    for a, b in zip(whole, resumed, strict=True):
+        # a continued sample's next token comes from a prefill, not a decode step: its log-prob (the
+        # sampler's, not the trainer's) differs in the last bits; the tokens and all training do not
+        gaps = [k for k in a if k.startswith("training/rollout_probs_diff")]
+        same = {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED) and k not in gaps}
+        assert same == {k: b[k] for k in same}, a["step"]
+        assert all(abs(a[k] - b[k]) < 1e-7 for k in gaps)
+    a, b = policy(tmp_path / "whole", 5), policy(run_dir, 5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
+    """Half-generated samples, kept and handed to a new stream on a new engine (the same weights),
+    go on to exactly the tokens of an uninterrupted run, with their log-probs and versions."""
+    params = SamplingParams(n=3, max_tokens=300, seed=11)
+    whole = GroupStream(tiny_engine(), Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        whole.submit([prompt(0), prompt(1)], params, first_group=0)
+        expected, _ = whole.take([0, 1])
+    finally:
+        whole.close()
+    engine = tiny_engine()
+    cut = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    try:
+        cut.submit([prompt(0), prompt(1)], params, first_group=0)
+        deadline = time.monotonic() + 60
+        while generated(engine) < 40 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        saved = json.loads(json.dumps(cut.snapshot()))  # as a checkpoint stores it
+    finally:
+        cut.close()
+    lengths = [len(s["ids"]) for g in saved.values() for s in g]
+    assert saved.keys() == {"0", "1"} and min(lengths) > 0 and max(lengths) < 300  # cut mid-way
+    resumed = GroupStream(
+        tiny_engine(), Scores(), version=0, in_flight_updates=True, deadline_s=120, resume=saved
+    )
+    try:
+        resumed.submit([prompt(0), prompt(1)], params, first_group=0)
+        got, _ = resumed.take([0, 1])
+    finally:
+        resumed.close()
+    for a, b in zip(expected, got, strict=True):
+        assert a.rollouts.response_ids == b.rollouts.response_ids
+        assert a.rollouts.policy_versions == b.rollouts.policy_versions
+        for x, y in zip(a.rollouts.response_logprobs, b.rollouts.response_logprobs, strict=True):
+            assert len(x) == len(y) and max(abs(u - v) for u, v in zip(x, y)) < 1e-5
+    # on other weights (policy 1) the kept tokens stay, with their version; only the rest is new
+    other = Engine(
+        from_hf_model(tiny_model("qwen2", seed=4)).eval(),
+        eos_token_ids=[],
+        config=EngineConfig(max_context_tokens=4096, share_weights=False),
+    )
+    moved = GroupStream(other, Scores(), version=1, in_flight_updates=True, deadline_s=120, resume=saved)
+    try:
+        moved.submit([prompt(0), prompt(1)], params, first_group=0)
+        went_on, _ = moved.take([0, 1])
+    finally:
+        moved.close()
+    for g, group in zip(("0", "1"), went_on, strict=True):
+        for kept, ids, versions in zip(saved[g], group.rollouts.response_ids, group.rollouts.policy_versions):
+            n = len(kept["ids"])
+            assert ids[:n] == kept["ids"] and len(ids) == 300
+            assert versions == [0] * n + [1] * (300 - n)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
