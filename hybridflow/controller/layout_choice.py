@@ -170,8 +170,9 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
         return (
             f"loading holds whole copies of the models on each GPU before FSDP2 shards them "
             f"({plan.phases['load'] / GIB:.1f} GiB: the policy, the reference, the critic, the engine's "
-            "copy); each rank loading only its shards is not built yet: GPUs with more memory, or "
-            "model.dtype=bfloat16"
+            "copy; a sharded reference is read shard by shard only from a safetensors checkpoint, "
+            "model.path a transformers directory; the others always load whole for now): GPUs with "
+            "more memory, or model.dtype=bfloat16"
         )
     return (
         f"{worst} is over even with everything offloaded: more GPUs (FSDP2 shards the trained models "

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.worker_models import WorkerLayout
+from hybridflow.controller.worker_models import WorkerLayout, sharded_reference_path
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 
@@ -163,15 +163,18 @@ def engine_bytes(shape: ModelShape) -> float:
     return 2 * matmul + 4 * shape.embedding + 2 * shape.embedding
 
 
-def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout) -> float:
+def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout, workers: int) -> float:
     """What a training worker holds at once before FSDP2 shards anything (build_models): whole copies
     of the policy (converted on the CPU, then moved; transformers' model as loaded beside it only for
-    rollout.backend=hf), the reference (none with LoRA: the base is the actor's), the critic and the
-    engine (split over its TP group right after it is made)."""
+    rollout.backend=hf), the reference (none with LoRA: the base is the actor's; its shard alone when
+    it is read shard by shard from safetensors), the critic and the engine (split over its TP group
+    right after it is made)."""
     master = DTYPES[c.model.dtype].itemsize
     p = shape.params
     held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)
-    if layout.needs_ref and not (c.model.lora_rank or c.model.lora_adapter_path):
+    if sharded_reference_path(c, layout) is not None:
+        held += 0 if c.ref.offload_params else master * p / workers
+    elif layout.needs_ref and not (c.model.lora_rank or c.model.lora_adapter_path):
         held += master * p
     if layout.needs_critic:
         held += master * (p - (0 if shape.tied else shape.embedding))
@@ -260,7 +263,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
     if beside:  # every phase holds the pool
         phases = {k: v + kv_bytes for k, v in phases.items()}
     phases = {"gen": (CUDA_CONTEXT + engine if apart else static) + kv_bytes, **phases}
-    phases["load"] = CUDA_CONTEXT + load_bytes(c, shape, layout)
+    phases["load"] = CUDA_CONTEXT + load_bytes(c, shape, layout, w)
     plan = MemoryPlan(gpu_bytes, w, resident, phases, int(kv_bytes // kv_per_token), pool_capped=capped)
     held = kv_bytes if beside else 0.0  # through the update too
     plan.suggestions = _suggestions(config, shape, plan, static + held, logits, kv_per_token)

@@ -18,6 +18,7 @@ from hybridflow.controller.role_models import lora_policy, policy_model, rollout
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
 from hybridflow.models.lora import has_adapters
+from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
 
 
@@ -104,11 +105,11 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         raise UserError(
             "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
         )
-    ref_model = None
-    if layout.needs_ref and c.ref.model_path:
+    ref_model, ref_path = None, sharded_reference_path(c, layout)  # with a path: read in _shard
+    if ref_path is None and layout.needs_ref and c.ref.model_path:
         ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
         ref_model = policy_model(c, ref_hf).to(device)
-    elif layout.needs_ref:  # with LoRA the reference is the actor's own base (adapters off): no copy
+    elif ref_path is None and layout.needs_ref:  # with LoRA the reference is the actor's own base: no copy
         ref_model = model if lora else copy.deepcopy(model)
     grid = _tensor_parallel_grid(c, world_size, device)
     # the rollout backend takes its own full copy before the trained models are sharded, or when it
@@ -121,7 +122,9 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         if layout.colocated
         else None
     )  # fmt: skip
-    own_group = _shard(c, layout, world_size, device, model, ref_model, critic_model, grid)
+    own_group, ref_model = _shard(
+        c, layout, world_size, device, model, ref_model, critic_model, grid, ref_path
+    )
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
     if sp is not None:  # every trained (and reference) model splits its micro-batches' tokens
         for m in (model, ref_model, critic_model):
@@ -155,11 +158,23 @@ def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
     return init_device_mesh(device.type, (world_size // rtp, rtp), mesh_dim_names=("rollout_dp", "tp"))["tp"]
 
 
+def sharded_reference_path(c: Config, layout: WorkerLayout) -> Path | None:
+    """Where an FSDP2-sharded reference is read from shard by shard (a dense native checkpoint in
+    safetensors; not with LoRA, whose reference is the actor's base), or None: it is then a whole copy
+    of the policy (or of ref.model_path) until it is sharded."""
+    m = c.model
+    if not (layout.needs_ref and layout.shard_ref) or m.lora_rank or m.lora_adapter_path or m.impl == "hf":
+        return None
+    path = safetensors_dir(c.ref.model_path or m.path)
+    return path if path is not None and shardable_config(path) is not None else None
+
+
 def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
-           critic_model, grid) -> bool:  # fmt: skip
-    """FSDP2 per the layout; True when a one-rank process group was started for it here."""
+           critic_model, grid, ref_path: Path | None) -> tuple[bool, torch.nn.Module | None]:  # fmt: skip
+    """FSDP2 per the layout (the reference read shard by shard from `ref_path` when given); whether
+    a one-rank process group was started for it here, and the reference."""
     if not layout.sharded:
-        return False
+        return False, ref_model
     from torch.distributed.device_mesh import init_device_mesh
 
     from hybridflow.parallel import apply_fsdp
@@ -179,7 +194,7 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         from hybridflow.parallel import collectives
         from hybridflow.parallel.tensor import apply_tensor_parallel
 
-        for m in (model, ref_model, critic_model):
+        for m in (model, ref_model, critic_model):  # (a reference read shard by shard is split as it is made)
             if m is not None:
                 apply_tensor_parallel(m, grid["tp"])
         collectives.set_sequence_parallel_size(tp)  # a group's ranks hold the same data
@@ -188,11 +203,16 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         mesh = init_device_mesh(device.type, (world_size,))
     if layout.shard_actor:
         apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
-    if layout.shard_ref:
+    if ref_path is not None:
+        dtype = next(model.parameters()).dtype
+        ref_model = load_sharded(ref_path, shardable_config(ref_path), dtype, mesh=mesh, device=device,
+                                 tp_mesh=grid["tp"] if grid is not None else None,
+                                 offload_params=c.ref.offload_params)  # fmt: skip
+    elif layout.shard_ref:
         apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
     if critic_model is not None and world_size > 1:
         apply_fsdp(critic_model, mesh)
-    return own_group
+    return own_group, ref_model
 
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:

@@ -3,11 +3,13 @@ shrunk first, tensor parallelism (the engine split with the actor where it can b
 MLP channels or the engine's copy are what overflows, offload last, and a model that fits no rung
 named as one that cannot fit."""
 
+import pytest
 from transformers import AutoConfig
 
 from hybridflow.config import load_config
 from hybridflow.controller.layout_choice import LayoutChoice, choose_layout, tensor_parallel_sizes
 from hybridflow.controller.memory_plan import GIB, PLAN_SLACK, ModelShape, engine_bytes, estimate
+from hybridflow.models import tiny_model
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True, vocab_size=151936)  # fmt: skip
@@ -109,7 +111,7 @@ def test_offload_comes_last_and_without_tensor_parallelism():
     assert not any("engine split" in t for t in choice.tried)
 
 
-def test_a_32b_model_cannot_load_on_eight_h200s_yet():
+def test_a_32b_model_cannot_load_on_eight_h200s_from_a_gguf():
     """Every worker holds the whole policy, reference and engine copy before FSDP2 shards them: 185.5
     GiB in bf16, over the GPU whatever comes after (TP 4 with the engine split would train it)."""
     shape = _shape(**QWEN_32B)
@@ -123,6 +125,19 @@ def test_a_32b_model_cannot_load_on_eight_h200s_yet():
                                        "rollout.tensor_parallel_size=4", "model.enable_gradient_checkpointing=true"])  # fmt: skip
     plan = estimate(split, shape, gpu_bytes=H200, workers=8)
     assert max(v for k, v in plan.phases.items() if k != "load") < H200 * (1 - PLAN_SLACK)
+
+
+def test_a_32b_model_loads_on_eight_h200s_from_safetensors_its_reference_read_shard_by_shard(tmp_path):
+    """From a transformers directory in safetensors, each rank reads only its shard of the reference
+    (parallel/sharded_load.py): the load holds 132.1 GiB instead of 185.5, and a layout fits."""
+    tiny_model("qwen2", seed=0).save_pretrained(tmp_path / "m")  # the planner reads the format, not the shape
+    shape = _shape(**QWEN_32B)
+    bf16 = load_config("gsm8k_grpo", ["model.dtype=bfloat16", f"model.path={tmp_path / 'm'}"])
+    assert estimate(bf16, shape, gpu_bytes=H200, workers=8).phases["load"] / GIB == pytest.approx(
+        132.1, abs=0.05
+    )
+    choice = choose_layout(bf16, shape, gpu_bytes=H200, workers=8)
+    assert choice.plan is not None and choice.settings["ref.offload_params"] is True
 
 
 def test_a_72b_model_in_float32_fits_no_rung_of_eight_gpus():

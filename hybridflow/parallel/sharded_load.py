@@ -1,0 +1,69 @@
+"""A model read shard by shard: built on the meta device, split by the plans a loaded model gets
+(tensor parallel, then FSDP2), then each rank reads from the checkpoint's safetensors only the slices
+its shards hold (torch.distributed.checkpoint's HuggingFaceStorageReader): no rank holds the whole
+model at any time. The native model keeps transformers' parameter names, so a dense family's
+checkpoint maps one to one; MoE checkpoints store each expert apart (ours are fused): read whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridflow.errors import UserError
+from hybridflow.models.native import NativeCausalLM, supports
+from hybridflow.models.native.config import NativeConfig, from_hf
+
+
+def safetensors_dir(path: str | None) -> Path | None:
+    """`path` when it is a local transformers directory with safetensors weights, else None."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return p
+    return None
+
+
+def shardable_config(path: Path) -> NativeConfig | None:
+    """The native config of a checkpoint a sharded read can fill, or None (no native family, MoE)."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+        config = from_hf(hf_config) if supports(hf_config) else None
+    except (ValueError, KeyError, UserError):  # unreadable, or a variant the native model lacks
+        return None
+    return None if config is None or config.moe is not None else config
+
+
+def load_sharded(
+    path: Path,
+    config: NativeConfig,
+    dtype: torch.dtype,
+    *,
+    mesh,
+    device: torch.device,
+    tp_mesh=None,
+    offload_params: bool = False,
+) -> NativeCausalLM:
+    """The checkpoint at `path` as a native model sharded over `mesh` (FSDP2; over `tp_mesh` first
+    when given), parameters in `dtype`, each rank holding and reading only its shards."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridflow.parallel import apply_fsdp
+
+    with torch.device("meta"):
+        model = NativeCausalLM(config).to(dtype)
+    if tp_mesh is not None:
+        from hybridflow.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh)
+    apply_fsdp(model, mesh, offload_params=offload_params)
+    # offloaded shards live in CPU memory (FSDP2 moves each layer in as it runs)
+    model.to_empty(device=torch.device("cpu") if offload_params else device)
+    state = model.state_dict()
+    if config.tie_word_embeddings:  # one tensor under two names; the file holds it as the embedding
+        state.pop("lm_head.weight", None)
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    return model.eval()
