@@ -139,7 +139,7 @@ def test_tutorial_ppo_trainer_call(tmp_path, monkeypatch):
     actor_model = AutoModelForCausalLM.from_pretrained(path)
     critic_model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dataset = Dataset.from_list([{"prompt": q} for q, _ in QUESTIONS])
+    dataset = Dataset.from_list([{"prompt": q} for q, _ in QUESTIONS[:2]])  # one step: two models' Adam saved
     config = PPOConfig(
         exp_name="ppo-tutorial",
         batch_size=2,
@@ -168,9 +168,9 @@ def test_tutorial_ppo_trainer_call(tmp_path, monkeypatch):
         0.2,
     )
     assert c.trainer.run_dir == "runs/ppo-tutorial" and c.trainer.save_freq == 1
-    assert trainer.step == 2  # one epoch of 4 prompts, 2 a step
+    assert trainer.step == 1  # one epoch of 2 prompts, 2 a step
     assert metrics["critic/score/mean"] > 0 and "critic/vf_loss" in metrics
-    assert (tmp_path / "runs" / "ppo-tutorial" / "checkpoints" / "global_step_2").is_dir()
+    assert (tmp_path / "runs" / "ppo-tutorial" / "checkpoints" / "global_step_1").is_dir()
 
 
 def test_generate_one_prompt_one_sample_on_cpu(capsys):
