@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.worker_models import WorkerLayout, sharded_reference_path
+from hybridflow.controller.worker_models import WorkerLayout, sharded_policy_path, sharded_reference_path
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 
@@ -166,12 +166,15 @@ def engine_bytes(shape: ModelShape) -> float:
 def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout, workers: int) -> float:
     """What a training worker holds at once before FSDP2 shards anything (build_models): whole copies
     of the policy (converted on the CPU, then moved; transformers' model as loaded beside it only for
-    rollout.backend=hf), the reference (none with LoRA: the base is the actor's; its shard alone when
-    it is read shard by shard from safetensors), the critic and the engine (split over its TP group
-    right after it is made)."""
+    rollout.backend=hf), the reference (none with LoRA: the base is the actor's), the critic and the
+    engine (split over its TP group right after it is made). A policy or reference read shard by shard
+    from safetensors (parallel/sharded_load.py) counts its shard alone."""
     master = DTYPES[c.model.dtype].itemsize
     p = shape.params
-    held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)
+    if sharded_policy_path(c, layout) is not None:  # read shard by shard (no engine or critic here)
+        held = 0 if c.actor.offload_params else master * p / workers
+    else:
+        held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)
     if sharded_reference_path(c, layout) is not None:
         held += 0 if c.ref.offload_params else master * p / workers
     elif layout.needs_ref and not (c.model.lora_rank or c.model.lora_adapter_path):

@@ -15,8 +15,10 @@ import torch
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import lora_policy, policy_model, rollout_backend, value_model
+from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
+from hybridflow.models.loading import load_tokenizer
 from hybridflow.models.lora import has_adapters
 from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
@@ -90,6 +92,9 @@ class WorkerModels:
 
 def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
     torch.manual_seed(c.trainer.seed)
+    policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size))
+    if policy_path is not None:
+        return _build_read_sharded(c, world_size, device, policy_path)
     hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
     # converted where it was loaded (the CPU), sharing its tensors, then moved: one copy on the GPU
     model = policy_model(c, hf_model).to(device)
@@ -122,7 +127,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         if layout.colocated
         else None
     )  # fmt: skip
-    own_group, ref_model = _shard(
+    own_group, ref_model, model = _shard(
         c, layout, world_size, device, model, ref_model, critic_model, grid, ref_path
     )
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
@@ -158,6 +163,47 @@ def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
     return init_device_mesh(device.type, (world_size // rtp, rtp), mesh_dim_names=("rollout_dp", "tp"))["tp"]
 
 
+def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path) -> WorkerModels:
+    """The training worker of a disaggregated run without a critic: the policy (and the reference)
+    read shard by shard, never whole here (the engine's whole copy is the rollout workers')."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    tokenizer = load_tokenizer(str(path), cache_dir=c.model.cache_dir)
+    layout = WorkerLayout.of(c, world_size)
+    with torch.device("meta"):  # what the checks look at: no weights
+        probe = native.NativeCausalLM(shardable_config(path))
+    layout.check(c, probe, hf_config.model_type)
+    _check_tensor_parallel(c, world_size, probe, layout)
+    ref_model, ref_path = None, sharded_reference_path(c, layout)
+    if ref_path is None and layout.needs_ref:  # ref.model_path elsewhere, in a form read whole
+        ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        ref_model = policy_model(c, ref_hf).to(device)
+    grid = _tensor_parallel_grid(c, world_size, device)
+    own_group, ref_model, model = _shard(
+        c, layout, world_size, device, None, ref_model, None, grid, ref_path, policy_path=path
+    )
+    sp = init_sequence_parallel(c.actor.sequence_parallel_size)
+    if sp is not None:
+        for m in (model, ref_model):
+            if m is not None:
+                apply_sequence_parallel(m, sp)
+    return WorkerModels(layout, tokenizer, hf_config, None, model, ref_model, None, None, False, own_group)
+
+
+def sharded_policy_path(c: Config, layout: WorkerLayout) -> Path | None:
+    """Where an FSDP2-sharded policy is read shard by shard: training workers with no engine of their
+    own (rollout workers load theirs) and no critic (made from the policy), a dense native checkpoint
+    in safetensors, no LoRA; else None (loaded whole, then sharded)."""
+    m = c.model
+    if not layout.shard_actor or layout.colocated or layout.needs_critic:
+        return None
+    if m.lora_rank or m.lora_adapter_path or m.impl == "hf":
+        return None
+    path = safetensors_dir(m.path)
+    return path if path is not None and shardable_config(path) is not None else None
+
+
 def sharded_reference_path(c: Config, layout: WorkerLayout) -> Path | None:
     """Where an FSDP2-sharded reference is read from shard by shard (a dense native checkpoint in
     safetensors; not with LoRA, whose reference is the actor's base), or None: it is then a whole copy
@@ -170,11 +216,12 @@ def sharded_reference_path(c: Config, layout: WorkerLayout) -> Path | None:
 
 
 def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
-           critic_model, grid, ref_path: Path | None) -> tuple[bool, torch.nn.Module | None]:  # fmt: skip
-    """FSDP2 per the layout (the reference read shard by shard from `ref_path` when given); whether
-    a one-rank process group was started for it here, and the reference."""
+           critic_model, grid, ref_path: Path | None, *, policy_path: Path | None = None):  # fmt: skip
+    """FSDP2 per the layout (the reference read shard by shard from `ref_path`, the policy from
+    `policy_path`, when given); whether a one-rank process group was started for it here, the
+    reference and the policy."""
     if not layout.sharded:
-        return False, ref_model
+        return False, ref_model, model
     from torch.distributed.device_mesh import init_device_mesh
 
     from hybridflow.parallel import apply_fsdp
@@ -201,10 +248,14 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         mesh = grid["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
-    if layout.shard_actor:
+    dtype = DTYPES[c.model.dtype]
+    if policy_path is not None:
+        model = load_sharded(policy_path, shardable_config(policy_path), dtype, mesh=mesh, device=device,
+                             tp_mesh=grid["tp"] if grid is not None else None,
+                             offload_params=c.actor.offload_params)  # fmt: skip
+    elif layout.shard_actor:
         apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
     if ref_path is not None:
-        dtype = next(model.parameters()).dtype
         ref_model = load_sharded(ref_path, shardable_config(ref_path), dtype, mesh=mesh, device=device,
                                  tp_mesh=grid["tp"] if grid is not None else None,
                                  offload_params=c.ref.offload_params)  # fmt: skip
@@ -212,7 +263,7 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
     if critic_model is not None and world_size > 1:
         apply_fsdp(critic_model, mesh)
-    return own_group, ref_model
+    return own_group, ref_model, model
 
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:

@@ -16,6 +16,7 @@ from rl_run import config, read_metrics  # noqa: E402
 
 from hybridflow.controller.async_steps import admit  # noqa: E402
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
+from hybridflow.controller.worker_models import WorkerLayout, sharded_policy_path, sharded_reference_path  # noqa: E402
 from hybridflow.models.checkpoint_export import export_checkpoint  # noqa: E402
 
 # actor, reference (KL loss) and critic (GAE) all sharded; micro-batches small enough that ranks run
@@ -114,6 +115,24 @@ def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, traine
     for step in (1, 2):
         _assert_same_step(single[step], apart[step])
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "apart", 2))
+
+
+@pytest.mark.slow
+def test_trainers_without_an_engine_read_the_policy_shard_by_shard_and_train_as_one_process(setup, tmp_path):
+    """Disaggregated GRPO (no critic, a KL loss): each of the two training workers reads only its
+    shards of the policy and the reference from the safetensors (parallel/sharded_load.py), never a
+    whole copy — the same steps and weights as one process that loaded them whole."""
+    grpo = ["algorithm.adv_estimator=grpo"]
+    one = _train(setup, tmp_path / "one", 2, *grpo)
+    workers = ["resources.device=cpu", "resources.num_workers=3", "resources.rollout_workers=1"]
+    c = config(setup, tmp_path / "apart", *ROLES, *grpo, *workers)
+    layout = WorkerLayout.of(c, 2)
+    assert sharded_policy_path(c, layout) is not None and sharded_reference_path(c, layout) is not None
+    apart = _train(setup, tmp_path / "apart", 2, *grpo, *workers)
+    for step in (1, 2):
+        for key in (k for k in COMPARED if not k.startswith("critic/vf")):
+            assert apart[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), key
+    _assert_same_weights(_policy(tmp_path / "one", 2), _policy(tmp_path / "apart", 2))
 
 
 @pytest.mark.trials
