@@ -99,7 +99,7 @@ class HybridWorker:
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
-        sharded = built.layout.sharded
+        sharded, engine_empty = built.layout.sharded, built.engine_empty
         del built  # the native engine has its own copy of the weights now (the hf backend keeps this one)
         if sharded and hasattr(backend, "resize_pool"):  # the native engine
             backend.resize_pool()  # built beside whole models, which are sharded or offloaded now
@@ -110,6 +110,8 @@ class HybridWorker:
                 backend, self.tokenizer, c, world_size, Path(c.trainer.run_dir)
             )
         self.peaks: dict[str, float] = {}
+        if engine_empty:  # built to the shape of a policy read shard by shard: its weights now
+            self.sync_weights()
 
     @contextmanager
     def _phase(self, name: str):

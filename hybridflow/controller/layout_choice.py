@@ -170,8 +170,8 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
         return (
             f"loading holds whole copies of the models on each GPU before FSDP2 shards them "
             f"({plan.phases['load'] / GIB:.1f} GiB: the policy, the reference, the critic, the engine's "
-            "copy; a sharded reference is read shard by shard only from a safetensors checkpoint, "
-            "model.path a transformers directory; the others always load whole for now): GPUs with "
+            "copy; only a safetensors checkpoint (model.path a transformers directory) is read shard by "
+            "shard, the policy only without a critic, which is made from a whole policy): GPUs with "
             "more memory, or model.dtype=bfloat16"
         )
     return (

@@ -171,7 +171,7 @@ def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout, workers: int)
     from safetensors (parallel/sharded_load.py) counts its shard alone."""
     master = DTYPES[c.model.dtype].itemsize
     p = shape.params
-    if sharded_policy_path(c, layout) is not None:  # read shard by shard (no engine or critic here)
+    if sharded_policy_path(c, layout) is not None:  # read shard by shard
         held = 0 if c.actor.offload_params else master * p / workers
     else:
         held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)

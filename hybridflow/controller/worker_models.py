@@ -88,6 +88,9 @@ class WorkerModels:
     lora: bool
     own_process_group: bool
     """An in-process worker started a one-rank process group for FSDP2 (it ends it at shutdown)."""
+    engine_empty: bool = False
+    """The engine was built to the policy's shape only (the policy read shard by shard): the worker
+    fills it with a weight sync before anything generates."""
 
 
 def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
@@ -164,9 +167,10 @@ def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
 
 
 def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path) -> WorkerModels:
-    """The training worker of a disaggregated run without a critic: the policy (and the reference)
-    read shard by shard, never whole here (the engine's whole copy is the rollout workers')."""
-    from transformers import AutoConfig
+    """A training worker without a critic whose policy (and reference) are read shard by shard,
+    never whole: the engine (colocated) is built to the policy's shape and filled by a first weight
+    sync, one FSDP unit gathered at a time; disaggregated, the rollout workers load their own."""
+    from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = load_tokenizer(str(path), cache_dir=c.model.cache_dir)
@@ -180,6 +184,16 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
         ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
         ref_model = policy_model(c, ref_hf).to(device)
     grid = _tensor_parallel_grid(c, world_size, device)
+    backend = None
+    if layout.colocated:
+        with torch.device("meta"):  # the engine's shape; where generation stops
+            template = native.NativeCausalLM(shardable_config(path)).to(DTYPES[c.model.dtype])
+        template.generation_config = GenerationConfig.from_model_config(hf_config)
+        if (path / "generation_config.json").is_file():
+            template.generation_config = GenerationConfig.from_pretrained(path)
+        engine_tp = _engine_mesh(c, world_size, device, grid)
+        backend = rollout_backend(c, template, template, tokenizer, device, Path(c.trainer.run_dir),
+                                  share_weights=False, tp_mesh=engine_tp)  # fmt: skip
     own_group, ref_model, model = _shard(
         c, layout, world_size, device, None, ref_model, None, grid, ref_path, policy_path=path
     )
@@ -188,15 +202,18 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
         for m in (model, ref_model):
             if m is not None:
                 apply_sequence_parallel(m, sp)
-    return WorkerModels(layout, tokenizer, hf_config, None, model, ref_model, None, None, False, own_group)
+    return WorkerModels(layout, tokenizer, hf_config, None, model, ref_model, None, backend, False, own_group,
+                        engine_empty=backend is not None)  # fmt: skip
 
 
 def sharded_policy_path(c: Config, layout: WorkerLayout) -> Path | None:
-    """Where an FSDP2-sharded policy is read shard by shard: training workers with no engine of their
-    own (rollout workers load theirs) and no critic (made from the policy), a dense native checkpoint
-    in safetensors, no LoRA; else None (loaded whole, then sharded)."""
+    """Where an FSDP2-sharded policy is read shard by shard: no critic (made from the policy), the
+    native engine or none here (rollout workers load theirs), a dense native checkpoint in
+    safetensors, no LoRA; else None (loaded whole, then sharded)."""
     m = c.model
-    if not layout.shard_actor or layout.colocated or layout.needs_critic:
+    if not layout.shard_actor or layout.needs_critic:
+        return None
+    if layout.colocated and c.rollout.backend not in ("auto", "native"):  # hf / vLLM start from a whole model
         return None
     if m.lora_rank or m.lora_adapter_path or m.impl == "hf":
         return None

@@ -24,14 +24,18 @@ if TYPE_CHECKING:
 
 def engine_model(model: NativeCausalLM, device: torch.device, compute_dtype: torch.dtype) -> NativeCausalLM:
     """A copy of `model` on `device` with matmul weights in `compute_dtype` (built afresh, so the
-    trainer's compiled layers are not carried over)."""
+    trainer's compiled layers are not carried over); of a meta model, zeros to be updated."""
     master = next(model.parameters()).dtype
     with torch.device("meta"):
         out = NativeCausalLM(model.config)
     out = out.to_empty(device=device).to(master)
     if model.config.tie_word_embeddings:
         out.lm_head.weight = out.model.embed_tokens.weight
-    out.load_state_dict(model.state_dict())
+    if next(model.parameters()).is_meta:  # the shape alone: the weights come with the first update
+        for p in out.parameters():
+            p.detach().zero_()
+    else:
+        out.load_state_dict(model.state_dict())
     out.eval().requires_grad_(False)
     if compute_dtype == master:
         return out

@@ -118,13 +118,16 @@ def test_rollout_on_its_own_worker_trains_as_one_process(setup, tmp_path, traine
 
 
 @pytest.mark.slow
-def test_trainers_without_an_engine_read_the_policy_shard_by_shard_and_train_as_one_process(setup, tmp_path):
-    """Disaggregated GRPO (no critic, a KL loss): each of the two training workers reads only its
-    shards of the policy and the reference from the safetensors (parallel/sharded_load.py), never a
-    whole copy — the same steps and weights as one process that loaded them whole."""
+@pytest.mark.parametrize("rollout_workers", [0, 1])
+def test_a_policy_read_shard_by_shard_trains_as_one_process(setup, tmp_path, rollout_workers):
+    """GRPO (no critic, a KL loss) on two training workers, each reading only its shards of the policy
+    and the reference from the safetensors (parallel/sharded_load.py), never a whole copy: with the
+    engines colocated (built to the policy's shape, filled by a first weight sync) or on a rollout
+    worker — the same steps and weights as one process that loaded them whole."""
     grpo = ["algorithm.adv_estimator=grpo"]
     one = _train(setup, tmp_path / "one", 2, *grpo)
-    workers = ["resources.device=cpu", "resources.num_workers=3", "resources.rollout_workers=1"]
+    workers = ["resources.device=cpu", f"resources.num_workers={2 + rollout_workers}",
+               f"resources.rollout_workers={rollout_workers}"]  # fmt: skip
     c = config(setup, tmp_path / "apart", *ROLES, *grpo, *workers)
     layout = WorkerLayout.of(c, 2)
     assert sharded_policy_path(c, layout) is not None and sharded_reference_path(c, layout) is not None
