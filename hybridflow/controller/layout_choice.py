@@ -170,9 +170,8 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
         return (
             f"loading holds whole copies of the models on each GPU before FSDP2 shards them "
             f"({plan.phases['load'] / GIB:.1f} GiB: the policy, the reference, the critic, the engine's "
-            "copy; only a safetensors checkpoint (model.path a transformers directory) is read shard by "
-            "shard, the policy only without a critic, which is made from a whole policy): GPUs with "
-            "more memory, or model.dtype=bfloat16"
+            "copy; only a safetensors checkpoint of a dense family, model.path a transformers directory, "
+            "is read shard by shard): GPUs with more memory, or model.dtype=bfloat16"
         )
     return (
         f"{worst} is over even with everything offloaded: more GPUs (FSDP2 shards the trained models "

@@ -171,7 +171,8 @@ def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout, workers: int)
     from safetensors (parallel/sharded_load.py) counts its shard alone."""
     master = DTYPES[c.model.dtype].itemsize
     p = shape.params
-    if sharded_policy_path(c, layout) is not None:  # read shard by shard
+    read_sharded = sharded_policy_path(c, layout, workers) is not None
+    if read_sharded:  # the policy read shard by shard (and a critic made from it)
         held = 0 if c.actor.offload_params else master * p / workers
     else:
         held = master * p * (2 if c.rollout.backend == "hf" and c.model.impl != "hf" else 1)
@@ -180,7 +181,7 @@ def load_bytes(c: Config, shape: ModelShape, layout: WorkerLayout, workers: int)
     elif layout.needs_ref and not (c.model.lora_rank or c.model.lora_adapter_path):
         held += master * p
     if layout.needs_critic:
-        held += master * (p - (0 if shape.tied else shape.embedding))
+        held += master * (p - (0 if shape.tied else shape.embedding)) / (workers if read_sharded else 1)
     if layout.colocated:
         held += engine_bytes(shape)
     return held

@@ -95,7 +95,7 @@ class WorkerModels:
 
 def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
     torch.manual_seed(c.trainer.seed)
-    policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size))
+    policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size), world_size)
     if policy_path is not None:
         return _build_read_sharded(c, world_size, device, policy_path)
     hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
@@ -167,9 +167,9 @@ def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
 
 
 def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path) -> WorkerModels:
-    """A training worker without a critic whose policy (and reference) are read shard by shard,
-    never whole: the engine (colocated) is built to the policy's shape and filled by a first weight
-    sync, one FSDP unit gathered at a time; disaggregated, the rollout workers load their own."""
+    """A training worker whose policy (and reference, and critic) are read shard by shard, never
+    whole: the engine (colocated) is built to the policy's shape and filled by a first weight sync,
+    one FSDP unit gathered at a time; disaggregated, the rollout workers load their own."""
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(path)
@@ -197,21 +197,31 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
     own_group, ref_model, model = _shard(
         c, layout, world_size, device, None, ref_model, None, grid, ref_path, policy_path=path
     )
+    critic_model = None
+    if layout.needs_critic:  # the policy's backbone under a zero value head, as value_model makes it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = grid["dp"] if grid is not None else init_device_mesh(device.type, (world_size,))
+        critic_model = load_sharded(path, shardable_config(path), DTYPES[c.model.dtype], mesh=mesh, device=device,
+                                    tp_mesh=grid["tp"] if grid is not None else None, value_head=True)  # fmt: skip
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
     if sp is not None:
-        for m in (model, ref_model):
+        for m in (model, ref_model, critic_model):
             if m is not None:
                 apply_sequence_parallel(m, sp)
-    return WorkerModels(layout, tokenizer, hf_config, None, model, ref_model, None, backend, False, own_group,
-                        engine_empty=backend is not None)  # fmt: skip
+    return WorkerModels(layout, tokenizer, hf_config, None, model, ref_model, critic_model, backend, False,
+                        own_group, engine_empty=backend is not None)  # fmt: skip
 
 
-def sharded_policy_path(c: Config, layout: WorkerLayout) -> Path | None:
-    """Where an FSDP2-sharded policy is read shard by shard: no critic (made from the policy), the
-    native engine or none here (rollout workers load theirs), a dense native checkpoint in
-    safetensors, no LoRA; else None (loaded whole, then sharded)."""
+def sharded_policy_path(c: Config, layout: WorkerLayout, world_size: int) -> Path | None:
+    """Where an FSDP2-sharded policy is read shard by shard (and a critic made from it: over more
+    than one worker, as it is sharded then): the native engine or none here (rollout workers load
+    theirs), a dense native checkpoint in safetensors, no LoRA; else None (loaded whole, then
+    sharded)."""
     m = c.model
-    if not layout.shard_actor or layout.needs_critic:
+    if not layout.shard_actor:
+        return None
+    if layout.needs_critic and (c.critic.model_path or world_size == 1):
         return None
     if layout.colocated and c.rollout.backend not in ("auto", "native"):  # hf / vLLM start from a whole model
         return None

@@ -13,6 +13,7 @@ import torch
 from hybridflow.errors import UserError
 from hybridflow.models.native import NativeCausalLM, supports
 from hybridflow.models.native.config import NativeConfig, from_hf
+from hybridflow.models.native.heads import NativeScoreModel
 
 
 def safetensors_dir(path: str | None) -> Path | None:
@@ -46,15 +47,18 @@ def load_sharded(
     device: torch.device,
     tp_mesh=None,
     offload_params: bool = False,
-) -> NativeCausalLM:
+    value_head: bool = False,
+) -> NativeCausalLM | NativeScoreModel:
     """The checkpoint at `path` as a native model sharded over `mesh` (FSDP2; over `tp_mesh` first
-    when given), parameters in `dtype`, each rank holding and reading only its shards."""
+    when given), parameters in `dtype`, each rank holding and reading only its shards. `value_head`:
+    the critic's model instead (the backbone read, a value head starting at zero, as
+    `value_model_from_causal_lm` makes it from a whole policy)."""
     import torch.distributed.checkpoint as dcp
 
     from hybridflow.parallel import apply_fsdp
 
     with torch.device("meta"):
-        model = NativeCausalLM(config).to(dtype)
+        model = (NativeScoreModel(config, 1, bias=True) if value_head else NativeCausalLM(config)).to(dtype)
     if tp_mesh is not None:
         from hybridflow.parallel.tensor import apply_tensor_parallel
 
@@ -65,5 +69,7 @@ def load_sharded(
     state = model.state_dict()
     if config.tie_word_embeddings:  # one tensor under two names; the file holds it as the embedding
         state.pop("lm_head.weight", None)
+    for name in [k for k in state if k.startswith("score.")]:  # not in the policy's file: zero
+        state.pop(name).to_local().zero_()
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     return model.eval()

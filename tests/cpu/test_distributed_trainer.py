@@ -130,7 +130,7 @@ def test_a_policy_read_shard_by_shard_trains_as_one_process(setup, tmp_path, rol
                f"resources.rollout_workers={rollout_workers}"]  # fmt: skip
     c = config(setup, tmp_path / "apart", *ROLES, *grpo, *workers)
     layout = WorkerLayout.of(c, 2)
-    assert sharded_policy_path(c, layout) is not None and sharded_reference_path(c, layout) is not None
+    assert sharded_policy_path(c, layout, 2) is not None and sharded_reference_path(c, layout) is not None
     apart = _train(setup, tmp_path / "apart", 2, *grpo, *workers)
     for step in (1, 2):
         for key in (k for k in COMPARED if not k.startswith("critic/vf")):

@@ -128,22 +128,23 @@ def test_a_32b_model_cannot_load_on_eight_h200s_from_a_gguf():
 
 
 def test_a_32b_model_loads_on_eight_h200s_from_safetensors_read_shard_by_shard(tmp_path):
-    """From a transformers directory in safetensors each rank reads only its shards of the policy and
-    the reference (parallel/sharded_load.py): the load holds the engine's whole copy and two shards,
-    78.7 GiB instead of 185.5, and GRPO fits with checkpointing and the engine split over 2. PPO's
-    critic is still made from a whole policy: that load does not fit."""
+    """From a transformers directory in safetensors each rank reads only its shards of the policy, the
+    reference and the critic (parallel/sharded_load.py): the load holds the engine's whole copy and
+    shards — GRPO 78.7 GiB, PPO 86.2, against 185.5 loaded whole — and both fit with checkpointing and
+    the engine split."""
     tiny_model("qwen2", seed=0).save_pretrained(tmp_path / "m")  # the planner reads the format, not the shape
     shape = _shape(**QWEN_32B)
-    bf16 = load_config("gsm8k_grpo", ["model.dtype=bfloat16", f"model.path={tmp_path / 'm'}"])
-    assert estimate(bf16, shape, gpu_bytes=H200, workers=8).phases["load"] / GIB == pytest.approx(
-        78.7, abs=0.05
-    )
-    choice = choose_layout(bf16, shape, gpu_bytes=H200, workers=8)
-    assert choice.settings == {"model.enable_gradient_checkpointing": True, "rollout.tensor_parallel_size": 2}
-    ppo = load_config(
-        "gsm8k_grpo", ["model.dtype=bfloat16", f"model.path={tmp_path / 'm'}", "algorithm.adv_estimator=gae"]
-    )
-    assert choose_layout(ppo, shape, gpu_bytes=H200, workers=8).plan is None
+    base = ["model.dtype=bfloat16", f"model.path={tmp_path / 'm'}"]
+    for extra, load, split in (([], 78.7, 2), (["algorithm.adv_estimator=gae"], 86.2, 4)):
+        config = load_config("gsm8k_grpo", [*base, *extra])
+        assert estimate(config, shape, gpu_bytes=H200, workers=8).phases["load"] / GIB == pytest.approx(
+            load, abs=0.05
+        )
+        choice = choose_layout(config, shape, gpu_bytes=H200, workers=8)
+        assert choice.settings == {
+            "model.enable_gradient_checkpointing": True,
+            "rollout.tensor_parallel_size": split,
+        }
 
 
 def test_a_72b_model_in_float32_fits_no_rung_of_eight_gpus():
