@@ -103,16 +103,16 @@ RLTrainer(config(Path({setup!r}), Path({run!r}), *{args!r})).fit()
 """
 
 
-def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(setup, tmp_path):
+def whole_then_killed(setup, tmp_path, args):
+    """The run with `args` uninterrupted in tmp_path/whole, then again in tmp_path/killed in a process
+    of its own, killed with SIGKILL once step 2 is logged (its checkpoint written first: later steps'
+    groups were admitted and generating). Returns the killed run's directory."""
     import os
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    args = ["trainer.total_training_steps=6", "trainer.val_before_train=false", "trainer.save_freq=1",
-            "trainer.async_mode=streaming", "rollout.max_staleness=1", "trainer.log_samples_freq=1",
-            "trainer.log_samples=8"]  # fmt: skip
     RLTrainer(config(setup, tmp_path / "whole", *args)).fit()
     run_dir = tmp_path / "killed"
     script = tmp_path / "train.py"
@@ -125,13 +125,20 @@ def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(s
     )
     deadline = time.monotonic() + 240
     metrics = run_dir / "metrics.jsonl"
-    # step 2 logged (its checkpoint written first): steps 3 and 4 were admitted and generating
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.001)
     process.send_signal(signal.SIGKILL)
     process.wait()
+    return run_dir
+
+
+def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(setup, tmp_path):
+    args = ["trainer.total_training_steps=6", "trainer.val_before_train=false", "trainer.save_freq=1",
+            "trainer.async_mode=streaming", "rollout.max_staleness=1", "trainer.log_samples_freq=1",
+            "trainer.log_samples=8"]  # fmt: skip
+    run_dir = whole_then_killed(setup, tmp_path, args)
     assert read_metrics(run_dir)[-1]["step"] < 6  # killed mid-run
     RLTrainer(config(setup, run_dir, *args)).fit()
 
@@ -148,32 +155,9 @@ def test_kill_9_in_one_step_mode_resumes_the_groups_in_flight_exactly(setup, tmp
     """A checkpoint keeps the groups admitted and not yet trained on (one_step: the next step's,
     finished, and the one after's, started): the resumed run is the uninterrupted one, metrics
     and weights."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     args = ["trainer.total_training_steps=5", "trainer.val_before_train=false", "trainer.save_freq=1",
             "trainer.async_mode=one_step"]  # fmt: skip
-    RLTrainer(config(setup, tmp_path / "whole", *args)).fit()
-    run_dir = tmp_path / "killed"
-    script = tmp_path / "train.py"
-    script.write_text(
-        KILLED.format(tests=str(Path(__file__).parent), setup=str(setup), run=str(run_dir), args=args)
-    )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    process = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
-    deadline = time.monotonic() + 240
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    run_dir = whole_then_killed(setup, tmp_path, args)
     resumed_from = max(int(d.name.rsplit("_", 1)[1]) for d in (run_dir / "checkpoints").glob("global_step_*"))
     assert resumed_from < 5
     state = json.loads(
