@@ -46,7 +46,13 @@ class SampleRecord:
     finish: str | None = None
 
     def as_json(self) -> dict:
-        return {"ids": self.ids, "logprobs": self.logprobs, "versions": self.versions, "finish": self.finish}
+        """Copies: the stream goes on appending to the record while a checkpoint writes these."""
+        return {
+            "ids": list(self.ids),
+            "logprobs": list(self.logprobs),
+            "versions": list(self.versions),
+            "finish": self.finish,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> SampleRecord:

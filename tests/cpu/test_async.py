@@ -199,9 +199,13 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
         deadline = time.monotonic() + 60
         while generated(engine) < 40 and time.monotonic() < deadline:
             time.sleep(0.001)
-        saved = json.loads(json.dumps(cut.snapshot()))  # as a checkpoint stores it
+        taken = cut.snapshot()
+        saved = json.loads(json.dumps(taken))  # as a checkpoint stores it
+        while generated(engine) < 80 and time.monotonic() < deadline:
+            time.sleep(0.001)
     finally:
         cut.close()
+    assert taken == saved  # copies: generation going on does not reach into a snapshot being written
     lengths = [len(s["ids"]) for g in saved.values() for s in g]
     assert saved.keys() == {"0", "1"} and min(lengths) > 0 and max(lengths) < 300  # cut mid-way
     resumed = GroupStream(
