@@ -74,7 +74,10 @@ def resume_run(trainer) -> None:
     trainer.sampler.load_state_dict(state["sampler"])
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])
     set_rng_state(state["rng"])
-    trainer.in_flight = state.get("in_flight")
+    trainer.in_flight = state.get("in_flight") if resume != "force" else None
+    if resume == "force" and state.get("in_flight"):  # its lengths and sampling may no longer hold
+        print(f"trainer.resume=force: the groups in flight at {path.name} are generated again from their "
+              "prompts (the config may have changed under them)", flush=True)  # fmt: skip
     trainer.last_checkpoint = path
     for name in ("metrics.jsonl", "samples.jsonl"):
         truncate_jsonl(trainer.run_dir / name, trainer.step)

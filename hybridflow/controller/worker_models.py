@@ -130,7 +130,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
         if layout.colocated
         else None
     )  # fmt: skip
-    own_group, ref_model, model = _shard(
+    own_group, ref_model, model, critic_model = _shard(
         c, layout, world_size, device, model, ref_model, critic_model, grid, ref_path
     )
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
@@ -175,8 +175,9 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = load_tokenizer(str(path), cache_dir=c.model.cache_dir)
     layout = WorkerLayout.of(c, world_size)
+    config = shardable_config(path)
     with torch.device("meta"):  # what the checks look at: no weights
-        probe = native.NativeCausalLM(shardable_config(path))
+        probe = native.NativeCausalLM(config)
     layout.check(c, probe, hf_config.model_type)
     _check_tensor_parallel(c, world_size, probe, layout)
     ref_model, ref_path = None, sharded_reference_path(c, layout)
@@ -187,23 +188,16 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
     backend = None
     if layout.colocated:
         with torch.device("meta"):  # the engine's shape; where generation stops
-            template = native.NativeCausalLM(shardable_config(path)).to(DTYPES[c.model.dtype])
+            template = native.NativeCausalLM(config).to(DTYPES[c.model.dtype])
         template.generation_config = GenerationConfig.from_model_config(hf_config)
         if (path / "generation_config.json").is_file():
             template.generation_config = GenerationConfig.from_pretrained(path)
         engine_tp = _engine_mesh(c, world_size, device, grid)
         backend = rollout_backend(c, template, template, tokenizer, device, Path(c.trainer.run_dir),
                                   share_weights=False, tp_mesh=engine_tp)  # fmt: skip
-    own_group, ref_model, model = _shard(
+    own_group, ref_model, model, critic_model = _shard(
         c, layout, world_size, device, None, ref_model, None, grid, ref_path, policy_path=path
     )
-    critic_model = None
-    if layout.needs_critic:  # the policy's backbone under a zero value head, as value_model makes it
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = grid["dp"] if grid is not None else init_device_mesh(device.type, (world_size,))
-        critic_model = load_sharded(path, shardable_config(path), DTYPES[c.model.dtype], mesh=mesh, device=device,
-                                    tp_mesh=grid["tp"] if grid is not None else None, value_head=True)  # fmt: skip
     sp = init_sequence_parallel(c.actor.sequence_parallel_size)
     if sp is not None:
         for m in (model, ref_model, critic_model):
@@ -245,10 +239,11 @@ def sharded_reference_path(c: Config, layout: WorkerLayout) -> Path | None:
 def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.device, model, ref_model,
            critic_model, grid, ref_path: Path | None, *, policy_path: Path | None = None):  # fmt: skip
     """FSDP2 per the layout (the reference read shard by shard from `ref_path`, the policy from
-    `policy_path`, when given); whether a one-rank process group was started for it here, the
-    reference and the policy."""
+    `policy_path` and, where one is needed, the critic from it too: the policy's backbone under a zero
+    value head, as value_model makes it); whether a one-rank process group was started for it here,
+    the reference, the policy and the critic."""
     if not layout.sharded:
-        return False, ref_model, model
+        return False, ref_model, model, critic_model
     from torch.distributed.device_mesh import init_device_mesh
 
     from hybridflow.parallel import apply_fsdp
@@ -275,22 +270,24 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         mesh = grid["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
-    dtype = DTYPES[c.model.dtype]
+    dtype, tp_mesh = DTYPES[c.model.dtype], grid["tp"] if grid is not None else None
     if policy_path is not None:
-        model = load_sharded(policy_path, shardable_config(policy_path), dtype, mesh=mesh, device=device,
-                             tp_mesh=grid["tp"] if grid is not None else None,
+        config = shardable_config(policy_path)
+        model = load_sharded(policy_path, config, dtype, mesh=mesh, device=device, tp_mesh=tp_mesh,
                              offload_params=c.actor.offload_params)  # fmt: skip
+        if layout.needs_critic:
+            critic_model = load_sharded(policy_path, config, dtype, mesh=mesh, device=device, tp_mesh=tp_mesh,
+                                        value_head=True)  # fmt: skip
     elif layout.shard_actor:
         apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
     if ref_path is not None:
         ref_model = load_sharded(ref_path, shardable_config(ref_path), dtype, mesh=mesh, device=device,
-                                 tp_mesh=grid["tp"] if grid is not None else None,
-                                 offload_params=c.ref.offload_params)  # fmt: skip
+                                 tp_mesh=tp_mesh, offload_params=c.ref.offload_params)  # fmt: skip
     elif layout.shard_ref:
         apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
-    if critic_model is not None and world_size > 1:
+    if critic_model is not None and world_size > 1 and policy_path is None:
         apply_fsdp(critic_model, mesh)
-    return own_group, ref_model, model
+    return own_group, ref_model, model, critic_model
 
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
