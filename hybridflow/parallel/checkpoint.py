@@ -7,6 +7,7 @@ metadata classes, and non-tensor items load with `weights_only=True` (SafeLoadPl
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import warnings
@@ -41,8 +42,19 @@ _METADATA_GLOBALS = {
 }
 
 
+def _metadata_enum_member(cls, name: str):
+    """`getattr` as a pickle of DCP's metadata may call it: an enum member of DCP's own metadata
+    (Python 3.11.2 pickles enum members as getattr(class, name); 3.11.7 by value), nothing else."""
+    enum_of_dcp = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ in _METADATA_MODULES
+    if not enum_of_dcp or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of a checkpoint's metadata")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _metadata_enum_member
         obj = (
             super().find_class(module, name)
             if module.split(".")[0] in ("torch", "pathlib", "collections")

@@ -97,6 +97,35 @@ def test_a_planted_pickle_is_refused_not_run(tmp_path, monkeypatch):
     assert not (tmp_path / "PWNED").exists()
 
 
+class _ByGetattr:
+    """Pickles as getattr(target, name), as Python 3.11.2 pickles an enum member."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return (getattr, (self.target, self.name))
+
+
+def test_checkpoint_metadata_takes_enum_members_pickled_by_getattr_and_nothing_else(tmp_path):
+    """DCP's .metadata names its memory-format enum; Python 3.11.2 (Debian's python3, an ordinary
+    user's venv) pickles it as getattr(_MEM_FORMAT_ENCODING, name): every resume was refused there."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from hybridflow.parallel.checkpoint import check_metadata
+
+    (tmp_path / ".metadata").write_bytes(
+        pickle.dumps([_ByGetattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")])
+    )
+    check_metadata(tmp_path)
+    from pathlib import PosixPath
+
+    for planted in (_ByGetattr(PosixPath, "cwd"), _ByGetattr(_MEM_FORMAT_ENCODING, "__class__")):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps([planted]))
+        with pytest.raises(UserError, match="refused, not loaded"):
+            check_metadata(tmp_path)
+
+
 def _bad_file(tmp_path):
     good = {"prompt": "ok", "reward_model": {"ground_truth": "1"}}
     lines = [
