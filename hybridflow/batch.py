@@ -56,6 +56,9 @@ class Rollouts:
     agent_stats: list[dict[str, float]] | None = None
     """Per sequence, its episode segment's counts (turns, tool_calls, tool_failures, segment), for
     the agent/* metrics; None for single-turn rollouts."""
+    routed_experts: list[torch.Tensor | None] | None = None
+    """Per sequence, the experts the engine routed each token but the last to in every MoE layer,
+    [tokens - 1, MoE layers, k] (router replay, R3); None where not recorded."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -104,6 +107,7 @@ _OPTIONAL_ROWS = {
     "scores": lambda: None,
     "agent_stats": dict,
     "policy_versions": list,
+    "routed_experts": lambda: None,
 }  # None: whole field absent
 
 
@@ -218,6 +222,7 @@ class TrainingBatch:
     returns: torch.Tensor | None = None  # [B, T] (critic)
     old_values: torch.Tensor | None = None  # [B, T] (critic)
     importance_weights: torch.Tensor | None = None  # [B, T] truncated IS weights (rollout mismatch)
+    routed_experts: list[torch.Tensor | None] | None = None  # per sequence [L - 1, MoE layers, k] (R3)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -246,6 +251,7 @@ class TrainingBatch:
             returns=pick(self.returns),
             old_values=pick(self.old_values),
             importance_weights=pick(self.importance_weights),
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
         )
 
 

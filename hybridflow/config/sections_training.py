@@ -65,6 +65,12 @@ class ActorConfig:
     """Mixture-of-experts policies (Qwen3-MoE, Mixtral): weight of the routers' load-balancing loss
     (Switch Transformer's, over every MoE layer's tokens, as transformers computes it) in the actor
     loss; 0: none (transformers adds it only with output_router_logits; its configs give 0.001)."""
+    router_replay: str = "disabled"
+    """Mixture-of-experts policies: 'R3' (rollout routing replay) has the engine record the experts
+    every token went to and the trainer's forwards (old log-probs, updates) route those tokens to the
+    same experts, weighted by the trainer's router (which still trains), so that routing flips between
+    the engine's numerics and the trainer's do not move the log-probs; 'disabled': each routes itself.
+    verl's router_replay.mode R2 (replaying the trainer's own first pass) is not built."""
     use_kl_loss: bool = False
     """Add a KL penalty against the reference policy to the actor loss (GRPO's way; needs the reference)."""
     kl_loss_coef: float = 0.001
@@ -96,6 +102,12 @@ class ActorConfig:
             ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         )
         check_choice("actor", "compute_dtype", self.compute_dtype, ("auto", "bfloat16", "float16", "float32"))
+        if self.router_replay == "R2":
+            raise UserError(
+                "actor.router_replay=R2 (replaying the trainer's own first forward) is not built; "
+                "R3 replays the rollout's routing"
+            )
+        check_choice("actor", "router_replay", self.router_replay, ("disabled", "R3"))
         check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)

@@ -27,6 +27,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import torch
+
 from hybridflow.agents.runner import CALLS_PER_EPISODE, run_episodes
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.engine.async_engine import AsyncEngine
@@ -44,6 +46,9 @@ class SampleRecord:
     logprobs: list[float]
     versions: list[int]
     finish: str | None = None
+    routes: torch.Tensor | None = None
+    """The engine's recorded experts once finished (router replay); not checkpointed: a resumed
+    sample routes freely in the trainer."""
 
     def as_json(self) -> dict:
         """Copies: the stream goes on appending to the record while a checkpoint writes these."""
@@ -311,6 +316,8 @@ class GroupStream(GroupBuffer):
             r.logprobs += out.logprobs
             r.versions += [self._policy_version(out.weight_version)] * len(out.token_ids)
             r.finish = out.finish_reason or r.finish
+            if out.routed_experts is not None:
+                r.routes = out.routed_experts
 
         if not all(r.finish for r in records):
             so_far = [SampleSoFar(r.ids, r.logprobs, r.finish) if r.ids else None for r in records]
@@ -327,6 +334,9 @@ class GroupStream(GroupBuffer):
             group_ids=[group_id] * params.n,
             prompts=[prompt] * params.n,
             policy_versions=[r.versions for r in records],
+            routed_experts=[r.routes for r in records]
+            if any(r.routes is not None for r in records)
+            else None,
         )
 
     async def _episodes(self, prompt: Prompt, params: SamplingParams, group_id: int) -> Rollouts:

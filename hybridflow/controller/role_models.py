@@ -124,6 +124,17 @@ def rollout_backend(
         backend = "native" if isinstance(policy, native.NativeCausalLM) else "hf"
     eos = stop_token_ids(hf_model, tokenizer)
     context = c.data.max_prompt_tokens + c.data.max_response_tokens
+    replay = c.actor.router_replay == "R3"
+    if replay and (backend != "native" or not isinstance(policy, native.NativeCausalLM)):
+        raise UserError(
+            f"actor.router_replay=R3 needs the experts our engine records (rollout.backend=native, "
+            f"model.impl=native); this run has rollout.backend={backend}"
+        )
+    if replay and policy.config.moe is None:
+        raise UserError(
+            "actor.router_replay=R3 replays a mixture-of-experts policy's routing, and this policy is dense; "
+            "set actor.router_replay=disabled"
+        )
     if backend == "vllm":
         from hybridflow.rollout.vllm import VLLMBackend
 
@@ -174,6 +185,7 @@ def rollout_backend(
         share_weights=share_weights,
         prefix_cache=r.prefix_cache,
         progress=c.trainer.progress,
+        record_routes=replay,
     )
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
         policy = merged_model(policy)

@@ -305,7 +305,11 @@ class RLTrainer:
                 rollouts.response_ids,
                 mask,
                 rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
+                routed_experts=rollouts.routed_experts,
             )
+            if c.actor.router_replay == "R3":  # a sample resumed from a checkpoint routes freely
+                routes = rollouts.routed_experts or [None] * len(rollouts)
+                metrics["router_replay/recorded_fraction"] = sum(r is not None for r in routes) / len(routes)
             actor_mask = mask  # less the tokens a rollout correction rejects
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time

@@ -47,3 +47,6 @@ class EngineConfig:
     share_weights: bool = True
     """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
     False keeps a copy (the trainer's module is about to be sharded)."""
+    record_routes: bool = False
+    """Mixture-of-experts models: keep the experts every token went to in every MoE layer and hand
+    them out with each finished sample (`routed_experts`), for router replay (R3) in the trainer."""

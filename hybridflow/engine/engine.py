@@ -80,8 +80,15 @@ class Engine:
         mc = self.model.config
         kv_dtype = self.compute_dtype
         kv_heads = self.tp.kv_heads(self.model) if self.tp is not None else mc.num_key_value_heads
+        routes = None
+        if c.record_routes:
+            if mc.moe is None:
+                raise UserError(
+                    "rollout routes are recorded for mixture-of-experts models only; this one is dense"
+                )
+            routes = (len(mc.moe.sparse_layers), mc.moe.top_k)
         self.page_bytes = KVCache.bytes_per_page(
-            mc.num_hidden_layers, c.page_size, kv_heads, mc.head_dim, kv_dtype
+            mc.num_hidden_layers, c.page_size, kv_heads, mc.head_dim, kv_dtype, routes
         )
         self.num_pages = self._pool_pages()
         self.cache = KVCache(
@@ -92,6 +99,7 @@ class Engine:
             head_dim=mc.head_dim,
             dtype=kv_dtype,
             device=self.device,
+            routes=routes,
         )
         self.runner = Runner(
             self.model,
@@ -264,7 +272,7 @@ class Engine:
             done, s.reported = s.reported, s.num_generated
             outputs.append(
                 RequestOutput(s.request_id, s.sample, s.tokens[s.prompt_len + done :], s.logprobs[done:],
-                              s.unscaled_logprobs[done:], s.finish_reason, self.weight_version)
+                              s.unscaled_logprobs[done:], s.finish_reason, self.weight_version, s.routes)
             )  # fmt: skip
         return outputs
 
@@ -330,7 +338,12 @@ class Engine:
         }
         return [
             Generation(
-                s.prompt_index, s.tokens[s.prompt_len :], s.logprobs, s.finish_reason, s.unscaled_logprobs
+                s.prompt_index,
+                s.tokens[s.prompt_len :],
+                s.logprobs,
+                s.finish_reason,
+                s.unscaled_logprobs,
+                s.routes,
             )
             for s in seqs
         ]
@@ -423,6 +436,7 @@ class Engine:
         # to Python lists once: per-sequence numpy slicing costs more than the rest of the loop
         tokens, logp = run[:, 0].T.astype(np.int64).tolist(), run[:, 1].T.tolist()  # [B][steps]
         unscaled, stopped = run[:, 2].T.tolist(), stop.tolist()
+        finished = []
         for s, n, end, tok, lp, un, st in zip(
             batch, taken.tolist(), ended.tolist(), tokens, logp, unscaled, stopped
         ):
@@ -431,9 +445,16 @@ class Engine:
             s.unscaled_logprobs += un[:n]
             if end:
                 s.finish_reason = "stop" if st[n - 1] else "length"
-                self.scheduler.finish(s)
+                finished.append(s)
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
+        if finished and self.cache.routes is not None:  # read before the pages go
+            ps = self.cache.page_size
+            slots = [[s.pages[t // ps] * ps + t % ps for t in range(len(s.tokens) - 1)] for s in finished]
+            for s, routes in zip(finished, self.cache.read_routes(slots)):
+                s.routes = routes
+        for s in finished:
+            self.scheduler.finish(s)
 
     def pause(self) -> None:
         """Stop scheduling: `step()` does nothing until `resume()`; running requests keep their tokens."""

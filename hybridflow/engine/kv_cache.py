@@ -86,7 +86,11 @@ class PagePool:
 class KVCache:
     """K and V of every layer in one tensor each: [layers, pages * page_size, kv_heads, head_dim].
     A token's slot is page * page_size + offset. `release()` drops the tensors (sleep) and
-    `allocate()` makes them again (wake); the page table lives in the sequences."""
+    `allocate()` makes them again (wake); the page table lives in the sequences.
+
+    With `routes` = (MoE layers, k), the experts each cached token went to in each MoE layer are kept
+    beside its K/V, [MoE layers, slots, k] int16 (router replay): a prefix shared by a prompt's
+    samples, or found in the prefix cache, keeps the routes computed with its K/V."""
 
     def __init__(
         self,
@@ -98,23 +102,39 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        routes: tuple[int, int] | None = None,
     ) -> None:
         self.shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
         self.num_pages, self.page_size = num_pages, page_size
         self.dtype, self.device = dtype, device
+        self.routes_shape = routes
         self.pool = PagePool(num_pages)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.routes: torch.Tensor | None = None
         self.allocate()
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * num_layers * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(
+        num_layers: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        routes: tuple[int, int] | None = None,
+    ) -> int:
+        kv = 2 * num_layers * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return kv + (2 * routes[0] * routes[1] * page_size if routes else 0)  # int16 experts
 
     def allocate(self) -> None:
         if self.k is None:
             self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            if self.routes_shape is not None:
+                layers, k = self.routes_shape
+                self.routes = torch.full(
+                    (layers, self.shape[1], k), -1, dtype=torch.int16, device=self.device
+                )
 
     def resize(self, num_pages: int) -> None:
         """A pool of `num_pages` pages instead (released: no sequence holds a page)."""
@@ -127,10 +147,19 @@ class KVCache:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("cannot free the KV cache while sequences hold pages")
         self.pool.forget_prefixes()  # the K/V they name go with the tensors
-        self.k = self.v = None
+        self.k = self.v = self.routes = None
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write: a sequence about to write into a shared page gets its own copy."""
         s, d, n = src * self.page_size, dst * self.page_size, self.page_size
         self.k[:, d : d + n] = self.k[:, s : s + n]
         self.v[:, d : d + n] = self.v[:, s : s + n]
+        if self.routes is not None:
+            self.routes[:, d : d + n] = self.routes[:, s : s + n]
+
+    def read_routes(self, slots: list[list[int]]) -> list[torch.Tensor]:
+        """The kept experts of each list of slots (a sequence's tokens in order): [tokens, MoE layers,
+        k] int16 on the host each, read in one copy."""
+        flat = torch.tensor([x for row in slots for x in row], dtype=torch.int64, device=self.device)
+        every = self.routes.index_select(1, flat).permute(1, 0, 2).cpu()  # [sum tokens, L, k]
+        return list(torch.split(every, [len(row) for row in slots]))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class RequestOutput:
@@ -22,6 +24,9 @@ class RequestOutput:
     """None while it runs; 'stop', 'length' or 'abort' on its last output."""
     weight_version: int = 0
     """The engine's weight version these tokens were sampled with (+1 at each update_weights)."""
+    routed_experts: torch.Tensor | None = None
+    """On the last output, with `record_routes`: the experts of every token of prompt and response
+    but the last, in every MoE layer, [tokens - 1, MoE layers, k] int16 (router replay)."""
 
     @property
     def finished(self) -> bool:

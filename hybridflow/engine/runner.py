@@ -98,16 +98,25 @@ class Runner:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """input_ids, positions [N] -> final hidden states [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
+    def _hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden states [N, H]; attend(layer, q, k, v) -> [N, Hq, D].
+        slots [N]: each token's cache slot, where an MoE layer's experts for it are kept (routes)."""
         cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
         if self.cpu_layers is not None:
             return self.cpu_layers.hidden(input_ids, cos, sin, attend)
-        backbone = self.model.model
+        backbone, kept = self.model.model, self.cache.routes
         x = backbone.embed_tokens(input_ids)  # [N, H]
+        sparse = 0
         for i, (before_attention, after_attention) in enumerate(self.layer_parts):
             q, k, v = before_attention(x, cos, sin)
-            x = after_attention(x, attend(i, q, k, v))
+            if kept is not None and backbone.layers[i].sparse:  # the router's choices, kept
+                x, chosen = backbone.layers[i].after_attention_routed(x, attend(i, q, k, v))
+                kept[sparse].index_copy_(0, slots, chosen.to(kept.dtype))
+                sparse += 1
+            else:
+                x = after_attention(x, attend(i, q, k, v))
         return backbone.norm(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -150,7 +159,7 @@ class Runner:
             return prefill_attention(q, k, v, layout)
 
         with self._autocast():
-            hidden = self._hidden(ids, pos, attend)
+            hidden = self._hidden(ids, pos, attend, slots_t)
             return self._logits(hidden.index_select(0, last))
 
     def _prefill_after_prefix(self, jobs: list[PrefillJob]) -> torch.Tensor:
@@ -187,7 +196,7 @@ class Runner:
             hidden = self.fused.hidden(ids_t, pos_t, new_t, lambda i, q, k, v: read_back(i, q))
             return self.fused.logits(hidden.index_select(0, last))
         with self._autocast():
-            hidden = self._hidden(ids_t, pos_t, attend)
+            hidden = self._hidden(ids_t, pos_t, attend, new_t)
             return self._logits(hidden.index_select(0, last))
 
     def _decode_inputs(
@@ -218,7 +227,7 @@ class Runner:
             return paged_decode_attention(q, cache.k[i], cache.v[i], table, ctx, ps)
 
         with self._autocast():
-            return self._logits(self._hidden(ids, pos, attend))
+            return self._logits(self._hidden(ids, pos, attend, slots))
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridflow.rollout.sampling import SamplingParams
 
 
@@ -33,6 +35,7 @@ class Sequence:
     end: int = 1 << 62  # token count at which it stops: prompt + max_tokens, or the context
     reported: int = 0  # generated tokens already handed out by Engine.step()
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages
+    routes: torch.Tensor | None = None  # finished, with routes recorded: [tokens - 1, MoE layers, k]
 
     @property
     def num_generated(self) -> int:

@@ -149,15 +149,21 @@ class Actor:
         self.progress = progress
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
+        routes = None
+        if self.config.router_replay == "R3":  # the rollout's experts (a row without any routes freely)
+            routes = batch.routed_experts or [None] * len(batch)
         return policy_logprobs(
             self.model, batch.prompt_ids, batch.response_ids, device=self.device,
             compute_dtype=self.config.compute_dtype, pad_token_id=self.pad_token_id,
             with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=self.temperature,
+            routes=routes,
         )  # fmt: skip
 
     def _grouping(self, batch: TrainingBatch) -> list[list[int]] | None:
-        """Prompts by which micro-batches keep a group together (a model that packs a prompt once)."""
-        return batch.prompt_ids if shares_prompts(self.model) else None
+        """Prompts by which micro-batches keep a group together (a model that packs a prompt once;
+        replayed routes pack each sequence whole)."""
+        replay = self.config.router_replay == "R3"
+        return batch.prompt_ids if shares_prompts(self.model) and not replay else None
 
     @torch.no_grad()
     def log_probs(

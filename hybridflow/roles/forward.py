@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
 from hybridflow.devices import DTYPES, to_device
+from hybridflow.errors import UserError
 from hybridflow.parallel.collectives import max_over_ranks
 
 
@@ -126,6 +127,34 @@ def packed_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], de
     return inputs, to_device(index, device)
 
 
+def packed_routes(
+    model,
+    routes: list[torch.Tensor | None],
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    device,
+) -> torch.Tensor:
+    """Each sequence's recorded experts in the plain packing's token order, [N, MoE layers, k] int64;
+    -1 where the router chooses: a sequence recorded without routes, and each sequence's last token
+    (never fed to the rollout's model; it predicts nothing that is trained)."""
+    moe = model.config.moe
+    if moe is None:
+        raise UserError("router replay needs a mixture-of-experts policy; this one is dense")
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    out = torch.full((sum(lengths), len(moe.sparse_layers), moe.top_k), -1, dtype=torch.int64)
+    start = 0
+    for n, kept in zip(lengths, routes):
+        if kept is not None:
+            if kept.shape[1:] != out.shape[1:] or len(kept) > n:
+                raise UserError(
+                    f"recorded routes of shape {tuple(kept.shape)} do not fit a sequence of {n} tokens "
+                    f"through {out.shape[1]} MoE layers of top-{out.shape[2]} experts"
+                )
+            out[start : start + len(kept)] = kept
+        start += n
+    return to_device(out, device)
+
+
 def unflatten_responses(flat: torch.Tensor, response_ids: list[list[int]]) -> torch.Tensor:
     """[R] values of all response tokens in order -> [b, T] right-padded with zeros."""
     width = max(len(r) for r in response_ids)
@@ -143,18 +172,22 @@ def packed_response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     temperature: float = 1.0,
+    routes: list[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native model's path: sequences packed without padding, the LM head applied only at the
-    positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`."""
+    positions that predict response tokens, in chunks. Returns [b, T] like `response_logprobs`.
+    `routes`: per sequence, the experts the rollout routed its tokens to (router replay), or None."""
     from hybridflow.models.native import chunked_token_logprobs
     from hybridflow.models.native.shared_prefix import has_shared_prompts, pack_shared_prompts
 
-    if shares_prompts(model) and has_shared_prompts(prompt_ids):
+    if routes is None and shares_prompts(model) and has_shared_prompts(prompt_ids):
         packing = pack_shared_prompts(prompt_ids, response_ids, device)  # each prompt once per group
         inputs = (packing.input_ids, packing.position_ids, packing.cu_seqlens, packing.shared)
         index = packing.index
-    else:
+    else:  # (replayed routes follow each whole sequence: packed as they are)
         inputs, index = packed_inputs(prompt_ids, response_ids, device)
+        if routes is not None:
+            inputs = (*inputs, None, packed_routes(model, routes, prompt_ids, response_ids, device))
     targets = to_device(torch.tensor([t for r in response_ids for t in r], dtype=torch.long), device)  # [R]
     with autocast(device, compute_dtype):
         chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]
@@ -181,14 +214,20 @@ def policy_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     temperature: float = 1.0,
+    routes: list[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-token log-probs [b, T] of a policy at a sampling temperature (softmax(logits / T), as
-    the rollout sampled): packed for the native model, padded for any other transformers model."""
+    the rollout sampled): packed for the native model, padded for any other transformers model.
+    `routes`: router replay's recorded experts per sequence (the native model only)."""
     if hasattr(model, "hidden_states"):
         return packed_response_logprobs(
             model, prompt_ids, response_ids, device=device, compute_dtype=compute_dtype,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, routes=routes,
         )  # fmt: skip
+    if routes is not None:
+        raise UserError(
+            "router replay runs in our model (model.impl=native); this policy is a transformers model"
+        )
     input_ids, attention = right_padded_inputs(prompt_ids, response_ids, device, pad_token_id)
     with autocast(device, compute_dtype):
         logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # [b, L, V]

@@ -43,6 +43,11 @@ class Rollout:
             finish_reasons=[g.finish_reason for g in generations],
             group_ids=[first_group + g.prompt_index for g in generations],
             prompts=[prompts[g.prompt_index] for g in generations],
+            routed_experts=(
+                [g.routed_experts for g in generations]
+                if any(g.routed_experts is not None for g in generations)
+                else None
+            ),
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

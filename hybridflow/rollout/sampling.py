@@ -46,6 +46,9 @@ class Generation:
     unscaled_logprobs: list[float] | None = None
     """Log-prob of each sampled token under the model's own distribution (no temperature/top-k/top-p),
     where the backend reports it."""
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts models, where the engine records them: the experts every token of prompt
+    and response but the last went to in every MoE layer, [tokens - 1, MoE layers, k] (router replay)."""
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -149,10 +149,24 @@ class DecoderLayer(nn.Module):
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [N, H] residual stream, attn [N, Hq, D] -> next residual stream [N, H]."""
+    def after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor, routes: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [N, H] residual stream, attn [N, Hq, D] -> next residual stream [N, H]. routes [N, k]:
+        an MoE layer's experts to replay per token (SparseMoE.forward); None elsewhere."""
         x = x + self.self_attn.o_proj(attn.flatten(1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
+
+    def after_attention_routed(
+        self, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MoE layer's after_attention that also returns the experts each token went to [N, k]
+        (the engine keeps them for router replay)."""
+        x = x + self.self_attn.o_proj(attn.flatten(1))
+        h = self.post_attention_layernorm(x)
+        weights, chosen = self.mlp.route(h)
+        return x + self.mlp.mix(h, weights, chosen), chosen
 
     def compile(self, **options) -> None:
         """Compile the parts around attention (dynamic in the token count)."""
@@ -161,13 +175,19 @@ class DecoderLayer(nn.Module):
             torch.compile(self.after_attention, dynamic=True, **options),
         )
 
-    def forward(self, x, cos, sin, layout: PackedLayout):
+    def forward(self, x, cos, sin, layout: PackedLayout, routes: torch.Tensor | None = None):
         before, after = self.compiled or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin)
         sp = layout.sequence_parallel
         if sp is not None:
-            return after(x, sp.attention(q, k, v, layout, packed_causal_attention))
-        return after(x, packed_causal_attention(q, k, v, layout))
+            attn = sp.attention(q, k, v, layout, packed_causal_attention)
+        else:
+            attn = packed_causal_attention(q, k, v, layout)
+        return after(x, attn) if routes is None else after(x, attn, routes)
+
+    @property
+    def sparse(self) -> bool:
+        return isinstance(self.mlp, SparseMoE)
 
 
 class Backbone(nn.Module):
@@ -188,12 +208,17 @@ class Backbone(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         shared: object = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H].
-        `shared`: the SharedPrefix of a shared-prefix packing (cu_seqlens then bound its segments)."""
+        `shared`: the SharedPrefix of a shared-prefix packing (cu_seqlens then bound its segments).
+        `routes` [N, sparse layers, k] int64: experts to replay per token and MoE layer, -1 where the
+        router chooses (see SparseMoE.forward)."""
         sp, total = self.sequence_parallel, input_ids.shape[0]
         if shared is not None and sp is not None:
             raise ValueError("a shared-prefix packing cannot be split for sequence parallelism")
+        if routes is not None and sp is not None:
+            raise ValueError("router replay does not split its routes for sequence parallelism yet")
         if sp is not None:  # this rank keeps 1/P of the (padded) tokens: [n] each
             cu_seqlens = cu_seqlens.to(input_ids.device)
             input_ids, position_ids, cu_seqlens = sp.split(input_ids, position_ids, cu_seqlens)
@@ -208,11 +233,17 @@ class Backbone(nn.Module):
             cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp, shared
         )
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
+        sparse = 0
         for layer in self.layers:
+            layer_routes = None
+            if routes is not None and layer.sparse:
+                layer_routes, sparse = routes[:, sparse], sparse + 1  # [N, k]
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, layout, layer_routes, use_reentrant=False
+                )
             else:
-                x = layer(x, cos, sin, layout)
+                x = layer(x, cos, sin, layout, layer_routes)
         x = self.norm(x)
         return x if sp is None else sp.gather(x, total)
 
@@ -240,10 +271,11 @@ class NativeModule(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         shared: object = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, position_ids [N]; cu_seqlens [B + 1] int32 -> final hidden states [N, H]
-        (`shared`: see Backbone.forward)."""
-        return self.model(input_ids, position_ids, cu_seqlens, shared)
+        (`shared`, `routes`: see Backbone.forward)."""
+        return self.model(input_ids, position_ids, cu_seqlens, shared, routes)
 
 
 class NativeCausalLM(NativeModule):

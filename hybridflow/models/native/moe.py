@@ -8,7 +8,8 @@ contiguous block, and the weighted results are scattered back with one index_add
 through one grouped GEMM (`torch.nn.functional.grouped_mm`) on CUDA in bf16: no host sync, so the
 engine's decode steps can be captured in CUDA graphs; elsewhere (fp32, the CPU) a matmul per expert,
 whose token counts the host reads. `record_routing` keeps the last forward's router logits and
-choices: the load-balancing loss reads them, and a rollout can record the experts it routed to."""
+choices: the load-balancing loss reads them. Router replay (R3): the engine records the experts each
+token went to, and the trainer's forward routes the same tokens to the same experts (`routes`)."""
 
 from __future__ import annotations
 
@@ -60,15 +61,29 @@ class SparseMoE(nn.Module):
         self.routing: Routing | None = None
         self.grouped_gemm: bool | None = None  # None: where it runs (grouped_gemm_dtype); True/False force it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> [N, H]."""
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> [N, H]. routes [N, k] int64 (router replay): a row of experts (>= 0) is used
+        instead of the router's choice, the router's probabilities still weighting them (so the
+        router trains); a row of -1 routes as the router chooses."""
+        return self.mix(x, *self.route(x, routes))
+
+    def route(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> each token's expert weights and experts, [N, k] each (`routes`: see forward)."""
         logits = F.linear(x, self.gate.weight)  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if routes is not None:
+            given = routes[:, :1] >= 0  # [N, 1]: a replayed row
+            chosen = torch.where(given, routes, chosen)
+            weights = torch.where(given, probs.gather(-1, chosen), weights)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.record_routing:
             self.routing = Routing(logits, chosen)
+        return weights, chosen
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [N, H], the tokens' expert weights and experts [N, k] -> the weighted experts' outputs [N, H]."""
         slots = chosen.flatten()  # [N*k] expert of each (token, choice)
         order = torch.argsort(slots, stable=True)  # slots grouped by expert
         tokens = order // self.top_k  # [N*k] the token each sorted slot reads

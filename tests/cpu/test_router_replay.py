@@ -1,0 +1,148 @@
+"""Router replay (R3) for mixture-of-experts policies: the engine keeps the experts every token went
+to beside its K/V and hands them out with each sample; the trainer's forward routes the same tokens
+to the same experts, its router still weighting them (so the router trains)."""
+
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hybridflow.batch import pack_sequences, pad_ragged
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.models.native.moe import MoEConfig, SparseMoE
+from hybridflow.roles.forward import policy_logprobs
+from hybridflow.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 200, 17, 3, 8], [44, 2, 2], list(range(30, 60)), [250]]
+
+
+def _own_routes(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The experts the trainer's forward picks for every token of each sequence, [T, layers, k]."""
+    packed = pack_sequences(sequences)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for block in blocks:
+        block.record_routing = True
+    with torch.no_grad():
+        model.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    for block in blocks:
+        block.record_routing = False
+    routes = torch.stack([block.routing.experts for block in blocks], dim=1)  # [N, layers, k]
+    return list(torch.split(routes, [len(s) for s in sequences]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_engine_records_the_experts_the_trainer_routes_to(family):
+    """fp32 on the CPU: the engine's kept routes (prompts prefilled once for their 3 samples, decode
+    runs, a pool so small that sequences are preempted and recomputed) equal the trainer's own
+    routing of each whole sequence, token for token, for every token but the last."""
+    model = from_hf_model(tiny_model(family, seed=3)).eval()
+    for kv_tokens in (None, 96):  # 96: 24 pages of 4 for 12 sequences, preemptions
+        engine = Engine(
+            model,
+            eos_token_ids=[1],
+            config=EngineConfig(
+                page_size=4, max_context_tokens=64, kv_cache_tokens=kv_tokens, record_routes=True
+            ),
+        )
+        out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=7))
+        assert kv_tokens is None or engine.stats["preemptions"] > 0
+        sequences = [PROMPTS[g.prompt_index] + g.token_ids for g in out]
+        own = _own_routes(model, sequences)
+        for g, seq, mine in zip(out, sequences, own):
+            assert g.routed_experts.shape == (len(seq) - 1, len(model.config.moe.sparse_layers), 2)
+            assert torch.equal(g.routed_experts.long(), mine[:-1])
+
+
+def test_recorded_routes_are_refused_for_a_dense_model():
+    with pytest.raises(UserError, match="mixture-of-experts models only"):
+        Engine(
+            from_hf_model(tiny_model("llama", seed=0)),
+            eos_token_ids=[1],
+            config=EngineConfig(record_routes=True),
+        )
+
+
+def _block(norm_topk_prob: bool) -> SparseMoE:
+    torch.manual_seed(0)
+    block = SparseMoE(8, MoEConfig(num_experts=4, top_k=2, intermediate_size=6, norm_topk_prob=norm_topk_prob,
+                                   sparse_layers=(0,)))  # fmt: skip
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return block
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replayed_experts_are_weighted_by_the_router_and_train_it(norm_topk_prob):
+    """Token 0 replays experts (3, 0), token 1 is free (-1); the output equals the experts computed
+    by hand with the router's probabilities of the replayed experts, the free token's is the one
+    without replay, and the router's weight gets a gradient through the replayed experts."""
+    block = _block(norm_topk_prob)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    free = block(x)
+    probs = torch.softmax(x @ block.gate.weight.T, -1)
+    assert set(torch.topk(probs[0], 2).indices.tolist()) != {0, 3}, "replay would change nothing"
+    out = block(x, torch.tensor([[3, 0], [-1, -1]]))
+    assert_close(out[1], free[1])  # a free token routes as without replay
+
+    def expert(e, v):
+        gate, up = (block.experts.gate_up_proj[e] @ v).chunk(2)
+        return block.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up)
+
+    w = probs[0, [3, 0]]
+    w = w / w.sum() if norm_topk_prob else w
+    assert_close(out[0], w[0] * expert(3, x[0]) + w[1] * expert(0, x[0]), atol=1e-6, rtol=1e-5)
+    out[0].sum().backward()
+    assert block.gate.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_replay_brings_the_trainer_back_to_the_engine_where_routing_flipped(family):
+    """The engine in bf16, the trainer in fp32 (the mismatch of a GPU run): a few tokens' routing
+    flips between the two, and replaying the engine's experts takes the largest log-prob gap down
+    to the rounding noise of the tokens whose routing did not flip."""
+    model = from_hf_model(tiny_model(family, seed=3)).eval()
+    config = EngineConfig(page_size=4, max_context_tokens=96, compute_dtype="bfloat16", record_routes=True)
+    out = Engine(model, eos_token_ids=[1], config=config).generate(
+        PROMPTS, SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=7)
+    )
+    prompts, responses = [PROMPTS[g.prompt_index] for g in out], [g.token_ids for g in out]
+    routes = [g.routed_experts for g in out]
+    flips = sum(
+        (own[:-1].sort(-1).values != kept.long().sort(-1).values).any(-1).sum()
+        for own, kept in zip(_own_routes(model, [p + r for p, r in zip(prompts, responses)]), routes)
+    )
+    assert flips > 0, "no routing flipped: the test shows nothing"
+    engine = pad_ragged([g.logprobs for g in out])
+    gaps = {}
+    for name, replay in (("free", None), ("replayed", routes)):
+        with torch.no_grad():
+            lp, _ = policy_logprobs(model, prompts, responses, device=torch.device("cpu"),
+                                    compute_dtype="float32", pad_token_id=0, routes=replay)  # fmt: skip
+        gaps[name] = (lp - engine)[engine != 0].abs().max().item()
+    assert gaps["replayed"] < gaps["free"] / 1.5, gaps
+
+
+def test_a_replaying_run_recomputes_the_engine_s_log_probs(setup, tmp_path):
+    """fp32 on the CPU, where engine and trainer route alike: a GRPO run replaying the engine's experts
+    (two mini-batches a step, so old log-probs are recomputed; checkpointed layers recompute their
+    forward with the routes) gets the engine's log-probs back to fp32 rounding at every step: a
+    misaligned route (another token's or sequence's experts) moves a log-prob by ~1e-2."""
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.models import byte_tokenizer, save_hf
+
+    save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "model")
+    run = tmp_path / "run"
+    c = config(setup, run, f"model.path={tmp_path / 'model'}", "actor.sequences_per_update=16",
+               "model.enable_gradient_checkpointing=true", "actor.router_replay=R3",
+               "trainer.total_training_steps=2")  # fmt: skip
+    RLTrainer(c).fit()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["router_replay/recorded_fraction"] for m in metrics] == [1.0, 1.0]
+    assert all(m["training/rollout_probs_diff_max"] < 1e-5 for m in metrics)
+    assert all(m["actor/grad_norm"] > 0 for m in metrics)
