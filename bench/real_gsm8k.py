@@ -26,14 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-REWARD = '''"""verl's strict GSM8K score trains; the lenient math-verify check rides along (val-aux)."""
+REWARD = '''"""verl's strict GSM8K score trains (with --reward dense, half of it and half the lenient check);
+the lenient math-verify check rides along (val-aux)."""
 from hybridflow.rewards.scorers import compute_score as builtin
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     strict = builtin("openai/gsm8k", solution_str, ground_truth)
     lenient = builtin("gsm8k_math_verify", solution_str, ground_truth)
-    return {"score": strict["score"], "acc": strict["acc"], "pred": strict["pred"], "lenient": lenient["score"]}
+    score = STRICT_SHARE * strict["score"] + (1 - STRICT_SHARE) * lenient["score"]
+    return {"score": score, "acc": strict["acc"], "pred": strict["pred"], "lenient": lenient["score"]}
 '''
 DAPO = [
     "actor.clip_ratio_low=0.2",
@@ -138,6 +140,12 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=512, help="max response tokens")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument(
+        "--reward", choices=["strict", "dense"], default="strict",
+        help="strict: verl's '#### N' score trains (0 until the format is found: when the first formatted "
+        "sample comes is luck, which decides a short run's time to accuracy); dense: half that, half the "
+        "lenient math-verify check (signal from the first step; what comparisons of modes should use)",
+    )  # fmt: skip
+    ap.add_argument(
         "--updates-per-step",
         type=int,
         default=0,
@@ -164,7 +172,7 @@ def main() -> None:
             f"--updates-per-step {updates} does not divide {args.prompts} x {args.samples} responses"
         )
     reward = args.out / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(REWARD.replace("STRICT_SHARE", "1.0" if args.reward == "strict" else "0.5"))
     run_dir = args.out / f"{args.algo}{f'-lora{args.lora_rank}' if args.lora_rank else ''}"
     overrides = [
         f"model.path={args.model}",
@@ -194,6 +202,7 @@ def main() -> None:
     summary = {
         "model": args.model,
         "algo": args.algo,
+        "reward": args.reward,
         "lora_rank": args.lora_rank,
         "wall_s": round(time.perf_counter() - start, 1),
         "tokens_per_s_per_gpu": throughput,
