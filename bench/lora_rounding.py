@@ -2,7 +2,8 @@
 (bf16(W + s B A)) put the probabilities of the same tokens, against bf16's own compute noise (each
 side against the merged model in fp32). The embedded SmolLM2-135M on this CPU, bf16 autocast, adapters
 of rank 32 on every linear layer with B ~ N(0, scale^2) (scale 1e-3: ~100 Adam steps at lr 1e-5),
-scored on the model's own greedy continuations (high-probability tokens, as a sharpened policy's).
+scored on the model's own greedy continuations (high-probability tokens, as a sharpened policy's);
+and the trainer with model.lora_merged_forward (the merged weight, rounded as the engine's is).
 
     PYTHONPATH=. python bench/lora_rounding.py
 """
@@ -14,7 +15,7 @@ import copy
 import torch
 
 from hybridflow.models import load_causal_lm
-from hybridflow.models.lora import apply_lora, merged_model
+from hybridflow.models.lora import apply_lora, lora_modules, merged_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.roles.forward import packed_response_logprobs
 
@@ -64,7 +65,11 @@ def main() -> None:
                 p.data = torch.randn(p.shape, generator=generator) * scale
         merged = merged_model(lora)
         exact, trainer, engine = probs(merged, "float32"), probs(lora, "bfloat16"), probs(merged, "bfloat16")
+        for m in lora_modules(lora).values():  # model.lora_merged_forward=true
+            m.merged_forward = True
+        trainer_merged = probs(lora, "bfloat16")
         print(f"B ~ {scale:g}: trainer (LoRA) vs engine (merged), both bf16: {gap(trainer, engine)} | "
+              f"trainer with lora_merged_forward vs engine: {gap(trainer_merged, engine)} | "
               f"bf16 noise: trainer {gap(trainer, exact)}, engine {gap(engine, exact)}")  # fmt: skip
 
 

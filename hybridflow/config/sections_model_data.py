@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.config.checks import check_choice, check_positive
+from hybridflow.errors import UserError
 
 
 @dataclass
@@ -29,6 +30,11 @@ class ModelConfig:
     """Linear layers of the decoder blocks that get adapters (default: all of them)."""
     lora_adapter_path: str | None = None
     """A PEFT LoRA adapter directory to continue training (its rank, alpha and layers are used)."""
+    lora_merged_forward: bool = False
+    """Native LoRA: the trainer computes each adapted layer with the merged weight W + s B A (rounded
+    to the compute dtype as the engine's merged copy is) instead of W x + s B (A x), so that in bf16
+    both sides run the same weights, as full fine-tuning's do; costs a full weight gradient per adapted
+    layer in the backward pass."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
     compute."""
@@ -46,6 +52,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choice("model", "impl", self.impl, ("auto", "hf", "native"))
         check_choice("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.lora_merged_forward and not (self.lora_rank or self.lora_adapter_path):
+            raise UserError("model.lora_merged_forward=true applies to LoRA adapters; set model.lora_rank")
 
 
 @dataclass

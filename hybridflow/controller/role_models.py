@@ -48,12 +48,16 @@ def lora_policy(config: Config, policy):
     if not (m.lora_rank or m.lora_adapter_path):
         return policy
     if not isinstance(policy, native.NativeModule):
+        if m.lora_merged_forward:
+            raise UserError(
+                "model.lora_merged_forward=true is built for our model's LoRA, not PEFT's (model.impl=native)"
+            )
         return peft_policy(config, policy)
     rank, alpha, targets = m.lora_rank, m.lora_alpha, m.lora_target_modules
     if m.lora_adapter_path:
         adapter = read_adapter_config(m.lora_adapter_path)
         rank, alpha, targets = adapter["r"], adapter["lora_alpha"], adapter["target_modules"]
-    apply_lora(policy, rank, alpha, targets)
+    apply_lora(policy, rank, alpha, targets, merged_forward=m.lora_merged_forward)
     if m.lora_adapter_path:
         load_adapter(policy, m.lora_adapter_path)
     return policy

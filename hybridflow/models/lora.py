@@ -40,18 +40,28 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.enabled = True
+        self.merged_forward = False
+        """Compute with the merged weight (the engine's, rounded alike) instead of W x + s B (A x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        out = self.base(x)
         if not self.enabled:
-            return out
+            return self.base(x)
+        if self.merged_forward:  # autocast rounds the merged weight as the engine's copy is rounded
+            with torch.autocast(x.device.type, enabled=False):  # B A in fp32, as merged_weight's
+                weight = self._merge()
+            return nn.functional.linear(x, weight, self.base.bias)
+        out = self.base(x)
         return out + nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    def _merge(self) -> torch.Tensor:
+        """W + scale * B A [out, in] in the base weight's dtype (differentiable in A and B)."""
+        update = (self.lora_B.float() @ self.lora_A.float()) * self.scale
+        return (self.base.weight.float() + update).to(self.base.weight.dtype)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B A [out, in], in the base weight's dtype."""
-        update = (self.lora_B.float() @ self.lora_A.float()) * self.scale
-        return (self.base.weight.float() + update).to(self.base.weight.dtype)
+        """W + scale * B A [out, in], in the base weight's dtype: what the engine runs."""
+        return self._merge()
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -66,9 +76,15 @@ def has_adapters(model: nn.Module) -> bool:
     return is_peft(model) or bool(lora_modules(model))
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> int:
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    targets: list[str] | tuple[str, ...],
+    merged_forward: bool = False,
+) -> int:
     """Freeze `model` and wrap the decoder blocks' linear layers named in `targets` (in place);
-    returns how many were wrapped."""
+    returns how many were wrapped. `merged_forward`: see LoRALinear.merged_forward."""
     model.requires_grad_(False)
     wrapped = 0
     for name, module in list(model.named_modules()):
@@ -76,7 +92,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | t
             continue
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in targets:
-                setattr(module, child_name, LoRALinear(child, rank, alpha))
+                adapted = LoRALinear(child, rank, alpha)
+                adapted.merged_forward = merged_forward
+                setattr(module, child_name, adapted)
                 wrapped += 1
     if not wrapped:
         raise UserError(

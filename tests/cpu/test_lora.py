@@ -164,3 +164,54 @@ def test_lora_on_the_transformers_path_goes_through_peft(setup, tmp_path):
         AutoModelForCausalLM.from_pretrained(setup / "model"), tmp_path / "adapter"
     )
     assert_close(_logits(peft.eval()), _logits(trained), atol=1e-5, rtol=0)  # on the untouched base
+
+
+def test_the_merged_forward_runs_the_engine_s_weights_and_trains_the_adapters():
+    """model.lora_merged_forward: under bf16 autocast an adapted layer computes exactly what the
+    engine's merged nn.Linear computes (the unmerged form differs by bf16 rounding), and its
+    gradients in A and B are the unmerged form's in fp32 (the same function)."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 96).requires_grad_(False)
+    layer = apply_lora_to_one(base)
+    engine = torch.nn.Linear(64, 96).requires_grad_(False)
+    engine.weight.data, engine.bias.data = layer.merged_weight(), base.bias.data
+    x = torch.randn(37, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unmerged = layer(x)
+        layer.merged_forward = True
+        merged = layer(x)
+        expected = engine(x)
+    assert torch.equal(merged, expected)
+    assert not torch.equal(unmerged, expected)  # what the option is for
+    grads = {}
+    for merged_forward in (False, True):
+        layer.merged_forward = merged_forward
+        layer.lora_A.grad = layer.lora_B.grad = None
+        (layer(x) * torch.linspace(-1, 1, 96)).sum().backward()
+        grads[merged_forward] = (layer.lora_A.grad.clone(), layer.lora_B.grad.clone())
+    for a, b in zip(grads[False], grads[True]):
+        assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def apply_lora_to_one(linear: torch.nn.Linear):
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.model.layers[0].proj = linear
+    apply_lora(holder, 8, 16, ["proj"])
+    layer = holder.model.layers[0].proj
+    layer.lora_B.data = torch.randn(layer.lora_B.shape, generator=torch.Generator().manual_seed(1)) * 1e-2
+    return layer
+
+
+def test_a_merged_forward_without_adapters_is_refused(setup, tmp_path):
+    with pytest.raises(UserError, match="lora_merged_forward=true applies to LoRA adapters"):
+        config(setup, tmp_path, "model.lora_merged_forward=true")
+
+
+def test_a_lora_run_with_the_merged_forward_trains_with_engine_parity(setup, tmp_path):
+    worker, metrics = _lora_run(
+        setup, tmp_path / "run", 2, "model.lora_rank=4", "model.lora_merged_forward=true"
+    )
+    assert all(m.merged_forward for m in lora_modules(worker.actor.model).values())
+    assert any(m.lora_B.abs().max() > 0 for m in lora_modules(worker.actor.model).values())
