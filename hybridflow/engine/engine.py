@@ -449,8 +449,10 @@ class Engine:
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
         if finished and self.cache.routes is not None:  # read before the pages go
-            ps = self.cache.page_size
-            slots = [[s.pages[t // ps] * ps + t % ps for t in range(len(s.tokens) - 1)] for s in finished]
+            ps, offsets = self.cache.page_size, np.arange(self.cache.page_size)
+            slots = [
+                (np.array(s.pages)[:, None] * ps + offsets).ravel()[: len(s.tokens) - 1] for s in finished
+            ]
             for s, routes in zip(finished, self.cache.read_routes(slots)):
                 s.routes = routes
         for s in finished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 
@@ -157,9 +158,9 @@ class KVCache:
         if self.routes is not None:
             self.routes[:, d : d + n] = self.routes[:, s : s + n]
 
-    def read_routes(self, slots: list[list[int]]) -> list[torch.Tensor]:
-        """The kept experts of each list of slots (a sequence's tokens in order): [tokens, MoE layers,
+    def read_routes(self, slots: list[np.ndarray]) -> list[torch.Tensor]:
+        """The kept experts of each array of slots (a sequence's tokens in order): [tokens, MoE layers,
         k] int16 on the host each, read in one copy."""
-        flat = torch.tensor([x for row in slots for x in row], dtype=torch.int64, device=self.device)
+        flat = torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(self.device)
         every = self.routes.index_select(1, flat).permute(1, 0, 2).cpu()  # [sum tokens, L, k]
         return list(torch.split(every, [len(row) for row in slots]))
