@@ -134,6 +134,11 @@ def rollout_backend(
             f"actor.router_replay=R3 needs the experts our engine records (rollout.backend=native, "
             f"model.impl=native); this run has rollout.backend={backend}"
         )
+    if replay and c.rollout.agent.loop:
+        raise UserError(
+            f"actor.router_replay=R3 with rollout.agent.loop={c.rollout.agent.loop} is not built (an episode's "
+            "turns are several engine requests whose routes are not joined yet); set actor.router_replay=disabled"
+        )
     if replay and policy.config.moe is None:
         raise UserError(
             "actor.router_replay=R3 replays a mixture-of-experts policy's routing, and this policy is dense; "

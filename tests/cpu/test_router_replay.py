@@ -146,3 +146,34 @@ def test_a_replaying_run_recomputes_the_engine_s_log_probs(setup, tmp_path):
     assert [m["router_replay/recorded_fraction"] for m in metrics] == [1.0, 1.0]
     assert all(m["training/rollout_probs_diff_max"] < 1e-5 for m in metrics)
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["actor.router_replay=R2"], "R2 .* is not built"),
+        (["actor.router_replay=R3"], "this policy is dense"),
+        (["actor.router_replay=R3", "rollout.backend=hf"], "needs the experts our engine records"),
+    ],
+)
+def test_replay_where_it_cannot_work_is_refused_in_one_line(setup, tmp_path, overrides, message):
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+
+    with pytest.raises(UserError, match=message):
+        RLTrainer(config(setup, tmp_path / "run", *overrides))
+
+
+def test_replay_with_an_agent_loop_is_refused(setup, tmp_path):
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.models import byte_tokenizer, save_hf
+
+    save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "model")
+    c = config(setup, tmp_path / "run", f"model.path={tmp_path / 'model'}", "actor.router_replay=R3",
+               "rollout.agent.loop=environment", "rollout.agent.environment=guess_number",
+               "reward.custom_function_path=null")  # fmt: skip
+    with pytest.raises(UserError, match="rollout.agent.loop=environment is not built"):
+        RLTrainer(c)
