@@ -148,6 +148,23 @@ def test_a_replaying_run_recomputes_the_engine_s_log_probs(setup, tmp_path):
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
 
 
+def test_an_asynchronous_run_hands_its_groups_routes_to_the_trainer(setup, tmp_path):
+    """trainer.async_mode=one_step: groups come from the stream (the engine's per-step outputs), and
+    every sample still carries its routes to the trainer."""
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.models import byte_tokenizer, save_hf
+
+    save_hf(tiny_model("mixtral", seed=0), byte_tokenizer(), tmp_path / "model")
+    run = tmp_path / "run"
+    c = config(setup, run, f"model.path={tmp_path / 'model'}", "actor.router_replay=R3",
+               "trainer.async_mode=one_step", "trainer.total_training_steps=2")  # fmt: skip
+    RLTrainer(c).fit()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["router_replay/recorded_fraction"] for m in metrics] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
