@@ -62,6 +62,7 @@ def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
         for family in families:
             _engine_over_tp_equals_one_engine(family, mesh)
         _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh)
+        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
@@ -142,6 +143,7 @@ def _worker_rank(rank: int, world: int, port: int, setup, run_dir, actor_tp: int
         assert engine.tp is not None and engine.tp.size == 2
         assert engine.cache.k[0].shape[-2] == mc.num_key_value_heads // 2
         assert engine.model.model.layers[0].self_attn.heads == mc.num_attention_heads // 2
+        dist.barrier()  # neither rank tears down while the other still builds (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
