@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The real-model GSM8K runs still owed to #30 and #32, back to back on one H200, once
+# bench/real_model.py has written /tmp/qwen and the prepared parquet files are in .gsm8k/
+# (`hybridflow data preprocess gsm8k`): each run writes /tmp/res/NAME/ and /tmp/res/NAME.log, and
+# /tmp/res/done says when each started and ended. Start it detached and read /tmp/res while it runs:
+#   PYTHONPATH=/tmp/site:$PWD setsid nohup bash bench/real_gsm8k_runs.sh > /tmp/res/driver.log 2>&1 &
+# RUNS picks a subset (default: all, in this order); MODEL and EXTRA (appended to every run's arguments)
+# make a quick check elsewhere, e.g. on a CPU: MODEL=default RUNS=dense_off EXTRA="--steps 1 --prompts 2
+# --samples 2 --response 16 --test-size 2 --test-freq 1" bash bench/real_gsm8k_runs.sh
+set -u
+mkdir -p /tmp/res
+COMMON="--model ${MODEL:-/tmp/qwen} --data .gsm8k --test-size 200 --samples 8 --response 512"
+ASYNC="--set algorithm.rollout_correction.bypass_mode=true"
+run() {
+  name=$1; shift
+  case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+  mkdir -p "/tmp/res/$name" && cp .gsm8k/*.parquet "/tmp/res/$name/"
+  echo "$name start $(date +%s)" >> /tmp/res/done
+  python3 bench/real_gsm8k.py $COMMON --out "/tmp/res/$name" "$@" ${EXTRA:-} > "/tmp/res/$name.log" 2>&1
+  echo "$name rc=$? $(date +%s)" >> /tmp/res/done
+}
+# #30: the three modes alone, to the same held-out accuracy, with a reward that is not 0 at the start
+# (with verl's strict reward alone, when the first formatted sample comes decides the race)
+D="--reward dense --prompts 32 --steps 20 --test-freq 5 --lr 3e-6"
+run dense_off $D
+run dense_one_step $D --set trainer.async_mode=one_step $ASYNC
+run dense_streaming $D --set trainer.async_mode=streaming --set rollout.max_staleness=1 $ASYNC
+# #32: LoRA with the trainer on the engine's merged weights (the rollout gap grew 0.002 -> 0.054 without)
+run lora_merged --prompts 32 --steps 150 --test-freq 10 --lr 1e-5 --lora-rank 32 --set model.lora_alpha=64 \
+  --set model.lora_merged_forward=true
+# #32: DAPO at 64 prompts a step, two updates a step, past where the last session stopped
+run dapo64 --prompts 64 --steps 200 --test-freq 10 --lr 1e-6 --algo dapo --updates-per-step 2
+# #32: PPO with a critic
+run ppo --prompts 32 --steps 150 --test-freq 10 --lr 1e-6 --algo ppo
