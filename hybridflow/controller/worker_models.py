@@ -154,12 +154,13 @@ def _tensor_parallel_grid(c: Config, world_size: int, device: torch.device):
 
 
 def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
-    """The 1-D 'tp' mesh an engine splits over (rollout.tensor_parallel_size): the actor's TP group, or
-    consecutive ranks of their own; None for whole engines."""
+    """The 1-D 'tp' mesh an engine splits over (rollout.tensor_parallel_size): the actor's TP group
+    where it has that size, else consecutive ranks of their own (the engine then takes its slices of
+    each gathered layer at a sync); None for whole engines."""
     rtp = c.rollout.tensor_parallel_size
     if rtp == 1:
         return None
-    if grid is not None:
+    if grid is not None and c.actor.tensor_parallel_size == rtp:
         return grid["tp"]
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -315,15 +316,10 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
 
 
 def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
-    rtp, tp = c.rollout.tensor_parallel_size, c.actor.tensor_parallel_size
+    rtp = c.rollout.tensor_parallel_size
     if rtp == 1:
         return
     refusals = [
-        (
-            tp not in (1, rtp),
-            f"splits the engine over the actor's tensor-parallel groups when the actor has them: set "
-            f"actor.tensor_parallel_size={rtp} or 1 (it is {tp})",
-        ),
         (
             world_size % rtp != 0,
             f"needs a multiple of {rtp} training workers (resources.num_workers / trainer.n_gpus_per_node), "
