@@ -139,6 +139,11 @@ def rollout_backend(
             f"actor.router_replay=R3 with rollout.agent.loop={c.rollout.agent.loop} is not built (an episode's "
             "turns are several engine requests whose routes are not joined yet); set actor.router_replay=disabled"
         )
+    if replay and c.actor.sequence_parallel_size > 1:
+        raise UserError(
+            "actor.router_replay=R3 does not split its routes for actor.sequence_parallel_size > 1 yet; "
+            "set one of them back (router_replay=disabled or sequence_parallel_size=1)"
+        )
     if replay and policy.config.moe is None:
         raise UserError(
             "actor.router_replay=R3 replays a mixture-of-experts policy's routing, and this policy is dense; "

@@ -171,6 +171,7 @@ def test_an_asynchronous_run_hands_its_groups_routes_to_the_trainer(setup, tmp_p
         (["actor.router_replay=R2"], "R2 .* is not built"),
         (["actor.router_replay=R3"], "this policy is dense"),
         (["actor.router_replay=R3", "rollout.backend=hf"], "needs the experts our engine records"),
+        (["actor.router_replay=R3", "actor.sequence_parallel_size=2"], "sequence_parallel_size > 1"),
     ],
 )
 def test_replay_where_it_cannot_work_is_refused_in_one_line(setup, tmp_path, overrides, message):
