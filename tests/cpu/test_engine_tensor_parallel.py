@@ -5,7 +5,8 @@ weight updates from whole tensors and from a trainer's TP shards land as in one 
 writing its part only) and gather back to the trainer's weights bit for bit; ranks that
 would run different steps stop with one line instead of waiting on each other; a training worker
 pair with rollout.tensor_parallel_size=2 builds its engine split (the runs themselves:
-test_distributed_trainer.py), and what it cannot run with is refused in one line."""
+test_distributed_trainer.py); four workers with the engine split unlike the actor (TP 2 -> 4, 4 -> 2)
+take their slices of each synced layer; and what a split cannot run with is refused in one line."""
 
 import copy
 import os
@@ -156,9 +157,7 @@ def test_a_training_worker_pair_builds_its_engine_split(setup, tmp_path, actor_t
     )
 
 
-def _unequal_rank(
-    rank: int, world: int, port: int, setup, model_dir, run_dir, actor_tp: int, rollout_tp: int
-):
+def _unequal_rank(rank: int, world: int, port: int, setup, model_dir, run_dir):
     from rl_run import config
 
     from hybridflow.controller.hybrid_worker import HybridWorker
@@ -166,42 +165,42 @@ def _unequal_rank(
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        c = config(setup, run_dir, f"model.path={model_dir}", "resources.device=cpu", f"resources.num_workers={world}",
-                   f"actor.tensor_parallel_size={actor_tp}", f"rollout.tensor_parallel_size={rollout_tp}")  # fmt: skip
-        worker = HybridWorker(c, rank, world, total_steps=1)
-        engine = worker.rollout.backend
-        assert (
-            engine.tp.size == rollout_tp and engine.model.model.layers[0].self_attn.heads == 8 // rollout_tp
-        )
-        model = worker.actor.model
-        with torch.no_grad():  # a policy the engine has not seen: every weight moved, shard by shard
-            for p in model.parameters():
-                p.mul_(1.5).add_(0.01)
-        worker.sync_weights()  # a layer gathered at a time; each engine rank takes its slices
-        whole = from_hf_model(tiny_model("qwen2", seed=0, num_attention_heads=8, num_key_value_heads=4))
-        whole.load_state_dict({n: _whole(p).detach() for n, p in model.named_parameters()}, strict=False)
-        one = Engine(
-            whole, eos_token_ids=engine.eos_token_ids, config=replace(engine.config, kv_cache_tokens=None)
-        )
-        _same(engine, one, f"actor TP {actor_tp} -> engine TP {rollout_tp}")
+        for actor_tp, rollout_tp in ((2, 4), (4, 2)):
+            c = config(setup, run_dir / f"{actor_tp}-{rollout_tp}", f"model.path={model_dir}", "resources.device=cpu",
+                       f"resources.num_workers={world}", f"actor.tensor_parallel_size={actor_tp}",
+                       f"rollout.tensor_parallel_size={rollout_tp}")  # fmt: skip
+            worker = HybridWorker(c, rank, world, total_steps=1)
+            engine = worker.rollout.backend
+            assert (
+                engine.tp.size == rollout_tp
+                and engine.model.model.layers[0].self_attn.heads == 8 // rollout_tp
+            )
+            model = worker.actor.model
+            with torch.no_grad():  # a policy the engine has not seen: every weight moved, shard by shard
+                for p in model.parameters():
+                    p.mul_(1.5).add_(0.01)
+            worker.sync_weights()  # a layer gathered at a time; each engine rank takes its slices
+            whole = from_hf_model(tiny_model("qwen2", seed=0, num_attention_heads=8, num_key_value_heads=4))
+            whole.load_state_dict({n: _whole(p).detach() for n, p in model.named_parameters()}, strict=False)
+            one = Engine(
+                whole, eos_token_ids=engine.eos_token_ids, config=replace(engine.config, kv_cache_tokens=None)
+            )
+            _same(engine, one, f"actor TP {actor_tp} -> engine TP {rollout_tp}")
         dist.barrier()  # neither rank tears down while the others still work (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("actor_tp", "rollout_tp"), [(2, 4), (4, 2)])
-def test_an_engine_split_unlike_the_actor_takes_its_slices_of_each_synced_layer(
-    setup, tmp_path, actor_tp, rollout_tp
-):
-    """Four workers, the actor split over pairs and the engine over all four (or the reverse): a sync
+def test_an_engine_split_unlike_the_actor_takes_its_slices_of_each_synced_layer(setup, tmp_path):
+    """Four workers, the actor split over pairs and the engine over all four, then the reverse: a sync
     after every weight moved leaves each engine generating what one whole engine on the actor's
     gathered weights generates, tokens and log-probs (no rank ever held the whole model)."""
     from hybridflow.models import byte_tokenizer, save_hf
 
     save_hf(tiny_model("qwen2", seed=0, num_attention_heads=8, num_key_value_heads=4), byte_tokenizer(),
             tmp_path / "model")  # fmt: skip
-    args = (4, free_address()[1], setup, tmp_path / "model", tmp_path / "run", actor_tp, rollout_tp)
+    args = (4, free_address()[1], setup, tmp_path / "model", tmp_path / "run")
     mp.spawn(_unequal_rank, args=args, nprocs=4, join=True)
 
 
