@@ -344,7 +344,7 @@ class Engine:
                 s.finish_reason,
                 s.unscaled_logprobs,
                 s.routes,
-            )
+            )  # fmt: skip
             for s in seqs
         ]
 
@@ -449,11 +449,8 @@ class Engine:
             else:
                 s.cached = len(s.tokens) - 1  # every token but the last is cached
         if finished and self.cache.routes is not None:  # read before the pages go
-            ps, offsets = self.cache.page_size, np.arange(self.cache.page_size)
-            slots = [
-                (np.array(s.pages)[:, None] * ps + offsets).ravel()[: len(s.tokens) - 1] for s in finished
-            ]
-            for s, routes in zip(finished, self.cache.read_routes(slots)):
+            kept = self.cache.read_routes([(s.pages, len(s.tokens) - 1) for s in finished])
+            for s, routes in zip(finished, kept):
                 s.routes = routes
         for s in finished:
             self.scheduler.finish(s)

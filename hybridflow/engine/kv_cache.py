@@ -158,9 +158,11 @@ class KVCache:
         if self.routes is not None:
             self.routes[:, d : d + n] = self.routes[:, s : s + n]
 
-    def read_routes(self, slots: list[np.ndarray]) -> list[torch.Tensor]:
-        """The kept experts of each array of slots (a sequence's tokens in order): [tokens, MoE layers,
-        k] int16 on the host each, read in one copy."""
+    def read_routes(self, sequences: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+        """The kept experts of each (pages, tokens) sequence's first `tokens` tokens: [tokens, MoE
+        layers, k] int16 on the host each, read in one copy."""
+        offsets = np.arange(self.page_size)
+        slots = [(np.array(pages)[:, None] * self.page_size + offsets).ravel()[:n] for pages, n in sequences]
         flat = torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(self.device)
         every = self.routes.index_select(1, flat).permute(1, 0, 2).cpu()  # [sum tokens, L, k]
-        return list(torch.split(every, [len(row) for row in slots]))
+        return list(torch.split(every, [n for _, n in sequences]))
