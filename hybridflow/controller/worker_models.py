@@ -271,6 +271,14 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
         mesh = grid["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
+    if (
+        c.actor.expert_parallel_size > 1
+    ):  # the whole data-parallel group, before FSDP2 (which then skips them)
+        from hybridflow.parallel.expert import apply_expert_parallel
+
+        for m in (model, ref_model, critic_model):  # those of them with experts (a reference or critic
+            if isinstance(m, native.NativeModule) and m.config.moe is not None:  # of their own may have none)
+                apply_expert_parallel(m, mesh)
     dtype, tp_mesh = DTYPES[c.model.dtype], grid["tp"] if grid is not None else None
     if policy_path is not None:
         config = shardable_config(policy_path)
@@ -292,8 +300,10 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
 
 
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
-    """What actor/rollout.tensor_parallel_size cannot run with yet, one line each, before anything is built."""
+    """What actor/rollout.tensor_parallel_size and actor.expert_parallel_size cannot run with yet, one
+    line each, before anything is built."""
     _check_rollout_tensor_parallel(c, world_size, model)
+    _check_expert_parallel(c, world_size, model)
     tp = c.actor.tensor_parallel_size
     if tp == 1:
         return
@@ -313,6 +323,37 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
     for refused, why in refusals:
         if refused:
             raise UserError(f"actor.tensor_parallel_size={tp} {why}")
+
+
+def _check_expert_parallel(c: Config, world_size: int, model) -> None:
+    ep = c.actor.expert_parallel_size
+    if ep == 1:
+        return
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    refusals = [
+        (
+            not isinstance(model, native.NativeModule) or moe is None,
+            "splits the experts of our native mixture-of-experts models (Qwen3-MoE, Mixtral); this policy has none",
+        ),
+        (
+            ep != world_size,
+            f"runs over the whole data-parallel group for now: set it to the number of training workers "
+            f"({world_size}) or 1",
+        ),
+        (
+            moe is not None and moe.num_experts % ep != 0,
+            f"does not divide num_experts={moe and moe.num_experts}",
+        ),
+        (c.actor.tensor_parallel_size > 1, "does not combine with actor.tensor_parallel_size yet"),
+        (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
+        (
+            c.actor.offload_params or c.ref.offload_params,
+            "does not combine with offload_params yet (the experts would stay on the GPU)",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"actor.expert_parallel_size={ep} {why}")
 
 
 def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:

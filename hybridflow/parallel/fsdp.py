@@ -18,6 +18,7 @@ from torch.distributed.fsdp import (
 )
 
 from hybridflow.models.native.model import NativeModule
+from hybridflow.parallel.expert import expert_parallel_parameters
 
 
 def apply_fsdp(
@@ -36,6 +37,9 @@ def apply_fsdp(
     }
     if offload_params and mesh.device_type != "cpu":  # on a CPU mesh the shards are in CPU memory already
         options["offload_policy"] = CPUOffloadPolicy()
+    experts = expert_parallel_parameters(model)
+    if experts:  # split by expert already (parallel/expert.py): each rank keeps its own whole
+        options["ignored_params"] = experts
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)

@@ -64,7 +64,7 @@ def test_the_grouped_gemm_gives_the_per_expert_loop_s_outputs_and_gradients():
     x = torch.rand(12, 16) + 0.1
     results = []
     for grouped in (False, True):
-        block.grouped_gemm = grouped
+        block.experts.grouped_gemm = grouped
         block.zero_grad()
         inputs = x.clone().requires_grad_()
         out = block(inputs)

@@ -43,6 +43,26 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        self.grouped_gemm: bool | None = None  # None: where it runs (grouped_gemm_dtype); True/False force it
+
+    def forward(self, inputs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """inputs [S, H] in one block per expert, in expert order, counts [E] rows each -> each row
+        through its expert's SwiGLU, [S, H]. Under expert parallelism (parallel/expert.py) the weights
+        are this rank's experts and the blocks those sent to them."""
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)  # [E, 2I, H], [E, H, I]
+        dtype = grouped_gemm_dtype(inputs, gate_up, down) if self.grouped_gemm is None else None
+        if self.grouped_gemm or dtype is not None:
+            offs = counts.cumsum(0).to(torch.int32)  # [E] where each expert's block ends
+            gate, up = _grouped(inputs, gate_up, offs, dtype).chunk(2, dim=-1)
+            return _grouped(F.silu(gate) * up, down, offs, dtype).to(inputs.dtype)
+        outputs = torch.empty_like(inputs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gate, up = F.linear(inputs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+                outputs[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+                start += n
+        return outputs
 
 
 @dataclass
@@ -59,7 +79,6 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
         self.record_routing = False
         self.routing: Routing | None = None
-        self.grouped_gemm: bool | None = None  # None: where it runs (grouped_gemm_dtype); True/False force it
 
     def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] -> [N, H]. routes [N, k] int64 (router replay): a row of experts (>= 0) is used
@@ -90,21 +109,7 @@ class SparseMoE(nn.Module):
         # [E] slots per expert; scatter_add, unlike bincount, needs no host sync
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, slots, torch.ones_like(slots))
-        inputs = x.index_select(0, tokens)  # [N*k, H]
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        dtype = grouped_gemm_dtype(inputs, gate_up, down) if self.grouped_gemm is None else None
-        if self.grouped_gemm or dtype is not None:
-            offs = counts.cumsum(0).to(torch.int32)  # [E] where each expert's block ends
-            gate, up = _grouped(inputs, gate_up, offs, dtype).chunk(2, dim=-1)
-            outputs = _grouped(F.silu(gate) * up, down, offs, dtype).to(x.dtype)
-        else:
-            outputs = torch.empty_like(inputs)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n:
-                    gate, up = F.linear(inputs[start : start + n], gate_up[e]).chunk(2, dim=-1)
-                    outputs[start : start + n] = F.linear(F.silu(gate) * up, down[e])
-                    start += n
+        outputs = self.experts(x.index_select(0, tokens), counts)  # [N*k, H]
         scaled = outputs * weights.flatten()[order, None].to(outputs.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
@@ -117,6 +122,11 @@ def grouped_gemm_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype |
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     aligned = all(w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 for w in weights)
     return torch.bfloat16 if dtype == torch.bfloat16 and aligned else None
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight that expert parallelism split (a DTensor), else the weight."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dtype) -> torch.Tensor:
