@@ -226,9 +226,9 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.actor.kl_loss_coef": rename("actor.kl_loss_coef"),
     f"{_ARR}.actor.kl_loss_type": rename("actor.kl_loss_type"),
     f"{_ARR}.actor.entropy_coeff": rename("actor.entropy_coeff"),
-    f"{_ARR}.actor.router_replay.mode": rename("actor.router_replay", "R3; R2 is refused (not built)"),
+    f"{_ARR}.actor.router_replay.mode": rename("actor.router_replay", "R2 and R3"),
     f"{_ARR}.actor.megatron.router_replay.mode": rename(
-        "actor.router_replay", "R3 in our trainer (no Megatron); R2 is refused (not built)"
+        "actor.router_replay", "R2 and R3 in our trainer (no Megatron)"
     ),
     f"{_ARR}.rollout.enable_rollout_routing_replay": no_effect(
         "our engine records the routes whenever `actor.router_replay=R3` (the actor's mode decides)"

@@ -69,8 +69,11 @@ class ActorConfig:
     """Mixture-of-experts policies: 'R3' (rollout routing replay) has the engine record the experts
     every token went to and the trainer's forwards (old log-probs, updates) route those tokens to the
     same experts, weighted by the trainer's router (which still trains), so that routing flips between
-    the engine's numerics and the trainer's do not move the log-probs; 'disabled': each routes itself.
-    verl's router_replay.mode R2 (replaying the trainer's own first pass) is not built."""
+    the engine's numerics and the trainer's do not move the log-probs; 'R2' (routing replay) records
+    the experts of the trainer's own old-log-prob pass and has every update route to them, so the
+    routing stays that of pi_old across mini-batches and epochs (where no pass of pi_old runs — one
+    update a step, on-policy — the update's own forward is that pass and nothing is replayed; bypass
+    mode, which skips it, is refused); 'disabled': each forward routes itself."""
     use_kl_loss: bool = False
     """Add a KL penalty against the reference policy to the actor loss (GRPO's way; needs the reference)."""
     kl_loss_coef: float = 0.001
@@ -108,12 +111,7 @@ class ActorConfig:
             ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         )
         check_choice("actor", "compute_dtype", self.compute_dtype, ("auto", "bfloat16", "float16", "float32"))
-        if self.router_replay == "R2":
-            raise UserError(
-                "actor.router_replay=R2 (replaying the trainer's own first forward) is not built; "
-                "R3 replays the rollout's routing"
-            )
-        check_choice("actor", "router_replay", self.router_replay, ("disabled", "R3"))
+        check_choice("actor", "router_replay", self.router_replay, ("disabled", "R2", "R3"))
         check_positive("actor", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_positive("actor", "sequence_parallel_size", self.sequence_parallel_size)

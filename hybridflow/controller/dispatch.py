@@ -30,12 +30,19 @@ def share(batch: TrainingBatch, rows: list[int]) -> TrainingBatch:
 
 
 def merge_rows(results: list[Any], parts: list[list[int]]) -> Any:
-    """Per-rank row results (tensors [rows, ...], tuples of them, or None) in the batch's order."""
+    """Per-rank row results (tensors [rows, ...], lists of one item a row, tuples of them, or None) in
+    the batch's order."""
     first = results[0]
     if len(results) == 1 or first is None:  # one rank holds every row, in order
         return first
     if isinstance(first, tuple):
         return tuple(merge_rows([r[i] for r in results], parts) for i in range(len(first)))
+    if isinstance(first, list):
+        merged: list = [None] * sum(map(len, parts))
+        for rows, items in zip(parts, results, strict=True):
+            for i, item in zip(rows, items, strict=True):
+                merged[i] = item
+        return merged
     width = max(r.shape[1] for r in results) if first.dim() > 1 else None
     if width is not None:  # each shard is trimmed to its own longest response
         results = [torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in results]

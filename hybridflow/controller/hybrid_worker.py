@@ -146,6 +146,12 @@ class HybridWorker:
         with self._phase("old_log_prob"):
             return self.actor.log_probs(batch)[0]
 
+    def log_probs_and_routes(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The old policy's log-probs and the experts its pass routed each sequence's tokens to (R2)."""
+        routes: list = [None] * len(batch)
+        with self._phase("old_log_prob"):
+            return self.actor.log_probs(batch, routes=routes)[0], routes
+
     def ref_log_probs(self, batch: TrainingBatch) -> torch.Tensor:
         with self._phase("ref"):
             return self.ref.log_probs(batch)

@@ -47,6 +47,11 @@ class RoleCalls:
         """The actor's log-probs of the response tokens [B, T] (the old policy's, before the update)."""
         return self.per_row(HybridWorker.log_probs, batch)
 
+    def log_probs_and_routes(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The old policy's log-probs [B, T] and each sequence's experts as that pass routed them
+        (router replay R2)."""
+        return self.per_row(HybridWorker.log_probs_and_routes, batch)
+
     def ref_log_probs(self, batch: TrainingBatch) -> torch.Tensor:
         """The reference policy's log-probs [B, T]."""
         return self.per_row(HybridWorker.ref_log_probs, batch)
@@ -61,8 +66,8 @@ class RoleCalls:
     def update_critic(self, batch: TrainingBatch, *, epochs: int) -> dict[str, float]:
         return self.update(HybridWorker.update_critic, batch, epochs=epochs)
 
-    def per_row(self, method: Method, batch: TrainingBatch) -> torch.Tensor:
-        """A per-row result ([B, T]) computed by the workers on their balanced shares of `batch`."""
+    def per_row(self, method: Method, batch: TrainingBatch):
+        """A per-row result ([B, T], a list of B, or a tuple of those) computed by the workers on their balanced shares of `batch`."""
         sp = self._same_data
         parts = shard_rows(batch, self.workers.world_size // sp)
         per_rank = to_sequence_parallel_ranks([(share(batch, rows),) for rows in parts], sp)

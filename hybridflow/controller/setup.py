@@ -40,6 +40,17 @@ def check_config(config: Config) -> None:
                 f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
             )
     check_async(config)
+    if actor.router_replay == "R2" and algo.rollout_correction.bypass_mode:
+        raise UserError(
+            "actor.router_replay=R2 replays the routing of the old-log-prob pass, which "
+            "algorithm.rollout_correction.bypass_mode=true skips (pi_old is the sampler's): use R3, which replays "
+            "the sampler's own routing, or turn bypass mode off"
+        )
+    if actor.router_replay == "R2" and actor.sequence_parallel_size > 1:
+        raise UserError(
+            "actor.router_replay=R2 does not split its routes for actor.sequence_parallel_size > 1 yet; "
+            "set one of them back (router_replay=disabled or sequence_parallel_size=1)"
+        )
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
     if per_update is not None and (per_update <= 0 or per_step % per_update):

@@ -272,6 +272,11 @@ class RLTrainer:
         finally:  # a failed save still records the step it followed
             self._log(metrics, step=self.step)
 
+    def _old_logprobs_recording_routes(self, batch: TrainingBatch) -> torch.Tensor:
+        """pi_old's log-probs; the experts its pass routed to become what every update replays (R2)."""
+        logprobs, batch.routed_experts = self.roles.log_probs_and_routes(batch)
+        return logprobs
+
     def _write_report(self) -> None:
         if "jsonl" not in self.config.trainer.logger:
             return  # the report reads metrics.jsonl
@@ -314,10 +319,13 @@ class RLTrainer:
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
                 with contextlib.nullcontext() if bypass else timer("old_log_prob"):
-                    actor_mask, corrections = set_old_logprobs(c, batch, self.roles.log_probs)
+                    recompute = self._old_logprobs_recording_routes if c.actor.router_replay == "R2" else None
+                    actor_mask, corrections = set_old_logprobs(c, batch, recompute or self.roles.log_probs)
                 metrics |= corrections
                 if self.stream is not None:
                     metrics |= fresh_gap(rollouts, batch, trained_by=self.step - 1)
+            if c.actor.router_replay == "R2":  # one update on-policy: its own pass is pi_old's, none replayed
+                metrics["router_replay/recorded_fraction"] = float(batch.routed_experts is not None)
             if self.needs_ref:
                 with timer("ref"):
                     batch.ref_logprobs = self.roles.ref_log_probs(batch)

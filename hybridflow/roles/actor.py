@@ -135,6 +135,12 @@ class Actor:
             )
         for block in self.moe_blocks:
             block.record_routing = bool(config.router_aux_loss_coef)
+        if config.router_replay != "disabled" and not self.moe_blocks:
+            raise UserError(
+                f"actor.router_replay={config.router_replay} replays a mixture-of-experts policy's routing, and "
+                "this policy has no experts in our model (a Qwen3-MoE or Mixtral model with model.impl=native "
+                "has them); set actor.router_replay=disabled"
+            )
         # the compute device: parameters offloaded to the CPU (FSDP2) still run there
         self.device = device or next(model.parameters()).device
         self.pad_token_id = pad_token_id
@@ -150,7 +156,7 @@ class Actor:
 
     def _forward(self, batch: TrainingBatch, *, with_entropy: bool, entropy_grad: bool = False):
         routes = None
-        if self.config.router_replay == "R3":  # the rollout's experts (a row without any routes freely)
+        if self.config.router_replay != "disabled":  # recorded experts (a row without any routes freely)
             routes = batch.routed_experts or [None] * len(batch)
         return policy_logprobs(
             self.model, batch.prompt_ids, batch.response_ids, device=self.device,
@@ -162,19 +168,24 @@ class Actor:
     def _grouping(self, batch: TrainingBatch) -> list[list[int]] | None:
         """Prompts by which micro-batches keep a group together (a model that packs a prompt once;
         replayed routes pack each sequence whole)."""
-        replay = self.config.router_replay == "R3"
+        replay = self.config.router_replay != "disabled"
         return batch.prompt_ids if shares_prompts(self.model) and not replay else None
 
     @torch.no_grad()
     def log_probs(
-        self, batch: TrainingBatch, *, with_entropy: bool = False
+        self, batch: TrainingBatch, *, with_entropy: bool = False, routes: list | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-prob [B, T] of every response token under the current policy (and entropy [B, T])."""
+        """Log-prob [B, T] of every response token under the current policy (and entropy [B, T]).
+        `routes`, a list of len(batch): filled with each sequence's experts per MoE layer as this
+        pass routed them, [L - 1, MoE layers, k] int16 (router replay R2)."""
         self.model.eval()
         width = batch.response_mask.shape[1]
         logps = torch.zeros(len(batch), width)
         entropy = torch.zeros(len(batch), width) if with_entropy else None
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        recording = routes is not None
+        for block in self.moe_blocks if recording else ():
+            block.record_routing = True
         for rows, padding in in_step_microbatches(
             lengths, self.config.max_tokens_per_microbatch, self.config.sequences_per_microbatch,
             prompt_ids=self._grouping(batch),
@@ -185,6 +196,15 @@ class Actor:
             logps[rows, : lp.shape[1]] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, : ent.shape[1]] = ent.float().cpu()
+            if recording:  # sequences packed whole, in order (_grouping): split the tokens back
+                chosen = torch.stack(
+                    [block.routing.experts for block in self.moe_blocks], dim=1
+                )  # [N, L_moe, k]
+                for i, kept in zip(rows, chosen.split([lengths[i] for i in rows])):
+                    routes[i] = kept[:-1].to(torch.int16).cpu()  # the last token routes freely (as R3's)
+        for block in self.moe_blocks if recording else ():
+            block.record_routing = bool(self.config.router_aux_loss_coef)
+            block.routing = None
         return logps * batch.response_mask, entropy
 
     def update(self, batch: TrainingBatch) -> dict[str, float]:

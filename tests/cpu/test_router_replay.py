@@ -1,6 +1,7 @@
-"""Router replay (R3) for mixture-of-experts policies: the engine keeps the experts every token went
+"""Router replay for mixture-of-experts policies. R3: the engine keeps the experts every token went
 to beside its K/V and hands them out with each sample; the trainer's forward routes the same tokens
-to the same experts, its router still weighting them (so the router trains)."""
+to the same experts, its router still weighting them (so the router trains). R2: the trainer's own
+old-log-prob pass records the experts, and every update of the step routes to them."""
 
 import json
 
@@ -168,7 +169,15 @@ def test_an_asynchronous_run_hands_its_groups_routes_to_the_trainer(setup, tmp_p
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["actor.router_replay=R2"], "R2 .* is not built"),
+        (
+            ["actor.router_replay=R2"],
+            "R2 replays a mixture-of-experts policy's routing, and this policy has no",
+        ),
+        (
+            ["actor.router_replay=R2", "algorithm.rollout_correction.bypass_mode=true"],
+            "bypass_mode=true skips",
+        ),
+        (["actor.router_replay=R2", "actor.sequence_parallel_size=2"], "R2 does not split its routes"),
         (["actor.router_replay=R3"], "this policy is dense"),
         (["actor.router_replay=R3", "rollout.backend=hf"], "needs the experts our engine records"),
         (["actor.router_replay=R3", "actor.sequence_parallel_size=2"], "sequence_parallel_size > 1"),
@@ -195,3 +204,58 @@ def test_replay_with_an_agent_loop_is_refused(setup, tmp_path):
                "reward.custom_function_path=null")  # fmt: skip
     with pytest.raises(UserError, match="rollout.agent.loop=environment is not built"):
         RLTrainer(c)
+
+
+def test_r2_updates_route_as_the_old_policy_pass_did_after_the_router_moved():
+    """The old-log-prob pass records each sequence's experts (those of a plain forward, the last token
+    left free); once the routers move, as an update moves them, a free forward routes some tokens
+    elsewhere and the R2 forward still routes every recorded token to pi_old's experts."""
+    from hybridflow.batch import TrainingBatch
+    from hybridflow.config.sections_training import ActorConfig
+    from hybridflow.roles.actor import Actor
+
+    torch.manual_seed(0)
+    model = from_hf_model(tiny_model("qwen3_moe", seed=0))
+    responses = [[7, 8, 9, 10], [11, 12], [13, 14, 15], [16]]
+    sequences = [p + r for p, r in zip(PROMPTS, responses)]
+    actor = Actor(model, ActorConfig(router_replay="R2", compute_dtype="float32", max_tokens_per_microbatch=40),
+                  total_steps=1, max_response_tokens=4, pad_token_id=0)  # fmt: skip
+    batch = TrainingBatch(PROMPTS, responses, pad_ragged([torch.ones(len(r)) for r in responses]))
+    routes = [None] * len(batch)
+    actor.log_probs(batch, routes=routes)  # micro-batches of <= 40 tokens: the 36-token sequence alone
+    for recorded, own in zip(routes, _own_routes(model, sequences), strict=True):
+        assert recorded.dtype == torch.int16 and torch.equal(recorded.long(), own[:-1])
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    with torch.no_grad():
+        for block in blocks:
+            block.gate.weight.add_(torch.randn_like(block.gate.weight))
+    moved = _own_routes(model, sequences)
+    assert any(not torch.equal(m[:-1], r.long()) for m, r in zip(moved, routes))
+    batch.routed_experts = routes
+    for block in blocks:
+        block.record_routing = True
+    with torch.no_grad():
+        actor._forward(batch, with_entropy=False)
+    used = torch.split(torch.stack([b.routing.experts for b in blocks], dim=1), [len(s) for s in sequences])
+    for replayed, recorded in zip(used, routes, strict=True):
+        assert torch.equal(replayed[:-1], recorded.long())
+
+
+def test_an_r2_run_records_pi_old_s_routing_when_there_is_one(setup, tmp_path):
+    """Two mini-batches a step: pi_old's pass runs and records its experts for both updates
+    (recorded_fraction 1); one update on-policy: the update's forward is pi_old's own pass, so
+    nothing is recorded or replayed (0)."""
+    from rl_run import config
+
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.models import byte_tokenizer, save_hf
+
+    save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "model")
+    for name, per_update, recorded in (("two", 16, 1.0), ("one", 32, 0.0)):
+        run = tmp_path / name
+        c = config(setup, run, f"model.path={tmp_path / 'model'}", f"actor.sequences_per_update={per_update}",
+                   "actor.router_replay=R2", "trainer.total_training_steps=2")  # fmt: skip
+        RLTrainer(c).fit()
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["router_replay/recorded_fraction"] for m in metrics] == [recorded, recorded], name
+        assert all(m["actor/grad_norm"] > 0 for m in metrics), name
