@@ -117,7 +117,9 @@ class RolloutConfig:
     the MLP), so a model that one GPU cannot hold with its KV cache generates; the actor's TP groups
     when actor.tensor_parallel_size equals it (each rank's weights then come from its own TP shard),
     groups of consecutive workers of its own otherwise (each sync gathers a layer at a time and every
-    rank takes its slices: the actor at TP 2 can feed engines at TP 4, or 1); colocated, synchronous (vLLM's / verl's
+    rank takes its slices: the actor at TP 2 can feed engines at TP 4, or 1); on rollout workers of their
+    own (resources.rollout_workers, a multiple of it), consecutive workers split each engine and take their
+    slices of the layers the actor broadcasts; synchronous generation (vLLM's / verl's
     tensor_model_parallel_size). Without CUDA graphs or the fused layers for now: slower than whole
     engines where those fit."""
     max_batch_sequences: int = 256

@@ -12,6 +12,7 @@ from hybridflow.agents.setup import agent_loop
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import policy_model, rollout_backend
+from hybridflow.controller.worker_models import engine_mesh
 from hybridflow.devices import DTYPES, resolve_device
 from hybridflow.models import load_causal_lm
 from hybridflow.parallel.weight_sync import WeightSync, unpack
@@ -32,9 +33,12 @@ class RolloutWorker:
         policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
         if c.rollout.backend == "hf":
             hf_model.to(self.device)
+        # rollout.tensor_parallel_size: consecutive rollout workers split one engine (each takes its
+        # slices of every whole layer the actor's rank 0 broadcasts)
         backend = rollout_backend(
-            c, hf_model, policy, tokenizer, self.device, Path(c.trainer.run_dir), share_weights=False
-        )
+            c, hf_model, policy, tokenizer, self.device, Path(c.trainer.run_dir), share_weights=False,
+            tp_mesh=engine_mesh(c, world_size, self.device),
+        )  # fmt: skip
         del hf_model, policy
         if hasattr(backend, "resize_pool"):
             backend.resize_pool()  # the policy it was copied from is gone: room for more KV

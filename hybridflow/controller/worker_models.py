@@ -123,10 +123,10 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     # the rollout backend takes its own full copy before the trained models are sharded, or when it
     # generates while the trainer updates (an asynchronous run); split over the actor's TP groups
     # with rollout.tensor_parallel_size, or over groups of its own where the actor has none
-    engine_tp = _engine_mesh(c, world_size, device, grid)
     backend = (
         rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
-                        share_weights=not layout.shard_actor and c.trainer.async_mode == "off", tp_mesh=engine_tp)
+                        share_weights=not layout.shard_actor and c.trainer.async_mode == "off",
+                        tp_mesh=engine_mesh(c, world_size, device, grid))
         if layout.colocated
         else None
     )  # fmt: skip
@@ -153,10 +153,10 @@ def _tensor_parallel_grid(c: Config, world_size: int, device: torch.device):
     return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _engine_mesh(c: Config, world_size: int, device: torch.device, grid):
+def engine_mesh(c: Config, world_size: int, device: torch.device, grid=None):
     """The 1-D 'tp' mesh an engine splits over (rollout.tensor_parallel_size): the actor's TP group
     where it has that size, else consecutive ranks of their own (the engine then takes its slices of
-    each gathered layer at a sync); None for whole engines."""
+    each gathered layer at a sync; rollout workers, `grid` None, always); None for whole engines."""
     rtp = c.rollout.tensor_parallel_size
     if rtp == 1:
         return None
@@ -193,7 +193,7 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
         template.generation_config = GenerationConfig.from_model_config(hf_config)
         if (path / "generation_config.json").is_file():
             template.generation_config = GenerationConfig.from_pretrained(path)
-        engine_tp = _engine_mesh(c, world_size, device, grid)
+        engine_tp = engine_mesh(c, world_size, device, grid)
         backend = rollout_backend(c, template, template, tokenizer, device, Path(c.trainer.run_dir),
                                   share_weights=False, tp_mesh=engine_tp)  # fmt: skip
     own_group, ref_model, model, critic_model = _shard(
@@ -360,19 +360,15 @@ def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
     rtp = c.rollout.tensor_parallel_size
     if rtp == 1:
         return
+    apart = c.resources.rollout_workers  # the engines on rollout workers of their own
+    workers = "rollout workers (resources.rollout_workers)" if apart else (
+        "training workers (resources.num_workers / trainer.n_gpus_per_node)"
+    )  # fmt: skip
     refusals = [
-        (
-            world_size % rtp != 0,
-            f"needs a multiple of {rtp} training workers (resources.num_workers / trainer.n_gpus_per_node), "
-            f"not {world_size}",
-        ),
+        ((apart or world_size) % rtp != 0, f"needs a multiple of {rtp} {workers}, not {apart or world_size}"),
         (
             not isinstance(model, native.NativeCausalLM) or model.config.moe is not None,
             "splits our native dense models (not model.impl=hf, not mixture-of-experts)",
-        ),
-        (
-            c.resources.rollout_workers > 0,
-            "runs in the training workers' engines, not on resources.rollout_workers, for now",
         ),
         (c.trainer.async_mode != "off", "runs synchronous generation only for now (trainer.async_mode=off)"),
         (c.rollout.backend not in ("auto", "native"), "splits the native engine (rollout.backend=native)"),

@@ -281,6 +281,20 @@ def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_
 
 
 @pytest.mark.slow
+def test_an_engine_split_over_two_rollout_workers_trains_as_one_process(setup, tmp_path, single):
+    """Disaggregated with rollout.tensor_parallel_size=2: one trainer, one engine split over two Ray
+    rollout workers (each given the same prompts; each takes its slices of every whole layer the actor
+    broadcasts): the same steps and weights as one colocated process."""
+    single_dir, single = single
+    workers = ["resources.device=cpu", "resources.num_workers=3", "resources.rollout_workers=2"]
+    apart = _train(setup, tmp_path / "apart", 2, *workers, "rollout.tensor_parallel_size=2")
+    assert "each engine split over 2 workers" in (tmp_path / "apart" / "step_plan.txt").read_text()
+    for step in (1, 2):
+        _assert_same_step(single[step], apart[step])
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "apart", 2))
+
+
+@pytest.mark.slow
 def test_an_engine_split_over_two_fsdp_workers_trains_as_one_process(setup, tmp_path, single):
     """rollout.tensor_parallel_size=2 with an FSDP2 actor (verl's usual layout: FSDP training, a TP
     engine): both ranks generate the same prompts with half the engine each, each trains its own share,

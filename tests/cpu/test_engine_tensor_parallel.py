@@ -208,7 +208,11 @@ def test_an_engine_split_unlike_the_actor_takes_its_slices_of_each_synced_layer(
     "overrides, world, refusal",
     [
         (["actor.tensor_parallel_size=1"], 3, "needs a multiple of 2 training workers"),
-        (["resources.rollout_workers=1"], 2, "not on resources.rollout_workers"),
+        (
+            ["actor.tensor_parallel_size=1", "resources.rollout_workers=3"],
+            1,
+            r"needs a multiple of 2 rollout workers \(resources.rollout_workers\), not 3",
+        ),
         (["trainer.async_mode=one_step"], 2, "synchronous generation only"),
         (["rollout.backend=hf"], 2, "rollout.backend=native"),
     ],

@@ -53,8 +53,8 @@ def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
         for family in families:  # one process group for all: each start costs seconds
             for replay in (False, True):
                 _expert_parallel_equals_one_process(rank, world, family, replay)
+        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
-        dist.barrier()
         dist.destroy_process_group()
 
 

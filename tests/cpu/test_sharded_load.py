@@ -49,6 +49,7 @@ def _rank(rank: int, world: int, port: int, directory: str) -> None:
             )
             assert held < 0.6 * total  # about half each (rows that do not split evenly round up)
         assert fsdp.lm_head.weight is fsdp.model.embed_tokens.weight or not config.tie_word_embeddings
+        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 

@@ -51,6 +51,7 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, dict]]) -> No
     try:
         for family, overrides in cases:  # one process group for all: each start costs seconds
             _tensor_parallel_equals_one_process(rank, world, family, overrides)
+        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
@@ -119,6 +120,7 @@ def _fsdp_tp_rank(rank: int, world: int, port: int) -> None:
         theirs = dict(single.named_parameters())
         for name, p in sharded.named_parameters():
             assert_close(p.grad.full_tensor(), theirs[name].grad / 2, atol=2e-5, rtol=1e-4, msg=name)
+        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
