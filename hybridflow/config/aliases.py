@@ -22,6 +22,7 @@ from hybridflow.config.verl_rules import Entry, Translation, by_value, no_effect
 
 _ARR = "actor_rollout_ref"
 SAME_SP = r.SAME_SP
+SAME_TP_EP = r.SAME_TP_EP
 
 
 VERL: dict[str, Entry] = {
@@ -230,6 +231,36 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.actor.megatron.router_replay.mode": rename(
         "actor.router_replay", "R2 and R3 in our trainer (no Megatron)"
     ),
+    f"{_ARR}.actor.megatron.tensor_model_parallel_size": rename(
+        "actor.tensor_parallel_size",
+        "consecutive workers split each layer, FSDP2 over the groups (with strategy fsdp: megatron itself is refused)",
+        convert=int,
+    ),
+    f"{_ARR}.actor.megatron.expert_model_parallel_size": rename(
+        "actor.expert_parallel_size",
+        "over the whole data-parallel group (a smaller group is refused)",
+        convert=int,
+    ),
+    f"{_ARR}.actor.megatron.pipeline_model_parallel_size": by_value(
+        r.pipeline_parallel,
+        "(no effect at 1)",
+        "1 accepted; more is refused (pipeline parallelism is not built)",
+    ),
+    f"{_ARR}.actor.megatron.use_dist_checkpointing": no_effect(r.NO_DIST_CKPT),
+    f"{_ARR}.actor.megatron.dist_checkpointing_path": no_effect(r.NO_DIST_CKPT),
+    f"{_ARR}.ref.megatron.tensor_model_parallel_size": by_value(
+        r.same_as_actor("_tp.ref"), "(must equal the actor's)", r.SAME_TP_EP
+    ),
+    f"{_ARR}.ref.megatron.expert_model_parallel_size": by_value(
+        r.same_as_actor("_ep.ref"), "(must equal the actor's)", r.SAME_TP_EP
+    ),
+    f"{_ARR}.ref.megatron.pipeline_model_parallel_size": by_value(
+        r.pipeline_parallel,
+        "(no effect at 1)",
+        "1 accepted; more is refused (pipeline parallelism is not built)",
+    ),
+    f"{_ARR}.ref.megatron.use_dist_checkpointing": no_effect(r.NO_DIST_CKPT),
+    f"{_ARR}.ref.megatron.dist_checkpointing_path": no_effect(r.NO_DIST_CKPT),
     f"{_ARR}.rollout.enable_rollout_routing_replay": no_effect(
         "our engine records the routes whenever `actor.router_replay=R3` (the actor's mode decides)"
     ),

@@ -200,13 +200,18 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
     notes += async_notes
     problems += async_problems
     resolved = dict(out)
-    sp = resolved.get("actor.sequence_parallel_size", 1)
-    for key in ("_sp.ref", "_sp.critic"):
-        if key in resolved and resolved[key] != sp:
-            problems.append(
-                f"{key[4:]} sequence parallel size {resolved[key]} != the actor's {sp}: {aliases.SAME_SP}"
-            )
-    out = [(k, v) for k, v in out if not k.startswith("_sp.")]
+    for prefix, what, actor_key, why in (
+        ("_sp", "sequence", "actor.sequence_parallel_size", aliases.SAME_SP),
+        ("_tp", "tensor", "actor.tensor_parallel_size", aliases.SAME_TP_EP),
+        ("_ep", "expert", "actor.expert_parallel_size", aliases.SAME_TP_EP),
+    ):
+        actor = resolved.get(actor_key, 1)
+        for key in (f"{prefix}.ref", f"{prefix}.critic"):
+            if key in resolved and resolved[key] != actor:
+                problems.append(
+                    f"{key[4:]} {what} parallel size {resolved[key]} != the actor's {actor}: {why}"
+                )
+    out = [(k, v) for k, v in out if not k.startswith(("_sp.", "_tp.", "_ep."))]
     if problems:
         raise UserError(f"{len(problems)} config key(s) cannot be used: " + "; ".join(problems))
     return out, notes, deferred

@@ -52,6 +52,25 @@ MICRO = "micro-batches are packed to a token budget (actor.max_tokens_per_microb
 DYNAMIC = "micro-batches are always packed by tokens (verl's dynamic batch size)"
 PROFILE = "profiling hooks of verl's workers; use torch.profiler around hybridflow's roles instead"
 SAME_SP = "hybridflow uses actor.sequence_parallel_size for actor, reference and critic alike"
+SAME_TP_EP = "hybridflow splits actor, reference and critic alike (actor.tensor_parallel_size, actor.expert_parallel_size)"
+NO_DIST_CKPT = (
+    "hybridflow reads the weights at model.path as transformers saved them: no converted checkpoint"
+)
+
+
+def pipeline_parallel(value: Any) -> Translation:
+    if int(value) == 1:
+        return Translation(note="no pipeline stages (1)")
+    return Translation(
+        refusal=f"pipeline_model_parallel_size={value}: pipeline parallelism is not built; a model one GPU cannot "
+        "hold is split by tensor parallelism (megatron.tensor_model_parallel_size), expert parallelism and FSDP2 "
+        "(`hybridflow plan` chooses): set it to 1"
+    )
+
+
+def same_as_actor(key: str) -> Callable[[Any], Translation]:
+    """A reference's or critic's parallel size, checked against the actor's once all keys are read."""
+    return lambda v: Translation({key: int(v)})
 
 
 def logger(value: Any) -> Translation:
@@ -87,7 +106,9 @@ def strategy(role: str) -> Callable[[Any], Translation]:
     return only(
         lambda v: v in ("fsdp", "fsdp2"),
         "hybridflow always shards with FSDP2",
-        f"{role} strategy {{v!r}}: hybridflow trains with FSDP2 only (strategy fsdp or fsdp2)",
+        f"{role} strategy {{v!r}}: hybridflow trains with FSDP2 only: set strategy fsdp (megatron's "
+        "tensor_model_parallel_size and expert_model_parallel_size still apply, as actor.tensor_parallel_size "
+        "and actor.expert_parallel_size)",
     )
 
 

@@ -415,6 +415,52 @@ def test_hints_name_the_right_key():
         resolve_config(None, ["actor.optim.lrr=3"])
 
 
+# verl's Qwen3-30B-A3B example (examples/grpo_trainer/run_qwen3moe-30b_megatron.sh at 3f388066), its
+# overrides word for word but for the paths (it also names --config-name ppo_megatron_trainer.yaml)
+QWEN3_MOE_MEGATRON = """
+algorithm.adv_estimator=grpo data.train_files=$DATA/train.parquet data.val_files=$DATA/test.parquet
+data.train_batch_size=64 data.max_prompt_length=1024 data.max_response_length=2048
+data.filter_overlong_prompts=True data.truncation='error' actor_rollout_ref.model.path=$HF_MODEL_PATH
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=64
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4
+actor_rollout_ref.actor.megatron.expert_model_parallel_size=4
+actor_rollout_ref.actor.megatron.use_dist_checkpointing=True
+actor_rollout_ref.actor.megatron.dist_checkpointing_path=$DIST_CKPT_PATH actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.tensor_model_parallel_size=4
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4 actor_rollout_ref.ref.megatron.expert_model_parallel_size=4
+actor_rollout_ref.ref.megatron.use_dist_checkpointing=True
+actor_rollout_ref.ref.megatron.dist_checkpointing_path=$DIST_CKPT_PATH algorithm.use_kl_in_reward=False
+trainer.critic_warmup=0 trainer.logger=['console','wandb'] trainer.project_name='verl_grpo_example_gsm8k_math'
+trainer.experiment_name='qwen3_30b_moe_megatron' trainer.n_gpus_per_node=8 trainer.nnodes=4 trainer.save_freq=20
+trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+
+def test_verls_megatron_moe_example_maps_its_parallel_sizes_or_names_what_is_not_built():
+    """As written, its two pipeline stages are refused in one line naming what splits a model instead;
+    with one stage (and strategy fsdp) its tensor and expert parallel sizes become ours, for actor
+    and reference alike, and its converted-checkpoint keys are notes (we read model.path)."""
+    args = words(QWEN3_MOE_MEGATRON, DATA="/d", HF_MODEL_PATH="Qwen/Qwen3-30B-A3B", DIST_CKPT_PATH="/ck")
+    with pytest.raises(
+        UserError, match=r"pipeline_model_parallel_size=2: pipeline parallelism is not built.*set it to 1"
+    ):
+        resolve_config(None, args)
+    one_stage = [a.replace("pipeline_model_parallel_size=2", "pipeline_model_parallel_size=1") for a in args]
+    resolved = resolve_config(None, [*one_stage, "actor_rollout_ref.actor.strategy=fsdp"])
+    c = resolved.config
+    assert (c.actor.tensor_parallel_size, c.actor.expert_parallel_size) == (4, 4)
+    assert any(n.startswith("actor_rollout_ref.ref.megatron.dist_checkpointing_path") for n in resolved.notes)
+    with pytest.raises(UserError, match="set strategy fsdp .*as actor.tensor_parallel_size"):
+        resolve_config(None, [*one_stage, "actor_rollout_ref.actor.strategy=megatron"])
+    with pytest.raises(UserError, match="ref expert parallel size 2 != the actor's 4"):
+        resolve_config(None, [*one_stage, "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
+
+
 def test_sequence_parallel_sizes_must_agree():
     with pytest.raises(UserError, match="critic sequence parallel size 2 != the actor's 4"):
         resolve_config(None, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
