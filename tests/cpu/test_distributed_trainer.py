@@ -333,3 +333,10 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     assert whole <= policy.keys()
     # after step 1's two updates (Adam at lr 1e-2 grows the two-rank sums' last bits to ~1e-4 by step 2)
     _assert_same_weights(_policy(tmp_path / "one", 1), policy)
+    # the split checkpoint (each rank's experts and their Adam state) exports whole, and one process
+    # resumes from it and takes step 3 as the one-process run does
+    export_checkpoint(tmp_path / "ep", tmp_path / "ep-export")
+    _assert_same_weights(_policy(tmp_path / "ep", 2), load_file(tmp_path / "ep-export" / "model.safetensors"))
+    one |= _train(setup, tmp_path / "one", 3, *moe)
+    split |= _train(setup, tmp_path / "ep", 3, *moe)
+    _assert_same_step(one[3], split[3])
