@@ -238,7 +238,7 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.actor.megatron.expert_model_parallel_size": rename(
         "actor.expert_parallel_size",
-        "over the whole data-parallel group (a smaller group is refused)",
+        "groups of consecutive training workers, their experts' gradients summed across the groups",
         convert=int,
     ),
     f"{_ARR}.actor.megatron.pipeline_model_parallel_size": by_value(

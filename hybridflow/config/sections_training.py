@@ -93,11 +93,12 @@ class ActorConfig:
     heads, MLP channels and the vocabulary split; log-probs computed without gathering the
     vocabulary), FSDP2 over the groups. The rollout engine still holds a whole copy of the policy."""
     expert_parallel_size: int = 1
-    """Mixture-of-experts policies: split each MoE layer's experts over this many workers — the whole
-    data-parallel group, the only size built — instead of sharding them by FSDP2: each worker keeps
-    num_experts / size whole experts for the actor, reference and critic, and the tokens travel to
-    them (two all-to-alls per MoE layer and pass) rather than the experts' weights to the tokens. The
-    rollout engine still holds a whole copy of the policy."""
+    """Mixture-of-experts policies: split each MoE layer's experts over groups of this many consecutive
+    workers (it divides the training workers and num_experts) instead of sharding them by FSDP2: each
+    worker keeps num_experts / size whole experts for the actor, reference and critic, the tokens
+    travel to them (two all-to-alls per MoE layer and pass) rather than the experts' weights to the
+    tokens, and the groups sum their experts' gradients before each step. The rollout engine still
+    holds a whole copy of the policy."""
     offload_params: bool = False
     """Keep the actor's sharded weights in CPU memory between uses (less GPU memory, slower steps)."""
     offload_optimizer: bool = False

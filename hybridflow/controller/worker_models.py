@@ -278,7 +278,7 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
 
         for m in (model, ref_model, critic_model):  # those of them with experts (a reference or critic
             if isinstance(m, native.NativeModule) and m.config.moe is not None:  # of their own may have none)
-                apply_expert_parallel(m, mesh)
+                apply_expert_parallel(m, mesh, c.actor.expert_parallel_size)
     dtype, tp_mesh = DTYPES[c.model.dtype], grid["tp"] if grid is not None else None
     if policy_path is not None:
         config = shardable_config(policy_path)
@@ -336,9 +336,9 @@ def _check_expert_parallel(c: Config, world_size: int, model) -> None:
             "splits the experts of our native mixture-of-experts models (Qwen3-MoE, Mixtral); this policy has none",
         ),
         (
-            ep != world_size,
-            f"runs over the whole data-parallel group for now: set it to the number of training workers "
-            f"({world_size}) or 1",
+            world_size % ep != 0,
+            f"needs a multiple of {ep} training workers (resources.num_workers / trainer.n_gpus_per_node), "
+            f"not {world_size}",
         ),
         (
             moe is not None and moe.num_experts % ep != 0,

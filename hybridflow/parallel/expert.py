@@ -1,16 +1,20 @@
-"""Expert parallelism for the native model's mixture-of-experts layers, over the data-parallel group,
-applied from outside like tensor parallelism (the model file stays single-device).
+"""Expert parallelism for the native model's mixture-of-experts layers, inside the data-parallel
+group, applied from outside like tensor parallelism (the model file stays single-device).
 
-Each of the P ranks keeps E / P experts of every MoE layer (rank r experts r*E/P .. (r+1)*E/P - 1: a
-DTensor sharded on the expert dimension, so FSDP2 leaves them alone and checkpoints, weight syncs and
-exports see whole tensors). The rest of the model is FSDP2 as before. In a forward, each rank routes
-its own tokens, sends each (token, choice) row to the rank holding its expert (one all-to-all of
-[rows, H]), runs its experts on what it received, and sends the results back (a second all-to-all);
-the backward runs the same exchanges in reverse. A rank never gathers another rank's experts.
+The D data-parallel ranks form groups of P consecutive ranks (P divides D and the number of experts);
+each rank of a group keeps E / P experts of every MoE layer (local rank r: experts r*E/P ..
+(r+1)*E/P - 1), the same as the ranks at its place in the other groups: a DTensor sharded on the
+expert dimension over the group and replicated across groups, so FSDP2 leaves it alone and
+checkpoints, weight syncs and exports see whole tensors. The rest of the model is FSDP2 as before. In
+a forward, each rank routes its own tokens, sends each (token, choice) row to the rank of its group
+holding its expert (one all-to-all of [rows, H]), runs its experts on what it received, and sends the
+results back (a second all-to-all); the backward runs the same exchanges in reverse. A rank never
+gathers another rank's experts.
 
-Gradients: each rank's loss is pre-scaled by the data-parallel size so that FSDP2's mean over ranks
-is the single-process gradient (collectives.data_parallel_scale); an expert's gradient is not
-averaged but summed over the ranks whose tokens reached it, so it is divided by that size here."""
+Gradients: each rank's loss is pre-scaled by D so that FSDP2's mean over ranks is the single-process
+gradient (collectives.data_parallel_scale); an expert's gradient sums the contributions of its
+group's tokens, so it is divided by D as it is computed and, with several groups, summed across them
+before the optimizer steps (reduce_expert_gradients)."""
 
 from __future__ import annotations
 
@@ -18,27 +22,36 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeModule
 from hybridflow.models.native.moe import Experts
 
 
-def apply_expert_parallel(model: NativeModule, mesh: DeviceMesh) -> NativeModule:
-    """Split every MoE layer's experts of `model` in place over the 1-D data-parallel `mesh` (every
-    rank holds the same whole model before); before FSDP2, which then leaves the experts alone."""
-    ep, moe = mesh.size(), model.config.moe
+def apply_expert_parallel(model: NativeModule, mesh: DeviceMesh, size: int | None = None) -> NativeModule:
+    """Split every MoE layer's experts of `model` in place over groups of `size` consecutive ranks of
+    the 1-D data-parallel `mesh` (all of it by default; every rank holds the same whole model
+    before); before FSDP2, which then leaves the experts alone."""
+    dp, moe = mesh.size(), model.config.moe
+    ep = size or dp
     if moe is None:
         raise UserError("expert parallelism needs a mixture-of-experts model; this one is dense")
     if moe.num_experts % ep:
         raise UserError(
             f"expert parallel size {ep} does not divide the model's num_experts={moe.num_experts}"
         )
+    if dp % ep:
+        raise UserError(f"expert parallel size {ep} does not divide the {dp} data-parallel ranks")
+    if ep == dp:  # one group: the experts live on the data-parallel mesh itself
+        grid, placements, group = mesh, [Shard(0)], mesh
+    else:  # groups of ep consecutive ranks, each expert replicated across the groups
+        grid = init_device_mesh(mesh.device_type, (dp // ep, ep), mesh_dim_names=("ep_replicas", "ep"))
+        placements, group = [Replicate(), Shard(0)], grid["ep"]
     for module in model.modules():
         if isinstance(module, Experts):
-            _split(module, mesh)
+            _split(module, grid, placements, group, dp)
     return model
 
 
@@ -52,14 +65,28 @@ def expert_parallel_parameters(model: nn.Module) -> set[nn.Parameter]:
     }
 
 
-def _split(experts: Experts, mesh: DeviceMesh) -> None:
-    ep = mesh.size()
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module) -> None:
+    """With several expert-parallel groups: each expert's gradient summed across them (each group saw
+    its own tokens). Every rank calls it after a mini-batch's backward passes, before the step; a
+    no-op with one group or none."""
+    for module in model.modules():
+        replicas = getattr(module, "_ep_replicas", None) if isinstance(module, Experts) else None
+        for p in module.parameters(recurse=False) if replicas is not None else ():
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=replicas)
+
+
+def _split(experts: Experts, grid: DeviceMesh, placements: list, group: DeviceMesh, dp: int) -> None:
+    ep, rank = group.size(), group.get_local_rank()
     for name, weight in list(experts.named_parameters(recurse=False)):
-        local = weight.detach().chunk(ep, dim=0)[mesh.get_local_rank()].clone()  # [E/P, ...]
-        param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
-        param.register_hook(lambda grad, ep=ep: grad / ep)  # summed over the ranks' tokens: see above
+        local = weight.detach().chunk(ep, dim=0)[rank].clone()  # [E/P, ...]
+        param = nn.Parameter(DTensor.from_local(local, grid, placements, run_check=False))
+        param.register_hook(lambda grad, dp=dp: grad / dp)  # summed over the group's tokens: see above
         setattr(experts, name, param)
-    experts.register_forward_pre_hook(_Dispatch(mesh).before, with_kwargs=False)
+    if grid.ndim == 2:
+        experts._ep_replicas = grid["ep_replicas"].get_group()
+    experts.register_forward_pre_hook(_Dispatch(group).before, with_kwargs=False)
     experts.register_forward_hook(_Dispatch.after)
 
 

@@ -22,6 +22,7 @@ from hybridflow.parallel.collectives import (
     max_values_over_ranks,
     sum_over_ranks,
 )
+from hybridflow.parallel.expert import reduce_expert_gradients
 from hybridflow.roles.forward import in_step_microbatches, microbatches, policy_logprobs, shares_prompts
 from hybridflow.roles.loss_scale import GradientOverflow, LossScale
 from hybridflow.tracking.progress import bar
@@ -66,6 +67,7 @@ def optimizer_step(
     the caller runs the mini-batch again)."""
     keys = sorted(sums)
     sums = dict(zip(keys, sum_over_ranks([sums[k] for k in keys])))
+    reduce_expert_gradients(model)  # with several expert-parallel groups: summed across them
     if loss_scale is not None:
         loss_scale.unscale(model.parameters())
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)

@@ -2,8 +2,8 @@
 layer's experts, FSDP2 shards the rest, every rank trains on its own sequences; the log-probs of each
 rank's tokens and every parameter's gradient equal one process's on all the sequences (FSDP2's mean
 over ranks: half the one-process sum on two). Qwen3-MoE (a dense first layer, renormalised top-k) and
-Mixtral; 2 ranks with 2 experts each; then with every token replayed to experts 0 and 1 (router
-replay), so that rank 1's experts receive no row at all and their backward
+Mixtral; 2 ranks with 2 experts each, and 4 ranks in two groups of 2; then with every token replayed
+to experts 0 and 1 (router replay), so that some ranks' experts receive no row at all and their backward
 must still take part in the exchanges (it hung before)."""
 
 import copy
@@ -23,7 +23,11 @@ from hybridflow.controller.worker_group import free_address
 from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import chunked_token_logprobs, from_hf_model
-from hybridflow.parallel.expert import apply_expert_parallel, expert_parallel_parameters
+from hybridflow.parallel.expert import (
+    apply_expert_parallel,
+    expert_parallel_parameters,
+    reduce_expert_gradients,
+)
 from hybridflow.parallel.fsdp import apply_fsdp
 
 SEQS = [
@@ -45,20 +49,20 @@ def _logprobs_and_backward(model, seqs, targets, weights, replay):
     return logp.detach()
 
 
-def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
+def _rank(rank: int, world: int, port: int, families: list[str], ep: int) -> None:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     # a rank left out of an exchange fails the test in a minute instead of hanging it
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         for family in families:  # one process group for all: each start costs seconds
             for replay in (False, True):
-                _expert_parallel_equals_one_process(rank, world, family, replay)
+                _expert_parallel_equals_one_process(rank, world, family, replay, ep)
         dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
 
-def _expert_parallel_equals_one_process(rank: int, world: int, family: str, replay: bool) -> None:
+def _expert_parallel_equals_one_process(rank: int, world: int, family: str, replay: bool, ep: int) -> None:
     single = from_hf_model(tiny_model(family, seed=3)).train()
     sharded = copy.deepcopy(single)
     every = torch.tensor([t for seq in SEQS for t in seq])
@@ -66,10 +70,10 @@ def _expert_parallel_equals_one_process(rank: int, world: int, family: str, repl
     logp = _logprobs_and_backward(single, SEQS, targets, weights, replay)
 
     mesh = init_device_mesh("cpu", (world,))
-    apply_expert_parallel(sharded, mesh)
+    apply_expert_parallel(sharded, mesh, ep)
     apply_fsdp(sharded, mesh)
     experts = sharded.model.layers[1].mlp.experts
-    assert experts.gate_up_proj.to_local().shape[0] == 4 // world  # only this rank's experts
+    assert experts.gate_up_proj.to_local().shape[0] == 4 // ep  # only this rank's experts
     assert len(expert_parallel_parameters(sharded)) == 2 * len(sharded.config.moe.sparse_layers)
     mine = SEQS[rank::world]  # this rank's sequences; where its tokens sit among one process's
     starts = torch.tensor([0, *map(len, SEQS)]).cumsum(0)
@@ -80,6 +84,7 @@ def _expert_parallel_equals_one_process(rank: int, world: int, family: str, repl
         atol=2e-5,
         rtol=1e-5,
     )
+    reduce_expert_gradients(sharded)  # groups of ep ranks: summed across them (as the optimizer step does)
     theirs = dict(single.named_parameters())
     for name, p in sharded.named_parameters():
         assert isinstance(p.grad, DTensor), name
@@ -89,8 +94,15 @@ def _expert_parallel_equals_one_process(rank: int, world: int, family: str, repl
 
 
 @pytest.mark.slow
-def test_expert_parallel_over_fsdp_equals_one_process():
-    mp.spawn(_rank, args=(2, free_address()[1], ["qwen3_moe", "mixtral"]), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    "world, ep, families",
+    [
+        (2, 2, ["qwen3_moe", "mixtral"]),  # one group: every rank's experts its own
+        (4, 2, ["qwen3_moe"]),  # two groups of two: each expert on two ranks, gradients summed across
+    ],
+)
+def test_expert_parallel_over_fsdp_equals_one_process(world, ep, families):
+    mp.spawn(_rank, args=(world, free_address()[1], families, ep), nprocs=world, join=True)
 
 
 def test_expert_parallel_needs_experts_it_can_split():
@@ -118,9 +130,7 @@ def test_expert_parallel_sizes_that_cannot_run_are_refused_in_one_line(setup, tm
     ):
         RLTrainer(config(setup, tmp_path / "dense", "actor.expert_parallel_size=2"))
     save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "moe")
-    with pytest.raises(
-        UserError, match="runs over the whole data-parallel group for now: set it to the number"
-    ):
+    with pytest.raises(UserError, match="needs a multiple of 2 training workers .*, not 1"):
         RLTrainer(
             config(setup, tmp_path / "one", f"model.path={tmp_path / 'moe'}", "actor.expert_parallel_size=2")
         )
