@@ -114,6 +114,11 @@ def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoc
             if c.rollout.tensor_parallel_size > 1
             else ""
         )
+        + (
+            f" | experts split over groups of {c.actor.expert_parallel_size} workers (expert parallel)"
+            if c.actor.expert_parallel_size > 1
+            else ""
+        )
     )
 
 

@@ -321,6 +321,7 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     moe = [f"model.path={tmp_path / 'moe'}", "actor.router_replay=R2", "actor.sequences_per_update=16"]
     one = _train(setup, tmp_path / "one", 2, *moe)
     split = _train(setup, tmp_path / "ep", 2, *moe, *TWO, "actor.expert_parallel_size=2")
+    assert "experts split over groups of 2 workers" in (tmp_path / "ep" / "step_plan.txt").read_text()
     for step in (1, 2):
         assert (
             one[step]["router_replay/recorded_fraction"]
