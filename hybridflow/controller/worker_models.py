@@ -320,9 +320,7 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
         (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
         (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise UserError(f"actor.tensor_parallel_size={tp} {why}")
+    _refuse_first(f"actor.tensor_parallel_size={tp}", refusals)
 
 
 def _check_expert_parallel(c: Config, world_size: int, model) -> None:
@@ -351,9 +349,7 @@ def _check_expert_parallel(c: Config, world_size: int, model) -> None:
             "does not combine with offload_params yet (the experts would stay on the GPU)",
         ),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise UserError(f"actor.expert_parallel_size={ep} {why}")
+    _refuse_first(f"actor.expert_parallel_size={ep}", refusals)
 
 
 def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
@@ -378,9 +374,14 @@ def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
             "runs single-turn generation only for now: each rank would run the agent's tools itself",
         ),
     ]
+    _refuse_first(f"rollout.tensor_parallel_size={rtp}", refusals)
+
+
+def _refuse_first(setting: str, refusals: list[tuple[bool, str]]) -> None:
+    """The first (refused, why) that holds, as one line naming the setting."""
     for refused, why in refusals:
         if refused:
-            raise UserError(f"rollout.tensor_parallel_size={rtp} {why}")
+            raise UserError(f"{setting} {why}")
 
 
 def _indexed(device: torch.device) -> torch.device | None:
