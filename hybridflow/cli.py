@@ -190,12 +190,15 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from hybridflow.controller.layout_choice import choose_layout
-    from hybridflow.controller.memory_plan import GIB, estimate, plan_inputs
+    from hybridflow.controller.memory_plan import GIB, estimate, model_hf_config, plan_inputs
+    from hybridflow.controller.worker_models import check_parallel_sizes
 
     resolved = _resolve(args)
     _announce(resolved)
     gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
     shape, gpu_bytes, workers = plan_inputs(resolved.config, gpu_bytes=gpu)
+    # a layout the workers would refuse is said here, not planned (train says the same at its start)
+    check_parallel_sizes(resolved.config, workers, model_hf_config(resolved.config))
     print(estimate(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
     print(choose_layout(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
 

@@ -322,6 +322,11 @@ def _suggestions(
 
 def model_shape(config: Config) -> ModelShape:
     """The shape of `config`'s model, from its config file alone."""
+    return ModelShape.from_hf_config(model_hf_config(config))
+
+
+def model_hf_config(config: Config):
+    """`config`'s model's transformers config (its config file alone)."""
     from transformers import AutoConfig
 
     from hybridflow.models.default import default_model_dir
@@ -329,10 +334,8 @@ def model_shape(config: Config) -> ModelShape:
     default = config.model.path == "default"
     path = Path(default_model_dir(config.model.cache_dir) if default else config.model.path)
     if path.is_file():  # a .gguf file
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    else:
-        hf_config = AutoConfig.from_pretrained(path)
-    return ModelShape.from_hf_config(hf_config)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(path)
 
 
 def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:

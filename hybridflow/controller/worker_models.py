@@ -299,6 +299,18 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
     return own_group, ref_model, model, critic_model
 
 
+def check_parallel_sizes(c: Config, world_size: int, hf_config) -> None:
+    """What the training workers would refuse about the parallel sizes of `c` for a model of
+    `hf_config`, without building anything (`hybridflow plan` says it before planning memory)."""
+    probe = None
+    if c.model.impl != "hf" and native.supports(hf_config):
+        from hybridflow.models.native.config import from_hf
+
+        with torch.device("meta"):
+            probe = native.NativeCausalLM(from_hf(hf_config))
+    _check_tensor_parallel(c, world_size, probe, WorkerLayout.of(c, world_size))
+
+
 def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayout) -> None:
     """What actor/rollout.tensor_parallel_size and actor.expert_parallel_size cannot run with yet, one
     line each, before anything is built."""
