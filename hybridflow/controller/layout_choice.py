@@ -123,8 +123,8 @@ def engine_splits(c: Config) -> bool:
 def tensor_parallel_sizes(c: Config, shape: ModelShape, workers: int, above: int | None = None) -> list[int]:
     """The sizes the trainer's (or, `above` the engine's size, the engine's) tensor parallelism takes
     here (worker_models' and parallel/tensor's refusals, read from the shape)."""
-    if c.model.impl == "hf" or c.actor.sequence_parallel_size > 1 or shape.active_params < shape.params:
-        return []  # transformers' modules, Ulysses, mixture-of-experts: not with tensor parallelism
+    if c.model.impl == "hf" or c.actor.sequence_parallel_size > 1 or c.actor.expert_parallel_size > 1:
+        return []  # transformers' modules, Ulysses, experts split over data-parallel ranks
     return [
         tp
         for tp in (2, 4, 8)
@@ -132,7 +132,7 @@ def tensor_parallel_sizes(c: Config, shape: ModelShape, workers: int, above: int
         and workers % tp == 0
         and shape.heads % tp == 0
         and shape.kv_heads % tp == 0
-        and shape.intermediate % tp == 0
+        and (shape.experts % tp == 0 if shape.experts else shape.intermediate % tp == 0)
     ]
 
 

@@ -54,6 +54,7 @@ class ModelShape:
     head_dim: int
     tied: bool
     active_params: float = 0.0  # the parameters one token goes through (MoE: top_k of the experts)
+    experts: int = 0  # experts per MoE layer (0: dense)
 
     def __post_init__(self) -> None:
         self.active_params = self.active_params or float(self.params)
@@ -79,6 +80,7 @@ class ModelShape:
             kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            experts=_num_experts(hf_config),
         )
 
     @property
@@ -92,8 +94,12 @@ class ModelShape:
 def _active_expert_share(hf_config) -> float:
     """top_k / num_experts of an MoE model's expert weights work on each token (1 for a dense model)."""
     k = getattr(hf_config, "num_experts_per_tok", None)
-    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    experts = _num_experts(hf_config)
     return k / experts if k and experts else 1.0
+
+
+def _num_experts(hf_config) -> int:
+    return getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
 
 
 def active_intermediate(hf_config) -> float:

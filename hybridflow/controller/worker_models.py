@@ -326,8 +326,8 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
             f"not {world_size}",
         ),
         (
-            not isinstance(model, native.NativeCausalLM) or model.config.moe is not None,
-            "runs our native dense models (not model.impl=hf, not mixture-of-experts)",
+            not isinstance(model, native.NativeCausalLM),
+            "runs our native models (not model.impl=hf)",
         ),
         (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
         (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
@@ -354,7 +354,11 @@ def _check_expert_parallel(c: Config, world_size: int, model) -> None:
             moe is not None and moe.num_experts % ep != 0,
             f"does not divide num_experts={moe and moe.num_experts}",
         ),
-        (c.actor.tensor_parallel_size > 1, "does not combine with actor.tensor_parallel_size yet"),
+        (
+            c.actor.tensor_parallel_size > 1,
+            "does not combine with actor.tensor_parallel_size: tensor parallelism already splits the experts "
+            "over its ranks (set one of the two)",
+        ),
         (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
         (
             c.actor.offload_params or c.ref.offload_params,
@@ -375,8 +379,8 @@ def _check_rollout_tensor_parallel(c: Config, world_size: int, model) -> None:
     refusals = [
         ((apart or world_size) % rtp != 0, f"needs a multiple of {rtp} {workers}, not {apart or world_size}"),
         (
-            not isinstance(model, native.NativeCausalLM) or model.config.moe is not None,
-            "splits our native dense models (not model.impl=hf, not mixture-of-experts)",
+            not isinstance(model, native.NativeCausalLM),
+            "splits our native models (not model.impl=hf)",
         ),
         (c.trainer.async_mode != "off", "runs synchronous generation only for now (trainer.async_mode=off)"),
         (c.rollout.backend not in ("auto", "native"), "splits the native engine (rollout.backend=native)"),

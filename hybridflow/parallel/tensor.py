@@ -10,7 +10,8 @@ computes log-probs and entropy from each rank's [tokens, vocab / tp] logits with
 
 Used by actor.tensor_parallel_size (controller/worker_models.py: FSDP2 over a (dp, tp) mesh) and by the
 engine's copy (engine/tensor_parallel.py: the same plan, so a trainer's TP shard is an engine's TP
-shard). Not here yet: MoE layers (expert parallelism), sequence-parallel norms."""
+shard). Mixture-of-experts layers split their experts whole over the ranks (parallel/tensor_moe.py).
+Not here yet: sequence-parallel norms."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from torch.distributed.tensor.parallel import (
 
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM, NativeModule
+from hybridflow.models.native.moe import SparseMoE
+from hybridflow.parallel.tensor_moe import TensorParallelMoE
 
 TP_MESH = "tp"  # the name of the tensor-parallel mesh: a DTensor head on it is vocabulary-parallel
 
@@ -38,31 +41,32 @@ def apply_tensor_parallel(model: NativeModule, mesh: DeviceMesh) -> NativeModule
     if mesh.mesh_dim_names != (TP_MESH,):
         raise ValueError(f"tensor parallelism runs over a 1-D mesh named {TP_MESH!r}, not {mesh}")
     c, tp = model.config, mesh.size()
+    dense_mlps = c.moe is None or len(c.moe.sparse_layers) < c.num_hidden_layers
     for name, value in (
         ("num_attention_heads", c.num_attention_heads),
         ("num_key_value_heads", c.num_key_value_heads),
-        ("intermediate_size", c.intermediate_size),
+        ("intermediate_size", c.intermediate_size if dense_mlps else 0),
+        ("num_experts", c.moe.num_experts if c.moe is not None else 0),
     ):
         if value % tp:
             raise UserError(f"tensor parallel size {tp} does not divide the model's {name}={value}")
-    if c.moe is not None:
-        raise UserError(
-            "tensor parallelism of mixture-of-experts layers is not built; use FSDP (data parallel)"
-        )
+    attention = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+    }
+    mlp = {
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
     for layer in model.model.layers:
-        parallelize_module(
-            layer,
-            mesh,
-            {
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(),
-            },
-        )
+        if isinstance(layer.mlp, SparseMoE):  # its experts split whole over the ranks (tensor_moe.py)
+            parallelize_module(layer, mesh, attention)
+            layer.mlp = TensorParallelMoE(layer.mlp, mesh)
+        else:
+            parallelize_module(layer, mesh, attention | mlp)
         layer.self_attn.heads //= tp  # the views of q/k/v see this rank's heads
         layer.self_attn.kv_heads //= tp
         if layer.self_attn.q_norm is not None:  # Qwen3's, over each head: a weight shared by the heads

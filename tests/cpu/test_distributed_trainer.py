@@ -314,7 +314,8 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     all-to-all; micro-batches as small as above, so one rank runs padding passes), FSDP2 for the rest:
     the steps and the weights of one process, and a checkpoint whose exported policy is whole. With
     router replay R2 and two mini-batches a step: each rank records its rows' experts in pi_old's pass
-    and they come back to the controller in the batch's order."""
+    and they come back to the controller in the batch's order. Then actor.tensor_parallel_size=2 with
+    rollout.tensor_parallel_size=2: the experts split over the TP pair instead, the same three steps."""
     from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
     save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "moe")
@@ -341,3 +342,15 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     one |= _train(setup, tmp_path / "one", 3, *moe)
     split |= _train(setup, tmp_path / "ep", 3, *moe)
     _assert_same_step(one[3], split[3])
+    # tensor parallelism splits the experts too (over the TP pair, each rank running all tokens through
+    # its own experts), the engine likewise: the same three steps and weights
+    tp = _train(setup, tmp_path / "tp", 3, *moe, *TWO, "actor.tensor_parallel_size=2",
+                "rollout.tensor_parallel_size=2")  # fmt: skip
+    for step in (1, 2, 3):
+        assert tp[step]["router_replay/recorded_fraction"] == 1
+        _assert_same_step(one[step], tp[step])
+    ones, tps = _policy(tmp_path / "one", 3), _policy(tmp_path / "tp", 3)
+    assert ones.keys() == tps.keys()
+    for name in ones:  # three steps of Adam at lr 1e-2 (each moving weights by ~1e-2) grow the
+        # two-rank sums' last bits to 2.4e-4 at most here (the embedding's)
+        torch.testing.assert_close(tps[name], ones[name], atol=5e-4, rtol=0, msg=name)

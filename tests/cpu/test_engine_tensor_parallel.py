@@ -1,6 +1,7 @@
 """The engine over a tensor-parallel group (engine/tensor_parallel.py), gloo, 2 ranks on CPU: greedy and
 sampled tokens equal one whole engine's, log-probs within float32 summation order, each rank holding
-half the heads, KV heads and MLP channels and its rows of a vocabulary (259) that does not split evenly;
+half the heads, KV heads and MLP channels (half the experts of an MoE layer, routing as one engine does)
+and its rows of a vocabulary (259) that does not split evenly;
 weight updates from whole tensors and from a trainer's TP shards land as in one engine (each rank
 writing its part only) and gather back to the trainer's weights bit for bit; ranks that
 would run different steps stop with one line instead of waiting on each other; a training worker
@@ -26,6 +27,7 @@ from hybridflow.engine import Engine, EngineConfig
 from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
+from hybridflow.models.native.moe import SparseMoE
 from hybridflow.parallel.tensor import apply_tensor_parallel
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -77,9 +79,21 @@ def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
     c, attn = model.config, tp.model.model.layers[0].self_attn
     assert (attn.heads, attn.kv_heads) == (c.num_attention_heads // 2, c.num_key_value_heads // 2)
     assert tp.cache.k[0].shape[-2] == c.num_key_value_heads // 2, "KV pages of the local KV heads"
-    assert tp.model.model.layers[0].mlp.up_proj.weight.to_local().shape[0] == c.intermediate_size // 2
+    for layer in tp.model.model.layers:
+        if isinstance(layer.mlp, SparseMoE):  # half the experts, whole
+            assert layer.mlp.experts.gate_up_proj.to_local().shape[0] == c.moe.num_experts // 2
+        else:  # half of each projection's channels
+            assert layer.mlp.up_proj.weight.to_local().shape[0] == c.intermediate_size // 2
     assert tp.num_pages == one.num_pages
     before = _same(tp, one, family)
+    if c.moe is not None:  # the routes kept for router replay: the same experts as one engine's
+        routed = [
+            [g.routed_experts for g in Engine(model, eos_token_ids=eos, config=replace(cfg, record_routes=True),
+                                              tp_mesh=mesh_or_none).generate(PROMPTS, SAMPLED)]
+            for cfg, mesh_or_none in ((CONFIG, mesh), (replace(CONFIG, fused_decode=False), None))
+        ]  # fmt: skip
+        for a, b in zip(*routed):
+            assert torch.equal(a, b), f"{family}: the engines routed differently"
 
     newer = from_hf_model(tiny_model(family, seed=4)).eval()
     for engine in (tp, one):  # whole tensors, as a trainer that gathers its shards sends them
@@ -127,8 +141,9 @@ def _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh) -> N
 @pytest.mark.slow
 def test_engine_over_two_tensor_parallel_ranks_equals_one_engine():
     # q/k/v biases and a tied head; an untied head (Qwen3's q/k norms run the trainer's TP modules:
-    # test_tensor_parallel.py)
-    mp.spawn(_rank, args=(2, free_address()[1], ["qwen2", "llama3"]), nprocs=2, join=True)
+    # test_tensor_parallel.py); experts split over the ranks, a dense first layer beside them
+    families = ["qwen2", "llama3", "qwen3_moe", "mixtral"]
+    mp.spawn(_rank, args=(2, free_address()[1], families), nprocs=2, join=True)
 
 
 def _worker_rank(rank: int, world: int, port: int, setup, run_dir, actor_tp: int) -> None:

@@ -75,8 +75,12 @@ def test_tensor_parallel_sizes_follow_heads_workers_and_the_model_kind():
     assert tensor_parallel_sizes(config, _shape(**QWEN_7B), 8) == [2, 4]  # 28 heads, 4 KV heads
     assert tensor_parallel_sizes(config, _shape(**QWEN_7B), 2) == [2]  # the workers bound it
     moe = _shape(**QWEN_7B)
-    moe.active_params = moe.params / 4  # experts: not with tensor parallelism
-    assert tensor_parallel_sizes(config, moe, 8) == []
+    moe.active_params, moe.experts = moe.params / 4, 6  # experts split whole: 6 over 2, not over 4
+    assert tensor_parallel_sizes(config, moe, 8) == [2]
+    moe.experts = 128
+    assert tensor_parallel_sizes(config, moe, 8) == [2, 4]
+    split = load_config(None, ["actor.expert_parallel_size=2"])  # experts over data-parallel ranks
+    assert tensor_parallel_sizes(split, moe, 8) == []
     assert tensor_parallel_sizes(load_config(None, ["model.impl=hf"]), _shape(**QWEN_7B), 8) == []
 
 

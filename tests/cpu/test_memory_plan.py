@@ -96,8 +96,8 @@ def test_plan_command_prints_the_report(tiny_dir, capsys):
 
 def test_plan_says_what_the_workers_would_refuse_instead_of_planning_it(tiny_dir, capsys, tmp_path):
     """A parallel layout the training workers refuse at their start is refused by the plan too, in
-    their words: a tensor-parallel size that does not divide the GPUs, tensor parallelism of an MoE
-    model, an expert-parallel split of a dense one."""
+    their words: a tensor-parallel size that does not divide the GPUs, tensor and expert parallelism
+    of an MoE model together, an expert-parallel split of a dense one."""
     from hybridflow.cli import main
     from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
@@ -110,25 +110,18 @@ def test_plan_says_what_the_workers_would_refuse_instead_of_planning_it(tiny_dir
         ),
         (
             tmp_path / "moe",
-            ["trainer.n_gpus_per_node=2", "actor.tensor_parallel_size=2"],
-            "not mixture-of-experts",
+            ["trainer.n_gpus_per_node=4", "actor.tensor_parallel_size=2", "actor.expert_parallel_size=2"],
+            "tensor parallelism already splits the experts",
         ),
         (tiny_dir, ["trainer.n_gpus_per_node=2", "actor.expert_parallel_size=2"], "this policy has none"),
     ):
         assert main(["plan", f"model.path={model}", *settings]) != 0
         err = capsys.readouterr().err
         assert refusal in err and "peak per phase" not in err, settings
-    assert (
-        main(
-            [
-                "plan",
-                f"model.path={tmp_path / 'moe'}",
-                "trainer.n_gpus_per_node=2",
-                "actor.expert_parallel_size=2",
-            ]
+    for split in ("actor.expert_parallel_size=2", "actor.tensor_parallel_size=2"):  # the experts either way
+        assert main(["plan", f"model.path={tmp_path / 'moe'}", "trainer.n_gpus_per_node=2", split]) == 0, (
+            split
         )
-        == 0
-    )
 
 
 def test_offload_and_disaggregation_move_memory_off_the_training_gpu():

@@ -1,7 +1,7 @@
 """Tensor parallelism of the native model (hybridflow/parallel/tensor.py) over gloo, 2 and 4 ranks:
 logits, log-probs and entropy (vocabulary-parallel, never gathered) and every parameter's gradient
-equal one process's, for families with q/k/v biases, q/k norms, tied and untied heads, and a
-vocabulary (259) that does not split evenly."""
+equal one process's, for families with q/k/v biases, q/k norms, tied and untied heads, mixture-of-
+experts layers (experts split over the ranks), and a vocabulary (259) that does not split evenly."""
 
 import copy
 import os
@@ -82,9 +82,10 @@ def _tensor_parallel_equals_one_process(rank: int, world: int, family: str, over
 @pytest.mark.parametrize(
     "world, cases",
     [
-        # q/k/v biases and a tied head; Qwen3's q/k norms; an untied head
-        (2, [("qwen2", {}), ("qwen3", {}), ("llama3", {})]),
-        (4, [("qwen2", {"num_key_value_heads": 4})]),
+        # q/k/v biases and a tied head; Qwen3's q/k norms; an untied head; experts split over the ranks
+        # (Qwen3-MoE with a dense first layer; Mixtral); one expert a rank
+        (2, [("qwen2", {}), ("qwen3", {}), ("llama3", {}), ("qwen3_moe", {}), ("mixtral", {})]),
+        (4, [("qwen2", {"num_key_value_heads": 4}), ("qwen3_moe", {"num_key_value_heads": 4})]),
     ],
 )
 def test_tensor_parallel_equals_one_process(world, cases):
