@@ -113,7 +113,7 @@ class RolloutConfig:
     under the policy before the one that trains on them, 1.5 a whole step and half of the next."""
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
-    MLP channels, vocabulary rows; the same prompts on each, one all-reduce after attention and after
+    MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one all-reduce after attention and after
     the MLP), so a model that one GPU cannot hold with its KV cache generates; the actor's TP groups
     when actor.tensor_parallel_size equals it (each rank's weights then come from its own TP shard),
     groups of consecutive workers of its own otherwise (each sync gathers a layer at a time and every

@@ -91,7 +91,8 @@ class ActorConfig:
     tensor_parallel_size: int = 1
     """Tensor parallelism of the actor, reference and critic over this many consecutive workers (attention
     heads, MLP channels and the vocabulary split; log-probs computed without gathering the
-    vocabulary), FSDP2 over the groups. The rollout engine still holds a whole copy of the policy."""
+    vocabulary; a mixture-of-experts layer's experts split whole, num_experts / size each), FSDP2 over
+    the groups. rollout.tensor_parallel_size splits the engine."""
     expert_parallel_size: int = 1
     """Mixture-of-experts policies: split each MoE layer's experts over groups of this many consecutive
     workers (it divides the training workers and num_experts) instead of sharding them by FSDP2: each
