@@ -12,7 +12,7 @@ layer at a time); the stream maps that count to the policy version (updates appl
 sampled token says which policy sampled it.
 
 Checkpoints: `snapshot()` reads, between two engine steps, every admitted group not yet taken — its
-samples' tokens, log-probs, versions and finish — and a stream opened with `resume=` that snapshot
+samples' tokens, log-probs, versions and finish (and a finished sample's recorded experts) — and a stream opened with `resume=` that snapshot
 continues each group from there when it is submitted again (finished ones are only scored again;
 unfinished samples draw what they would have drawn next). Agent episodes in flight start over.
 """
@@ -20,6 +20,7 @@ unfinished samples draw what they would have drawn next). Agent episodes in flig
 from __future__ import annotations
 
 import asyncio
+import base64
 import bisect
 import concurrent.futures
 import threading
@@ -27,6 +28,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from hybridflow.agents.runner import CALLS_PER_EPISODE, run_episodes
@@ -47,8 +49,9 @@ class SampleRecord:
     versions: list[int]
     finish: str | None = None
     routes: torch.Tensor | None = None
-    """The engine's recorded experts once finished (router replay); not checkpointed: a resumed
-    sample routes freely in the trainer."""
+    """The engine's recorded experts once finished (router replay), [tokens - 1, MoE layers, k] int16;
+    checkpointed with the rest, so a finished sample replays its own after a resume (an unfinished
+    one is prefilled again and records them anew)."""
 
     def as_json(self) -> dict:
         """Copies: the stream goes on appending to the record while a checkpoint writes these."""
@@ -57,11 +60,24 @@ class SampleRecord:
             "logprobs": list(self.logprobs),
             "versions": list(self.versions),
             "finish": self.finish,
+            **({"routes": routes_to_json(self.routes)} if self.routes is not None else {}),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> SampleRecord:
-        return cls(list(d["ids"]), list(d["logprobs"]), list(d["versions"]), d["finish"])
+        routes = routes_from_json(d["routes"]) if d.get("routes") is not None else None
+        return cls(list(d["ids"]), list(d["logprobs"]), list(d["versions"]), d["finish"], routes)
+
+
+def routes_to_json(routes: torch.Tensor) -> dict:
+    """A routes tensor as JSON: its shape and its int16 bytes in base64 (a third of a list's size)."""
+    data = routes.to(torch.int16).contiguous().numpy().tobytes()
+    return {"shape": list(routes.shape), "int16": base64.b64encode(data).decode("ascii")}
+
+
+def routes_from_json(d: dict) -> torch.Tensor:
+    flat = np.frombuffer(base64.b64decode(d["int16"]), dtype=np.int16).copy()
+    return torch.from_numpy(flat).view(d["shape"])
 
 
 def fresh_records(n: int) -> list[SampleRecord]:
@@ -242,9 +258,13 @@ class GroupStream(GroupBuffer):
             groups = {g: [r.as_json() for r in records] for g, records in self._records.items()}
             for g, r in finished.items():
                 groups[g] = [
-                    SampleRecord(ids, lp, v, f).as_json()
-                    for ids, lp, v, f in zip(
-                        r.response_ids, r.response_logprobs, r.policy_versions, r.finish_reasons
+                    SampleRecord(ids, lp, v, f, routes).as_json()
+                    for ids, lp, v, f, routes in zip(
+                        r.response_ids,
+                        r.response_logprobs,
+                        r.policy_versions,
+                        r.finish_reasons,
+                        r.routed_experts or [None] * len(r),
                     )
                 ]
             return {str(g): samples for g, samples in sorted(groups.items())}

@@ -312,7 +312,7 @@ class RLTrainer:
                 rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
                 routed_experts=rollouts.routed_experts,
             )
-            if c.actor.router_replay == "R3":  # a sample resumed from a checkpoint routes freely
+            if c.actor.router_replay == "R3":  # 1 unless the engine kept no routes for some samples
                 routes = rollouts.routed_experts or [None] * len(rollouts)
                 metrics["router_replay/recorded_fraction"] = sum(r is not None for r in routes) / len(routes)
             actor_mask = mask  # less the tokens a rollout correction rejects

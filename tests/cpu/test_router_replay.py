@@ -4,6 +4,7 @@ to the same experts, its router still weighting them (so the router trains). R2:
 old-log-prob pass records the experts, and every update of the step routes to them."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -151,19 +152,36 @@ def test_a_replaying_run_recomputes_the_engine_s_log_probs(setup, tmp_path):
 
 def test_an_asynchronous_run_hands_its_groups_routes_to_the_trainer(setup, tmp_path):
     """trainer.async_mode=one_step: groups come from the stream (the engine's per-step outputs), and
-    every sample still carries its routes to the trainer."""
+    every sample still carries its routes to the trainer, across a resume too."""
     from rl_run import config
 
     from hybridflow.controller.trainer import RLTrainer
     from hybridflow.models import byte_tokenizer, save_hf
 
     save_hf(tiny_model("mixtral", seed=0), byte_tokenizer(), tmp_path / "model")
-    run = tmp_path / "run"
-    c = config(setup, run, f"model.path={tmp_path / 'model'}", "actor.router_replay=R3",
-               "trainer.async_mode=one_step", "trainer.total_training_steps=2")  # fmt: skip
-    RLTrainer(c).fit()
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["router_replay/recorded_fraction"] for m in metrics] == [1.0, 1.0]
+    args = [f"model.path={tmp_path / 'model'}", "actor.router_replay=R3", "trainer.async_mode=one_step",
+            "trainer.val_before_train=false", "trainer.save_freq=1", "trainer.keep_last_checkpoints=3",
+            "trainer.total_training_steps=3"]  # fmt: skip
+
+    def metrics(run):
+        RLTrainer(config(setup, run, *args)).fit()
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    whole = metrics(tmp_path / "whole")
+    assert [m["router_replay/recorded_fraction"] for m in whole] == [1.0, 1.0, 1.0]
+    # step 2's checkpoint keeps step 3's groups, finished (one_step), with their routes; a run resumed
+    # from it replays them, and its step 3 is the uninterrupted run's
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "global_step_3")
+    state = json.loads(
+        (tmp_path / "cut" / "checkpoints" / "global_step_2" / "trainer_state.json").read_text()
+    )
+    kept = [sample for group in state["in_flight"].values() for sample in group]
+    assert kept and all(sample["finish"] and sample["routes"]["shape"][1:] == [2, 2] for sample in kept)
+    resumed = metrics(tmp_path / "cut")
+    assert resumed[2]["router_replay/recorded_fraction"] == 1.0
+    same = [k for k in whole[2] if not k.startswith(("timing", "perf/", "async/", "reward/latency"))]
+    assert {k: resumed[2][k] for k in same} == {k: whole[2][k] for k in same}
 
 
 @pytest.mark.parametrize(
