@@ -56,11 +56,12 @@ def apply_expert_parallel(model: NativeModule, mesh: DeviceMesh, size: int | Non
 
 
 def expert_parallel_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters apply_expert_parallel split (what FSDP2 must not shard again)."""
+    """The parameters apply_expert_parallel split (what FSDP2 must not shard again; experts that
+    tensor parallelism split, parallel/tensor_moe.py, FSDP2 shards as any TP weight)."""
     return {
         p
         for module in model.modules()
-        if isinstance(module, Experts) and isinstance(module.gate_up_proj, DTensor)
+        if isinstance(module, Experts) and getattr(module, "_expert_parallel", False)
         for p in module.parameters(recurse=False)
     }
 
@@ -84,6 +85,7 @@ def _split(experts: Experts, grid: DeviceMesh, placements: list, group: DeviceMe
         param = nn.Parameter(DTensor.from_local(local, grid, placements, run_check=False))
         param.register_hook(lambda grad, dp=dp: grad / dp)  # summed over the group's tokens: see above
         setattr(experts, name, param)
+    experts._expert_parallel = True
     if grid.ndim == 2:
         experts._ep_replicas = grid["ep_replicas"].get_group()
     experts.register_forward_pre_hook(_Dispatch(group).before, with_kwargs=False)

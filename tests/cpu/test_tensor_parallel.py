@@ -94,36 +94,44 @@ def test_tensor_parallel_equals_one_process(world, cases):
 
 def _fsdp_tp_rank(rank: int, world: int, port: int) -> None:
     """2 data-parallel x 2 tensor-parallel ranks: each data-parallel pair trains on half the
-    sequences; FSDP2 averages over the pairs, so the gradients are half the one-process sum's."""
+    sequences; FSDP2 averages over the pairs, so the gradients are half the one-process sum's. A
+    dense family, and an MoE one (its experts split over each pair, then sharded by FSDP2)."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        single = from_hf_model(tiny_model("qwen3", seed=3)).train()
-        sharded = copy.deepcopy(single)
-        _step(
-            single,
-            pack_sequences(SEQS),
-            lambda h, t: chunked_token_logprobs(h, single.lm_head.weight, t, chunk=7),
-        )
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        apply_tensor_parallel(sharded, mesh["tp"])
-        apply_fsdp(sharded, mesh["dp"])
-        pair = mesh["dp"].get_local_rank()
-        mine = [SEQS[:2], SEQS[2:]][pair]  # this pair's sequences
-        packed = pack_sequences(mine)
-        offset = 0 if pair == 0 else sum(map(len, SEQS[:2]))  # where its tokens sit in one process's
-        every = torch.tensor([t for seq in SEQS for t in seq])
-        targets = torch.roll(every, -1)[offset : offset + len(packed.input_ids)]  # one process's targets
-        weights = torch.linspace(-1.0, 2.0, len(every))[offset : offset + len(packed.input_ids)]
-        hidden = sharded.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
-        logp, _ = vocab_parallel_logprobs(hidden, sharded.lm_head.weight, targets, chunk=7)
-        (logp * weights).sum().backward()
-        theirs = dict(single.named_parameters())
-        for name, p in sharded.named_parameters():
-            assert_close(p.grad.full_tensor(), theirs[name].grad / 2, atol=2e-5, rtol=1e-4, msg=name)
+        for family in ("qwen3", "qwen3_moe"):
+            _fsdp_tp_equals_one_process(family)
         dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_tp_equals_one_process(family: str) -> None:
+    single = from_hf_model(tiny_model(family, seed=3)).train()
+    sharded = copy.deepcopy(single)
+    _step(
+        single,
+        pack_sequences(SEQS),
+        lambda h, t: chunked_token_logprobs(h, single.lm_head.weight, t, chunk=7),
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    apply_tensor_parallel(sharded, mesh["tp"])
+    apply_fsdp(sharded, mesh["dp"])
+    pair = mesh["dp"].get_local_rank()
+    mine = [SEQS[:2], SEQS[2:]][pair]  # this pair's sequences
+    packed = pack_sequences(mine)
+    offset = 0 if pair == 0 else sum(map(len, SEQS[:2]))  # where its tokens sit in one process's
+    every = torch.tensor([t for seq in SEQS for t in seq])
+    targets = torch.roll(every, -1)[offset : offset + len(packed.input_ids)]  # one process's targets
+    weights = torch.linspace(-1.0, 2.0, len(every))[offset : offset + len(packed.input_ids)]
+    hidden = sharded.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    logp, _ = vocab_parallel_logprobs(hidden, sharded.lm_head.weight, targets, chunk=7)
+    (logp * weights).sum().backward()
+    theirs = dict(single.named_parameters())
+    for name, p in sharded.named_parameters():
+        assert_close(
+            p.grad.full_tensor(), theirs[name].grad / 2, atol=2e-5, rtol=1e-4, msg=f"{family} {name}"
+        )
 
 
 @pytest.mark.slow
