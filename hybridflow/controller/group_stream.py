@@ -12,9 +12,10 @@ layer at a time); the stream maps that count to the policy version (updates appl
 sampled token says which policy sampled it.
 
 Checkpoints: `snapshot()` reads, between two engine steps, every admitted group not yet taken — its
-samples' tokens, log-probs, versions and finish (and a finished sample's recorded experts) — and a stream opened with `resume=` that snapshot
-continues each group from there when it is submitted again (finished ones are only scored again;
-unfinished samples draw what they would have drawn next). Agent episodes in flight start over.
+samples' tokens, log-probs, versions and finish (and a finished sample's recorded experts) — and a
+stream opened with `resume=` that snapshot continues each group from there when it is submitted again
+(finished ones are only scored again; unfinished samples draw what they would have drawn next). Agent
+episodes in flight start over.
 """
 
 from __future__ import annotations

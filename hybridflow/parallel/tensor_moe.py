@@ -65,15 +65,19 @@ class TensorParallelMoE(SparseMoE):
         # the rows past this rank's blocks are not computed: zeroed going in (so no gradient of theirs
         # reaches x) and coming out
         rows = torch.where(keep, x.index_select(0, tokens), 0.0)
-        outputs = torch.where(keep, self.experts(rows, counts), 0.0)  # [N*k, H]
+        computed = self.experts(rows, counts)  # [N*k, H], valid on this rank's rows
+        if torch.is_grad_enabled() and not computed.requires_grad:
+            # no row reached this rank's experts (the per-expert loop then touched neither them nor
+            # the rows): the input's backward must still run (its all-reduce, which the other ranks
+            # join, would wait forever), and the experts get a gradient, zero, as the other ranks'
+            # do (the optimizers, FSDP2's reductions)
+            computed = computed + 0.0 * rows
+            if self.experts.gate_up_proj.requires_grad:
+                unused = sum(p.to_local().sum() for p in self.experts.parameters(recurse=False))
+                computed = computed + 0.0 * unused.to(computed.dtype)
+        outputs = torch.where(keep, computed, 0.0)
         scaled = outputs * weights.flatten()[order, None].to(outputs.dtype)
         partial = torch.zeros_like(x).index_add_(0, tokens, scaled)  # [N, H] this rank's experts' share
-        if torch.is_grad_enabled() and self.experts.gate_up_proj.requires_grad:
-            # a gradient, zero where no row came, for every rank's experts: the ranks' optimizers and
-            # FSDP2's reductions then see the same gradients exist (a rank whose experts got no row
-            # would otherwise have none)
-            unused = sum(p.to_local().sum() for p in self.experts.parameters(recurse=False))
-            partial = partial + 0.0 * unused.to(partial.dtype)
         return _SumOutputs.apply(partial, self.group)
 
 

@@ -99,21 +99,25 @@ def _fsdp_tp_rank(rank: int, world: int, port: int) -> None:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for family in ("qwen3", "qwen3_moe"):
-            _fsdp_tp_equals_one_process(family)
+        for family, replay in (("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)):
+            _fsdp_tp_equals_one_process(family, replay)
         dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
     finally:
         dist.destroy_process_group()
 
 
-def _fsdp_tp_equals_one_process(family: str) -> None:
+def _fsdp_tp_equals_one_process(family: str, replay: bool) -> None:
+    """`replay`: every token routed to experts 0 and 1 (router replay), so the second rank of each
+    tensor-parallel pair gets no row: its backward must still join the pair's all-reduces."""
     single = from_hf_model(tiny_model(family, seed=3)).train()
     sharded = copy.deepcopy(single)
-    _step(
-        single,
-        pack_sequences(SEQS),
-        lambda h, t: chunked_token_logprobs(h, single.lm_head.weight, t, chunk=7),
-    )
+    n = sum(map(len, SEQS))
+    routes = torch.tensor([0, 1]).expand(n, len(single.config.moe.sparse_layers), 2) if replay else None
+    whole = pack_sequences(SEQS)
+    hidden = single.hidden_states(whole.input_ids, whole.position_ids, whole.cu_seqlens, routes=routes)
+    targets = torch.roll(whole.input_ids, -1)
+    logp, _ = chunked_token_logprobs(hidden, single.lm_head.weight, targets, chunk=7)
+    (logp * torch.linspace(-1.0, 2.0, n)).sum().backward()  # as _step weights the tokens
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     apply_tensor_parallel(sharded, mesh["tp"])
     apply_fsdp(sharded, mesh["dp"])
@@ -124,13 +128,17 @@ def _fsdp_tp_equals_one_process(family: str) -> None:
     every = torch.tensor([t for seq in SEQS for t in seq])
     targets = torch.roll(every, -1)[offset : offset + len(packed.input_ids)]  # one process's targets
     weights = torch.linspace(-1.0, 2.0, len(every))[offset : offset + len(packed.input_ids)]
-    hidden = sharded.hidden_states(packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    mine_routes = routes[offset : offset + len(packed.input_ids)] if replay else None
+    hidden = sharded.hidden_states(
+        packed.input_ids, packed.position_ids, packed.cu_seqlens, routes=mine_routes
+    )
     logp, _ = vocab_parallel_logprobs(hidden, sharded.lm_head.weight, targets, chunk=7)
     (logp * weights).sum().backward()
     theirs = dict(single.named_parameters())
     for name, p in sharded.named_parameters():
+        assert p.grad is not None, f"{family} {name}: no gradient"
         assert_close(
-            p.grad.full_tensor(), theirs[name].grad / 2, atol=2e-5, rtol=1e-4, msg=f"{family} {name}"
+            p.grad.full_tensor(), theirs[name].grad / 2, atol=2e-5, rtol=1e-4, msg=f"{family} {name} {replay}"
         )
 
 
