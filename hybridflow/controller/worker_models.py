@@ -211,7 +211,7 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
 def sharded_policy_path(c: Config, layout: WorkerLayout, world_size: int) -> Path | None:
     """Where an FSDP2-sharded policy is read shard by shard (and a critic made from it: over more
     than one worker, as it is sharded then): the native engine or none here (rollout workers load
-    theirs), a dense native checkpoint in safetensors, no LoRA; else None (loaded whole, then
+    theirs), a native checkpoint in safetensors (dense or MoE), no LoRA; else None (loaded whole, then
     sharded)."""
     m = c.model
     if not layout.shard_actor:
@@ -227,7 +227,7 @@ def sharded_policy_path(c: Config, layout: WorkerLayout, world_size: int) -> Pat
 
 
 def sharded_reference_path(c: Config, layout: WorkerLayout) -> Path | None:
-    """Where an FSDP2-sharded reference is read from shard by shard (a dense native checkpoint in
+    """Where an FSDP2-sharded reference is read from shard by shard (a native checkpoint in
     safetensors; not with LoRA, whose reference is the actor's base), or None: it is then a whole copy
     of the policy (or of ref.model_path) until it is sharded."""
     m = c.model
@@ -280,18 +280,22 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
             if isinstance(m, native.NativeModule) and m.config.moe is not None:  # of their own may have none)
                 apply_expert_parallel(m, mesh, c.actor.expert_parallel_size)
     dtype, tp_mesh = DTYPES[c.model.dtype], grid["tp"] if grid is not None else None
+    split = {
+        "mesh": mesh,
+        "device": device,
+        "tp_mesh": tp_mesh,
+        "expert_parallel_size": c.actor.expert_parallel_size,
+    }
     if policy_path is not None:
         config = shardable_config(policy_path)
-        model = load_sharded(policy_path, config, dtype, mesh=mesh, device=device, tp_mesh=tp_mesh,
-                             offload_params=c.actor.offload_params)  # fmt: skip
+        model = load_sharded(policy_path, config, dtype, offload_params=c.actor.offload_params, **split)
         if layout.needs_critic:
-            critic_model = load_sharded(policy_path, config, dtype, mesh=mesh, device=device, tp_mesh=tp_mesh,
-                                        value_head=True)  # fmt: skip
+            critic_model = load_sharded(policy_path, config, dtype, value_head=True, **split)
     elif layout.shard_actor:
         apply_fsdp(model, mesh, offload_params=c.actor.offload_params)
     if ref_path is not None:
-        ref_model = load_sharded(ref_path, shardable_config(ref_path), dtype, mesh=mesh, device=device,
-                                 tp_mesh=tp_mesh, offload_params=c.ref.offload_params)  # fmt: skip
+        ref_model = load_sharded(ref_path, shardable_config(ref_path), dtype, offload_params=c.ref.offload_params,
+                                 **split)  # fmt: skip
     elif layout.shard_ref:
         apply_fsdp(ref_model, mesh, offload_params=c.ref.offload_params)
     if critic_model is not None and world_size > 1 and policy_path is None:

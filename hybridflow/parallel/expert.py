@@ -13,8 +13,9 @@ gathers another rank's experts.
 
 Gradients: each rank's loss is pre-scaled by D so that FSDP2's mean over ranks is the single-process
 gradient (collectives.data_parallel_scale); an expert's gradient sums the contributions of its
-group's tokens, so it is divided by D as it is computed and, with several groups, summed across them
-before the optimizer steps (reduce_expert_gradients)."""
+group's tokens, so before the optimizer steps it is divided by D and, with several groups, summed
+across them (reduce_expert_gradients; not a hook on the parameter, which a model built on the meta
+device and then materialised, as a sharded read does, would lose)."""
 
 from __future__ import annotations
 
@@ -68,26 +69,28 @@ def expert_parallel_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module) -> None:
-    """With several expert-parallel groups: each expert's gradient summed across them (each group saw
-    its own tokens). Every rank calls it after a mini-batch's backward passes, before the step; a
-    no-op with one group or none."""
+    """Each split expert's gradient divided by the data-parallel size (see above) and, with several
+    expert-parallel groups, summed across them (each group saw its own tokens). Every rank calls it
+    after a mini-batch's backward passes, before the step; a no-op without split experts."""
     for module in model.modules():
-        replicas = getattr(module, "_ep_replicas", None) if isinstance(module, Experts) else None
-        for p in module.parameters(recurse=False) if replicas is not None else ():
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), group=replicas)
+        if not (isinstance(module, Experts) and getattr(module, "_expert_parallel", False)):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local()
+            grad.div_(module._ep_data_parallel)
+            if module._ep_replicas is not None:
+                dist.all_reduce(grad, group=module._ep_replicas)
 
 
 def _split(experts: Experts, grid: DeviceMesh, placements: list, group: DeviceMesh, dp: int) -> None:
     ep, rank = group.size(), group.get_local_rank()
     for name, weight in list(experts.named_parameters(recurse=False)):
         local = weight.detach().chunk(ep, dim=0)[rank].clone()  # [E/P, ...]
-        param = nn.Parameter(DTensor.from_local(local, grid, placements, run_check=False))
-        param.register_hook(lambda grad, dp=dp: grad / dp)  # summed over the group's tokens: see above
-        setattr(experts, name, param)
-    experts._expert_parallel = True
-    if grid.ndim == 2:
-        experts._ep_replicas = grid["ep_replicas"].get_group()
+        setattr(experts, name, nn.Parameter(DTensor.from_local(local, grid, placements, run_check=False)))
+    experts._expert_parallel, experts._ep_data_parallel = True, dp
+    experts._ep_replicas = grid["ep_replicas"].get_group() if grid.ndim == 2 else None
     experts.register_forward_pre_hook(_Dispatch(group).before, with_kwargs=False)
     experts.register_forward_hook(_Dispatch.after)
 

@@ -309,8 +309,8 @@ def test_an_engine_split_over_two_fsdp_workers_trains_as_one_process(setup, tmp_
 
 @pytest.mark.slow
 def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
-    """actor.expert_parallel_size=2 on a Qwen3-MoE policy: each Ray worker keeps 2 of the 4 experts of
-    every MoE layer for the actor, the reference and the critic made from it (tokens sent to them by
+    """actor.expert_parallel_size=2 on a Qwen3-MoE policy read from its safetensors shard by shard (each
+    rank the experts it keeps): each Ray worker keeps 2 of the 4 experts of every MoE layer for the actor, the reference and the critic made from it (tokens sent to them by
     all-to-all; micro-batches as small as above, so one rank runs padding passes), FSDP2 for the rest:
     the steps and the weights of one process, and a checkpoint whose exported policy is whole. With
     router replay R2 and two mini-batches a step: each rank records its rows' experts in pi_old's pass
@@ -320,6 +320,9 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
 
     save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "moe")
     moe = [f"model.path={tmp_path / 'moe'}", "actor.router_replay=R2", "actor.sequences_per_update=16"]
+    c = config(setup, tmp_path / "ep", *ROLES, *moe, *TWO)  # every rank reads its own experts alone
+    layout = WorkerLayout.of(c, 2)
+    assert sharded_policy_path(c, layout, 2) is not None and sharded_reference_path(c, layout) is not None
     one = _train(setup, tmp_path / "one", 2, *moe)
     split = _train(setup, tmp_path / "ep", 2, *moe, *TWO, "actor.expert_parallel_size=2")
     assert "experts split over groups of 2 workers" in (tmp_path / "ep" / "step_plan.txt").read_text()

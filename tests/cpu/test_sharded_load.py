@@ -1,20 +1,25 @@
 """A model read shard by shard (parallel/sharded_load.py), gloo, 2 ranks on CPU: from a bf16
 safetensors checkpoint into fp32 FSDP2 shards, and into FSDP2 x TP, each rank's shard equals the
-whole loaded model's slice bit for bit, for a tied and an untied family; each rank holds only its
+whole loaded model's slice bit for bit, for a tied and an untied family and for MoE checkpoints
+read expert by expert (FSDP2, expert parallel, FSDP2 x TP); each rank holds only its
 part. The trainer reads its FSDP2-sharded reference that way (the runs: test_distributed_trainer.py,
 two workers with a KL loss equal one process), and the memory plan's load phase counts a shard."""
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from hybridflow.controller.worker_group import free_address
+from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
+from hybridflow.parallel.sharded_experts import checkpoint_keys, expert_sources
 from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 
 
@@ -62,9 +67,81 @@ def test_a_checkpoint_read_shard_by_shard_equals_the_whole_models_shards(tmp_pat
         mp.spawn(_rank, args=(2, free_address()[1], str(directory)), nprocs=2, join=True)
 
 
+def _moe_rank(rank: int, world: int, port: int, checkpoints: list[tuple[str, list[str]]]) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for directory, layouts in checkpoints:
+            _check_moe_layouts(safetensors_dir(directory), layouts, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_moe_layouts(path, layouts: list[str], world: int) -> None:
+    whole = from_hf_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).state_dict()
+    config, cpu = shardable_config(path), torch.device("cpu")
+    for layout in layouts:
+        if layout == "fsdp":  # FSDP2 alone: experts split by rows of [E, ...] like any weight
+            model = load_sharded(
+                path, config, torch.float32, mesh=init_device_mesh("cpu", (world,)), device=cpu
+            )
+        elif layout == "ep":  # expert parallel over all ranks, FSDP2 for the rest
+            mesh = init_device_mesh("cpu", (world,))
+            model = load_sharded(
+                path, config, torch.float32, mesh=mesh, device=cpu, expert_parallel_size=world
+            )
+        else:  # "dp x tp": TP splits the experts whole, FSDP2 splits each TP rank's experts again
+            grid = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            model = load_sharded(path, config, torch.float32, mesh=grid["dp"], tp_mesh=grid["tp"], device=cpu)
+        state = model.state_dict()
+        assert state.keys() == whole.keys()
+        held = total = 0
+        for name, param in state.items():
+            assert torch.equal(param.full_tensor(), whole[name]), (path.name, layout, name)
+            if ".experts." in name:
+                held, total = held + param.to_local().numel(), total + whole[name].numel()
+        experts = config.moe.num_experts
+        assert held * experts <= -(-experts // world) * total, layout  # its own experts alone
+
+
+def test_an_moe_checkpoint_is_read_expert_by_expert_into_every_layout(tmp_path):
+    """Checkpoints store each expert apart (Qwen3-MoE `mlp.experts.{e}.gate_proj`, Mixtral
+    `block_sparse_moe.experts.{e}.w1`, and its router renamed); each rank reads the experts its
+    shards hold, under FSDP2, expert parallelism and TP (2 dp x 2 tp: FSDP2 splits each TP rank's
+    experts again), and holds what a whole load then split would. Also three experts over two ranks
+    (FSDP2 gives 2 and 1), and a checkpoint that holds the fused tensors under the native names."""
+    for family in ("qwen3_moe", "mixtral"):
+        tiny_model(family, seed=5).to(torch.bfloat16).save_pretrained(tmp_path / family)
+    tiny_model("qwen3_moe", seed=2, num_experts=3).save_pretrained(tmp_path / "uneven")
+    fused, hf = tmp_path / "fused", tiny_model("mixtral", seed=4)
+    hf.config.save_pretrained(fused)
+    state = {k: v.contiguous() for k, v in from_hf_model(hf).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    two = [("qwen3_moe", ["fsdp", "ep", "dp x tp"]), ("mixtral", ["fsdp", "ep"]), ("uneven", ["fsdp"]),
+           ("fused", ["fsdp"])]  # fmt: skip
+    for world, checkpoints in ((2, two), (4, [("qwen3_moe", ["dp x tp"])])):
+        checkpoints = [(str(tmp_path / name), layouts) for name, layouts in checkpoints]
+        mp.spawn(_moe_rank, args=(world, free_address()[1], checkpoints), nprocs=world, join=True)
+
+
+def test_a_checkpoint_without_its_experts_is_refused_by_name(tmp_path):
+    directory = tmp_path / "moe"
+    tiny_model("qwen3_moe", seed=1).save_pretrained(directory)
+    keys = checkpoint_keys(directory)
+    assert expert_sources("model.layers.1.mlp.experts.down_proj", keys, 4)[3] == [
+        "model.layers.1.mlp.experts.3.down_proj.weight"
+    ]
+    assert expert_sources("model.layers.1.mlp.gate.weight", keys, 4) is None  # stored under its own name
+    broken = {k: v for k, v in keys.items() if ".experts.2.up_proj" not in k}
+    with pytest.raises(UserError, match=r"lacks model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+        expert_sources("model.layers.1.mlp.experts.gate_up_proj", broken, 4)
+
+
 def test_what_cannot_be_read_shard_by_shard_is_read_whole(tmp_path):
     assert safetensors_dir(None) is None and safetensors_dir(str(tmp_path)) is None  # no checkpoint
     assert safetensors_dir("default") is None  # the embedded GGUF
     moe = tmp_path / "moe"
     tiny_model("qwen3_moe", seed=1).save_pretrained(moe)
-    assert safetensors_dir(str(moe)) is not None and shardable_config(moe) is None  # experts stored apart
+    assert shardable_config(moe).moe.num_experts == 4  # experts stored apart: read expert by expert
