@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -80,38 +81,44 @@ def pop_expert_tensors(state: dict[str, torch.Tensor], keys: dict[str, Path], nu
 @torch.no_grad()
 def read_expert_tensors(found: dict, keys: dict[str, Path]) -> None:
     """Fill each tensor of `found` (pop_expert_tensors) with this rank's slice of it, reading from the
-    checkpoint only the experts and rows that slice covers."""
-    files: dict[Path, object] = {}
+    checkpoint only the experts and rows that slice covers; a part whose shape does not fit is refused
+    by name (a prefix of a wider tensor would otherwise be read without a word)."""
+    with ExitStack() as opened:
+        files: dict[Path, object] = {}
 
-    def part(key: str):
-        file = keys[key]
-        if file not in files:
-            files[file] = safe_open(file, "pt")
-        return files[file].get_slice(key)
+        def part(key: str, shape: tuple[int, ...]):
+            """The part `key`, lazily sliced; `shape` what it must be (None: any height)."""
+            if keys[key] not in files:
+                files[keys[key]] = opened.enter_context(safe_open(keys[key], "pt"))
+            piece = files[keys[key]].get_slice(key)
+            got = tuple(piece.get_shape())
+            if len(got) != len(shape) or any(want not in (None, n) for want, n in zip(shape, got)):
+                raise UserError(f"checkpoint tensor {key} has shape {got}; the model's config needs {shape}")
+            return piece
 
-    for name, (tensor, sources) in found.items():
-        local, offset = _local_and_offset(tensor)
-        if local.numel() == 0:
-            continue
-        if isinstance(sources, str):  # a router stored under another name
-            rows, cols = (slice(o, o + n) for o, n in zip(offset, local.shape))
-            local.copy_(part(sources)[rows, cols])
-            continue
-        # local [e, r, c]: experts offset[0].., rows offset[1].. of the stacked parts, columns offset[2]..
-        cols = slice(offset[2], offset[2] + local.shape[2])
-        for i in range(local.shape[0]):
-            start = 0  # the first stacked row of the part below
-            for key in sources[offset[0] + i]:
-                piece = part(key)
-                height = piece.get_shape()[0]
-                lo, hi = max(start, offset[1]), min(start + height, offset[1] + local.shape[1])
-                if lo < hi:
-                    local[i, lo - offset[1] : hi - offset[1]].copy_(piece[lo - start : hi - start, cols])
-                start += height
-            if start != tensor.shape[1]:
-                raise UserError(
-                    f"checkpoint's experts for {name} stack to {start} rows; the model has {tensor.shape[1]}"
-                )
+        for name, (tensor, sources) in found.items():
+            local, offset = _local_and_offset(tensor)
+            if local.numel() == 0:
+                continue
+            if isinstance(sources, str):  # a router stored under another name
+                rows, cols = (slice(o, o + n) for o, n in zip(offset, local.shape))
+                local.copy_(part(sources, tuple(tensor.shape))[rows, cols])
+                continue
+            # local [e, r, c]: experts offset[0].., rows offset[1].. of the stacked parts, columns offset[2]..
+            cols = slice(offset[2], offset[2] + local.shape[2])
+            for i in range(local.shape[0]):
+                start = 0  # the first stacked row of the part below
+                for key in sources[offset[0] + i]:
+                    piece = part(key, (None, tensor.shape[2]))
+                    height = piece.get_shape()[0]
+                    lo, hi = max(start, offset[1]), min(start + height, offset[1] + local.shape[1])
+                    if lo < hi:
+                        local[i, lo - offset[1] : hi - offset[1]].copy_(piece[lo - start : hi - start, cols])
+                    start += height
+                if start != tensor.shape[1]:
+                    raise UserError(
+                        f"checkpoint's experts for {name} stack to {start} rows; the model has {tensor.shape[1]}"
+                    )
 
 
 def _local_and_offset(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

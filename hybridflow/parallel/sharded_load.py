@@ -80,8 +80,8 @@ def load_sharded(
         state.pop("lm_head.weight", None)
     for name in [k for k in state if k.startswith("score.")]:  # not in the policy's file: zero
         state.pop(name).to_local().zero_()
-    keys = checkpoint_keys(path)
-    experts = pop_expert_tensors(state, keys, config.moe.num_experts) if config.moe is not None else {}
+    if config.moe is not None:  # its experts read apart, the rest by name
+        keys = checkpoint_keys(path)
+        read_expert_tensors(pop_expert_tensors(state, keys, config.moe.num_experts), keys)
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    read_expert_tensors(experts, keys)
     return model.eval()

@@ -19,7 +19,12 @@ from hybridflow.controller.worker_group import free_address
 from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
-from hybridflow.parallel.sharded_experts import checkpoint_keys, expert_sources
+from hybridflow.parallel.sharded_experts import (
+    checkpoint_keys,
+    expert_sources,
+    pop_expert_tensors,
+    read_expert_tensors,
+)
 from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 
 
@@ -134,6 +139,18 @@ def test_a_checkpoint_without_its_experts_is_refused_by_name(tmp_path):
         "model.layers.1.mlp.experts.3.down_proj.weight"
     ]
     assert expert_sources("model.layers.1.mlp.gate.weight", keys, 4) is None  # stored under its own name
+    # a plain tensor (one process) of the model's shape reads whole; a config wider than the file is refused
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    fits = pop_expert_tensors({name: torch.empty(4, 96, 64)}, keys, 4)
+    read_expert_tensors(fits, keys)
+    from safetensors import safe_open
+
+    with safe_open(keys["model.layers.1.mlp.experts.3.up_proj.weight"], "pt") as f:
+        assert torch.equal(fits[name][0][3, 48:], f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(
+        UserError, match=r"experts\.0\.gate_proj\.weight has shape \(48, 64\); .* needs \(None, 80\)"
+    ):
+        read_expert_tensors(pop_expert_tensors({name: torch.empty(4, 96, 80)}, keys, 4), keys)
     broken = {k: v for k, v in keys.items() if ".experts.2.up_proj" not in k}
     with pytest.raises(UserError, match=r"lacks model\.layers\.1\.mlp\.experts\.gate_up_proj"):
         expert_sources("model.layers.1.mlp.experts.gate_up_proj", broken, 4)
