@@ -1,6 +1,6 @@
 """Tensor parallelism of the native model (hybridflow/parallel/tensor.py) over gloo, 2 and 4 ranks:
 logits, log-probs and entropy (vocabulary-parallel, never gathered) and every parameter's gradient
-equal one process's, for families with q/k/v biases, q/k norms, tied and untied heads, mixture-of-
+equal one process's with four all-reduces a dense layer, for families with q/k/v biases, q/k norms, tied and untied heads, mixture-of-
 experts layers (experts split over the ranks), and a vocabulary (259) that does not split evenly."""
 
 import copy
@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
 from hybridflow.algorithms.losses import entropy_from_logits
@@ -65,9 +66,17 @@ def _tensor_parallel_equals_one_process(rank: int, world: int, family: str, over
     head = sharded.lm_head.weight
     rows = torch.arange(single.config.vocab_size).chunk(world)[rank]  # 130 and 129 of 259 on 2 ranks
     assert isinstance(head, DTensor) and head.to_local().shape[0] == len(rows)
-    hidden, tp_logp, tp_entropy = _step(
-        sharded, packed, lambda h, t: vocab_parallel_logprobs(h, sharded.lm_head.weight, t, chunk=7)
-    )
+    comms = CommDebugMode()
+    with comms:
+        hidden, tp_logp, tp_entropy = _step(
+            sharded, packed, lambda h, t: vocab_parallel_logprobs(h, sharded.lm_head.weight, t, chunk=7)
+        )
+    if single.config.moe is None:
+        # the layers' all-reduces: o and down in the forward, and in the backward one per group of
+        # column-parallel projections (q/k/v, gate/up: their input gradients summed at their norm),
+        # not one per projection; plus the embedding's (the head's log-probs reduce apart, by c10d)
+        reduces = comms.get_comm_counts()[torch.ops.c10d_functional.all_reduce]
+        assert reduces == 4 * single.config.num_hidden_layers + 1, family
     assert_close(tp_logp, logp, atol=2e-5, rtol=1e-5, msg=family)
     assert_close(tp_entropy, entropy, atol=2e-5, rtol=1e-5, msg=family)
     with torch.no_grad():
