@@ -3,8 +3,9 @@ single-device; torchtitan's approach), over DTensor, so that it composes with FS
 
 Per decoder layer: q/k/v and gate/up column-parallel (each rank holds heads / tp query and KV
 heads and intermediate / tp channels), o and down row-parallel (one all-reduce each, so two per
-layer forward, and two backward: each group's input gradient is summed once, at its norm); the attention module is told its local head counts. The embedding is vocabulary-parallel
-(each rank looks up its rows, one all-reduce), and so is the LM head: `vocab_parallel_logprobs`
+layer forward, and two backward: each group's input gradient is summed once, at its norm); the
+attention module is told its local head counts. The embedding is vocabulary-parallel (each rank
+looks up its rows, one all-reduce), and so is the LM head: `vocab_parallel_logprobs`
 computes log-probs and entropy from each rank's [tokens, vocab / tp] logits with three all-reduces of
 [tokens] vectors per chunk, never gathering the vocabulary. Norms and RoPE are replicated.
 
