@@ -10,13 +10,13 @@ test_distributed_trainer.py); four workers with the engine split unlike the acto
 take their slices of each synced layer; and what a split cannot run with is refused in one line."""
 
 import copy
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import gloo_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
@@ -58,16 +58,11 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         for family in families:
             _engine_over_tp_equals_one_engine(family, mesh)
         _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh)
-        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
@@ -149,9 +144,7 @@ def test_engine_over_two_tensor_parallel_ranks_equals_one_engine():
 def _worker_rank(rank: int, world: int, port: int, setup, run_dir, actor_tp: int) -> None:
     from rl_run import config
 
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         c = config(setup, run_dir, "resources.device=cpu", "resources.num_workers=2",
                    f"actor.tensor_parallel_size={actor_tp}", "rollout.tensor_parallel_size=2")  # fmt: skip
         built = build_models(c, world, torch.device("cpu"))
@@ -159,9 +152,6 @@ def _worker_rank(rank: int, world: int, port: int, setup, run_dir, actor_tp: int
         assert engine.tp is not None and engine.tp.size == 2
         assert engine.cache.k[0].shape[-2] == mc.num_key_value_heads // 2
         assert engine.model.model.layers[0].self_attn.heads == mc.num_attention_heads // 2
-        dist.barrier()  # neither rank tears down while the other still builds (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -177,9 +167,7 @@ def _unequal_rank(rank: int, world: int, port: int, setup, model_dir, run_dir):
 
     from hybridflow.controller.hybrid_worker import HybridWorker
 
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         for actor_tp, rollout_tp in ((2, 4), (4, 2)):
             c = config(setup, run_dir / f"{actor_tp}-{rollout_tp}", f"model.path={model_dir}", "resources.device=cpu",
                        f"resources.num_workers={world}", f"actor.tensor_parallel_size={actor_tp}",
@@ -201,9 +189,6 @@ def _unequal_rank(rank: int, world: int, port: int, setup, model_dir, run_dir):
                 whole, eos_token_ids=engine.eos_token_ids, config=replace(engine.config, kv_cache_tokens=None)
             )
             _same(engine, one, f"actor TP {actor_tp} -> engine TP {rollout_tp}")
-        dist.barrier()  # neither rank tears down while the others still work (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -7,13 +7,11 @@ to experts 0 and 1 (router replay), so that some ranks' experts receive no row a
 must still take part in the exchanges (it hung before)."""
 
 import copy
-import os
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import gloo_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
@@ -50,16 +48,11 @@ def _logprobs_and_backward(model, seqs, targets, weights, replay):
 
 
 def _rank(rank: int, world: int, port: int, families: list[str], ep: int) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     # a rank left out of an exchange fails the test in a minute instead of hanging it
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port, timeout_s=60):
         for family in families:  # one process group for all: each start costs seconds
             for replay in (False, True):
                 _expert_parallel_equals_one_process(rank, world, family, replay, ep)
-        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 def _expert_parallel_equals_one_process(rank: int, world: int, family: str, replay: bool, ep: int) -> None:

@@ -5,12 +5,10 @@ read expert by expert (FSDP2, expert parallel, FSDP2 x TP); each rank holds only
 part. The trainer reads its FSDP2-sharded reference that way (the runs: test_distributed_trainer.py,
 two workers with a KL loss equal one process), and the memory plan's load phase counts a shard."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import gloo_group
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
@@ -29,9 +27,7 @@ from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shar
 
 
 def _rank(rank: int, world: int, port: int, directory: str) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         path = safetensors_dir(directory)
         whole = from_hf_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).state_dict()
         config = shardable_config(path)
@@ -59,9 +55,6 @@ def _rank(rank: int, world: int, port: int, directory: str) -> None:
             )
             assert held < 0.6 * total  # about half each (rows that do not split evenly round up)
         assert fsdp.lm_head.weight is fsdp.model.embed_tokens.weight or not config.tie_word_embeddings
-        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_checkpoint_read_shard_by_shard_equals_the_whole_models_shards(tmp_path):
@@ -73,14 +66,9 @@ def test_a_checkpoint_read_shard_by_shard_equals_the_whole_models_shards(tmp_pat
 
 
 def _moe_rank(rank: int, world: int, port: int, checkpoints: list[tuple[str, list[str]]]) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         for directory, layouts in checkpoints:
             _check_moe_layouts(safetensors_dir(directory), layouts, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _check_moe_layouts(path, layouts: list[str], world: int) -> None:

@@ -5,12 +5,11 @@ tied and untied heads, mixture-of-experts layers (experts split over the ranks),
 (259) that does not split evenly."""
 
 import copy
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import gloo_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -48,14 +47,9 @@ def _one_process(model):
 
 
 def _rank(rank: int, world: int, port: int, cases: list[tuple[str, dict]]) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         for family, overrides in cases:  # one process group for all: each start costs seconds
             _tensor_parallel_equals_one_process(rank, world, family, overrides)
-        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -117,14 +111,9 @@ def _fsdp_tp_rank(rank: int, world: int, port: int) -> None:
     """2 data-parallel x 2 tensor-parallel ranks: each data-parallel pair trains on half the
     sequences; FSDP2 averages over the pairs, so the gradients are half the one-process sum's. A
     dense family, and an MoE one (its experts split over each pair, then sharded by FSDP2)."""
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         for family, replay in (("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)):
             _fsdp_tp_equals_one_process(family, replay)
-        dist.barrier()  # neither rank tears down while the other still works (rank 0 hosts the store)
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp_tp_equals_one_process(family: str, replay: bool) -> None:
