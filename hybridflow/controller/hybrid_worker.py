@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from hybridflow.agents.setup import agent_loop
 from hybridflow.batch import Prompt, Rollouts, TrainingBatch
@@ -26,6 +27,7 @@ from hybridflow.models.lora import (
 )
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
+from hybridflow.parallel.reshard import ReshardPlan
 from hybridflow.parallel.weight_sync import WeightSync, pack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.actor import Actor
@@ -97,6 +99,7 @@ class HybridWorker:
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
+        self._reshard: ReshardPlan | None = None  # an engine split over TP ranks: made at the first sync
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
         sharded, engine_empty = built.layout.sharded, built.engine_empty
@@ -177,11 +180,15 @@ class HybridWorker:
         """Copy the actor's weights into the rollout engine in place — this worker's own, or,
         disaggregated, the rollout workers' by broadcast from rank 0. Sharded, one FSDP unit at a
         time is gathered (a decoder layer, then the embedding, final norm and head), so no more than
-        one layer's full weights exist beyond the engine's copy."""
+        one layer's full weights exist beyond the engine's copy; an engine split over TP ranks gathers
+        nothing: each rank receives the parts of its slices that it does not hold (parallel/reshard.py)."""
         with self._phase("update_weights"):
             model = self.actor.model
             if self.rollout is not None and self.lora:  # only the adapted layers change: their merged weights
                 self.rollout.update_weights(merged_updates(model))
+            elif self._split_engine_from_shards():  # each rank receives only what its slice lacks
+                for unit in self._reshard_plan().run(dict(model.named_parameters())):
+                    self.rollout.update_weights(unit)
             elif self.rollout is not None and not isinstance(model, FSDPModule):
                 self.rollout.update_weights(model.named_parameters())  # the cached copy plan
             else:
@@ -202,18 +209,35 @@ class HybridWorker:
         trainer = sample(tensors, plan)
         return plan, trainer, self.rollout.sampled_weights(plan) if self.rollout is not None else None
 
+    def _split_engine_from_shards(self) -> bool:
+        """A colocated engine split over TP ranks, filled from an actor whose every parameter is a
+        DTensor (FSDP2, x TP): resharded point to point (parallel/reshard.py)."""
+        return (
+            self.rollout is not None
+            and self.config.rollout.tensor_parallel_size > 1
+            and hasattr(self.rollout.backend, "weight_tensors")
+            and all(isinstance(p, DTensor) for p in self.actor.model.parameters())
+        )
+
+    def _reshard_plan(self) -> ReshardPlan:
+        """Made at the first sync, from the boxes every rank holds and needs (a collective)."""
+        if self._reshard is None:
+            model = self.actor.model
+            names = [name for name, _ in model.named_parameters()]
+            units = [[n for n in names if _in_unit(n, prefix)] for prefix, _ in _fsdp_units(model)]
+            self._reshard = ReshardPlan(
+                dict(model.named_parameters()), self.rollout.backend.weight_tensors(), units
+            )
+        return self._reshard
+
     def _gathered_units(self):
-        """(name, full tensor) pairs of the actor, one FSDP unit at a time; for an engine split over
-        the actor's tensor-parallel groups, the unit's TP shards (it takes its part, none gathered)."""
+        """(name, full tensor) pairs of the actor, one FSDP unit at a time."""
         model = self.actor.model
         sharded = isinstance(model, FSDPModule)
-        c = self.config
-        on_actor_groups = c.rollout.tensor_parallel_size == c.actor.tensor_parallel_size > 1
-        whole = torch.Tensor.detach if on_actor_groups else _full
         for prefix, unit in _fsdp_units(model):
             if sharded:
                 unit.unshard()
-            yield [(name, whole(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
+            yield [(name, _full(p)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
             if sharded:
                 unit.reshard()
 
