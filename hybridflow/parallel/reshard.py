@@ -74,6 +74,9 @@ class ReshardPlan:
                  units: list[list[str]]) -> None:  # fmt: skip
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.targets = targets
+        for name in sources:
+            if name not in targets:
+                raise KeyError(f"reshard: the engine's model has no parameter {name!r}")
         self._slice = {name: held_box(t) for name, t in targets.items()}  # this rank's engine box
         mine = {name: (held_box(sources[name]), self._slice[name]) for name in sources}
         everyone: list = [None] * world

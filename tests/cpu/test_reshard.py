@@ -3,7 +3,10 @@
 after a sync (each holding its global element indices, so a misplaced element shows), and each rank
 receives exactly the elements of its engine slice that its own trainer shard lacks, counted apart by
 the indices each holds. Engine split finer than the actor (TP 2 x 2 -> 4), coarser (4 -> 2), over
-FSDP2 alone (dp 4 -> 2) and over the actor's own groups (2 -> 2); dense with a tied head, MoE."""
+FSDP2 alone (dp 4 -> 2) and over the actor's own groups (2 -> 2); dense with a tied head in fp32,
+MoE with a bf16 engine (fp32 embedding and norms beside: two dtypes a peer)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +25,9 @@ from hybridflow.parallel.tensor import apply_tensor_parallel, local_part
 
 WORLD = 4
 CONFIG = EngineConfig(max_batch_sequences=4, max_context_tokens=64, page_size=16, share_weights=False)
+# the MoE engine computes in bf16 (as on GPUs): its matmul weights travel in bf16, norms and embedding in
+# fp32, two buffers a peer
+COMPUTE_DTYPE = {"qwen2": "float32", "qwen3_moe": "bfloat16"}
 
 
 def _indexed(family: str):
@@ -48,7 +54,10 @@ def _resharded_engine_equals_the_trainer(family: str, actor_tp: int, engine_tp: 
         "cpu", (WORLD // engine_tp, engine_tp), mesh_dim_names=("rollout_dp", "tp")
     )
     engine = Engine(
-        model, eos_token_ids=[model.config.vocab_size - 1], config=CONFIG, tp_mesh=engine_mesh["tp"]
+        model,
+        eos_token_ids=[model.config.vocab_size - 1],
+        config=replace(CONFIG, compute_dtype=COMPUTE_DTYPE[family]),
+        tp_mesh=engine_mesh["tp"],
     )
     if actor_tp > 1:
         grid = init_device_mesh("cpu", (WORLD // actor_tp, actor_tp), mesh_dim_names=("dp", "tp"))
@@ -74,7 +83,7 @@ def _resharded_engine_equals_the_trainer(family: str, actor_tp: int, engine_tp: 
     for name, target in targets.items():
         expected = local_part(whole[name], target) if isinstance(target, DTensor) else whole[name]
         got = target.to_local() if isinstance(target, DTensor) else target
-        assert torch.equal(got, expected), f"{what}: {name}"
+        assert torch.equal(got, expected.to(got.dtype)), f"{what}: {name}"
         held = sources[name].to_local().reshape(-1)
         ideal += expected.numel() - int(torch.isin(expected.reshape(-1), held).sum())
     assert plan.received_elements() == ideal, f"{what}: {plan.received_elements()} received, ideal {ideal}"
