@@ -115,9 +115,9 @@ class RolloutConfig:
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one
     all-reduce after attention and after the MLP), so a model that one GPU cannot hold with its KV cache
-    generates; the actor's TP groups when actor.tensor_parallel_size equals it (each rank's weights then
-    come from its own TP shard), groups of consecutive workers of its own otherwise (each sync gathers a
-    layer at a time and every rank takes its slices: the actor at TP 2 can feed engines at TP 4, or 1);
+    generates; the actor's TP groups when actor.tensor_parallel_size equals it, groups of consecutive
+    workers of its own otherwise (the actor at TP 2 can feed engines at TP 4, or 1): at a sync each
+    rank receives, a layer at a time, only the parts of its slices its trainer shard lacks;
     on rollout workers of their own (resources.rollout_workers, a multiple of it), consecutive workers
     split each engine and take their slices of the layers the actor broadcasts; synchronous generation
     (vLLM's / verl's tensor_model_parallel_size). Without CUDA graphs or the fused layers for now:

@@ -155,8 +155,8 @@ def _tensor_parallel_grid(c: Config, world_size: int, device: torch.device):
 
 def engine_mesh(c: Config, world_size: int, device: torch.device, grid=None):
     """The 1-D 'tp' mesh an engine splits over (rollout.tensor_parallel_size): the actor's TP group
-    where it has that size, else consecutive ranks of their own (the engine then takes its slices of
-    each gathered layer at a sync; rollout workers, `grid` None, always); None for whole engines."""
+    where it has that size, else consecutive ranks of their own (rollout workers, `grid` None, always);
+    None for whole engines. A sync reshards into it point to point (parallel/reshard.py)."""
     rtp = c.rollout.tensor_parallel_size
     if rtp == 1:
         return None
@@ -170,7 +170,7 @@ def engine_mesh(c: Config, world_size: int, device: torch.device, grid=None):
 def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path) -> WorkerModels:
     """A training worker whose policy (and reference, and critic) are read shard by shard, never
     whole: the engine (colocated) is built to the policy's shape and filled by a first weight sync,
-    one FSDP unit gathered at a time; disaggregated, the rollout workers load their own."""
+    one FSDP unit at a time; disaggregated, the rollout workers load their own."""
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(path)

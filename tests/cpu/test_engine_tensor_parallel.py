@@ -7,7 +7,7 @@ writing its part only) and gather back to the trainer's weights bit for bit; ran
 would run different steps stop with one line instead of waiting on each other; a training worker
 pair with rollout.tensor_parallel_size=2 builds its engine split (the runs themselves:
 test_distributed_trainer.py); four workers with the engine split unlike the actor (TP 2 -> 4, 4 -> 2)
-take their slices of each synced layer; and what a split cannot run with is refused in one line."""
+receive their slices of each synced layer; and what a split cannot run with is refused in one line."""
 
 import copy
 from dataclasses import replace
@@ -182,7 +182,7 @@ def _unequal_rank(rank: int, world: int, port: int, setup, model_dir, run_dir):
             with torch.no_grad():  # a policy the engine has not seen: every weight moved, shard by shard
                 for p in model.parameters():
                     p.mul_(1.5).add_(0.01)
-            worker.sync_weights()  # a layer gathered at a time; each engine rank takes its slices
+            worker.sync_weights()  # resharded point to point: each engine rank receives what it lacks
             whole = from_hf_model(tiny_model("qwen2", seed=0, num_attention_heads=8, num_key_value_heads=4))
             whole.load_state_dict({n: _whole(p).detach() for n, p in model.named_parameters()}, strict=False)
             one = Engine(
