@@ -119,7 +119,7 @@ class RolloutConfig:
     workers of its own otherwise (the actor at TP 2 can feed engines at TP 4, or 1): at a sync each
     rank receives, a layer at a time, only the parts of its slices its trainer shard lacks;
     on rollout workers of their own (resources.rollout_workers, a multiple of it), consecutive workers
-    split each engine and take their slices of the layers the actor broadcasts; synchronous generation
+    split each engine and the actor's rank 0 sends each its slices of every layer; synchronous generation
     (vLLM's / verl's tensor_model_parallel_size). Without CUDA graphs or the fused layers for now:
     slower than whole engines where those fit."""
     max_batch_sequences: int = 256

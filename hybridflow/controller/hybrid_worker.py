@@ -27,7 +27,7 @@ from hybridflow.models.lora import (
 )
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
-from hybridflow.parallel.reshard import ReshardPlan
+from hybridflow.parallel.reshard import ReshardPlan, part_of
 from hybridflow.parallel.weight_sync import WeightSync, pack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.actor import Actor
@@ -99,6 +99,7 @@ class HybridWorker:
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
+        self.rollout_slices: list[dict] | None = None  # rank 0, engines split over rollout workers
         self._reshard: ReshardPlan | None = None  # an engine split over TP ranks: made at the first sync
         # with offload_params the optimizer lives (and steps) on the CPU already
         self.offload_actor_optimizer = c.actor.offload_optimizer and not c.actor.offload_params
@@ -195,6 +196,9 @@ class HybridWorker:
                 for unit in self._gathered_units():
                     if self.rollout is not None:
                         self.rollout.update_weights(unit)
+                    elif self.weight_sync is not None and self.rollout_slices is not None:  # rank 0
+                        for i, boxes in enumerate(self.rollout_slices):  # engines split over workers
+                            self.weight_sync.send(pack([part_of(t, boxes[n]) for n, t in unit]), 1 + i)
                     elif self.weight_sync is not None:  # rank 0
                         self.weight_sync.broadcast(pack([t for _, t in unit]))
         if self.device.type == "cuda":  # the controller times this call: include the copies
@@ -250,10 +254,14 @@ class HybridWorker:
         ]
         return units, str(next(model.parameters()).dtype).removeprefix("torch.")
 
-    def join_weight_sync(self, master: tuple[str, int] | None, sync_rank: int, sync_size: int) -> None:
-        """Rank 0 joins the rollout workers' weight-sync group (the other ranks are given None)."""
+    def join_weight_sync(self, master: tuple[str, int] | None, sync_rank: int, sync_size: int,
+                         slices: list[dict] | None = None) -> None:  # fmt: skip
+        """Rank 0 joins the rollout workers' weight-sync group (the other ranks are given None); with
+        `slices` (each rollout worker's box of every weight: an engine split over them) it sends each
+        worker only its slices instead of broadcasting whole layers."""
         if master is not None:
             self.weight_sync = WeightSync(master, sync_rank, sync_size, self.device)
+            self.rollout_slices = slices
 
     def shutdown(self) -> None:
         """An in-process worker ends the one-rank process group that it started for FSDP2 (and the

@@ -65,19 +65,21 @@ class Placement:
         """The actor's rank 0 hosts the group; the rollout workers are its ranks 1..N. Both sides
         block until all have joined, so the rollout side is started first."""
         master, size = self.train.address(), self.rollout.world_size + 1
+        slices = self.rollout.call(RolloutWorker.weight_slices)  # engines split over the workers: theirs
+        slices = None if slices[0] is None else slices
         joining = self.rollout.submit_each(
             RolloutWorker.join_weight_sync, [(master, 1 + r, size) for r in range(self.rollout.world_size)]
         )
         self.train.call_each(
             HybridWorker.join_weight_sync,
-            [(master if r == 0 else None, 0, size) for r in range(self.train.world_size)],
+            [(master, 0, size, slices) if r == 0 else (None, 0, size) for r in range(self.train.world_size)],
         )
         self.rollout.wait(joining)
         self.manifest = self.train.call(HybridWorker.weight_manifest)[0]
 
     def replace_rollout_worker(self, rank: int) -> None:
         """A new rollout worker in the place of `rank`, which died: the weight-sync group formed again
-        with it, and the actor's current weights broadcast (the others receive and drop them). Only
+        with it, and the actor's current weights sent (the others receive and drop them). Only
         between weight updates: the caller holds every other use of the group off."""
         self.rollout.replace(rank)
         self._join_weight_sync()

@@ -1,6 +1,7 @@
 """A rollout worker of a disaggregated placement: a GPU (or CPU slot) that holds only the rollout
-engine, with a full copy of the policy, and receives the actor's weights by broadcast after each
-update instead of sharing a GPU with the trainer."""
+engine, with a full copy of the policy (or its slices of an engine split over workers), and receives
+the actor's weights after each update (a broadcast; its slices alone, when split) instead of sharing a
+GPU with the trainer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hybridflow.controller.role_models import policy_model, rollout_backend
 from hybridflow.controller.worker_models import engine_mesh
 from hybridflow.devices import DTYPES, resolve_device
 from hybridflow.models import load_causal_lm
+from hybridflow.parallel.reshard import Box, box_shape, held_box, placed
 from hybridflow.parallel.weight_sync import WeightSync, unpack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.rollout import Rollout
@@ -33,8 +35,8 @@ class RolloutWorker:
         policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
         if c.rollout.backend == "hf":
             hf_model.to(self.device)
-        # rollout.tensor_parallel_size: consecutive rollout workers split one engine (each takes its
-        # slices of every whole layer the actor's rank 0 broadcasts)
+        # rollout.tensor_parallel_size: consecutive rollout workers split one engine (the actor's rank 0
+        # sends each its slices of every layer)
         backend = rollout_backend(
             c, hf_model, policy, tokenizer, self.device, Path(c.trainer.run_dir), share_weights=False,
             tp_mesh=engine_mesh(c, world_size, self.device),
@@ -51,6 +53,15 @@ class RolloutWorker:
     def join_weight_sync(self, master: tuple[str, int], sync_rank: int, sync_size: int) -> None:
         self.weight_sync = WeightSync(master, sync_rank, sync_size, self.device)
 
+    def weight_slices(self) -> dict[str, Box] | None:
+        """This worker's box of each of the engine's weights (by the trainer's names) when the engine is
+        split over rollout workers, else None (whole layers are broadcast)."""
+        if self.config.rollout.tensor_parallel_size == 1 or not hasattr(
+            self.rollout.backend, "weight_tensors"
+        ):
+            return None
+        return {name: held_box(t) for name, t in self.rollout.backend.weight_tensors().items()}
+
     def generate(self, prompts: list[Prompt], params: SamplingParams, first_group: int = 0) -> Rollouts:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -63,16 +74,26 @@ class RolloutWorker:
     def receive_weights(
         self, units: list[list[tuple[str, tuple[int, ...]]]], dtype: str, apply: bool = True
     ) -> None:
-        """The actor's weights, one broadcast per unit of (name, shape) pairs, into the engine
-        (`apply=False`: received and dropped, a worker that holds them already while a replaced one
-        catches up)."""
+        """The actor's weights, one broadcast per unit of (name, shape) pairs, into the engine; an engine
+        split over rollout workers receives its slices only (`apply=False`: received and dropped, a
+        worker that holds them already while a replaced one catches up)."""
+        slices = self.weight_slices()
+        targets = self.rollout.backend.weight_tensors() if slices is not None else {}
         for unit in units:
+            names = [n for n, _ in unit]
+            shapes = [s for _, s in unit] if slices is None else [box_shape(slices[n]) for n in names]
             flat = torch.empty(
-                sum(torch.Size(s).numel() for _, s in unit), dtype=DTYPES[dtype], device=self.device
+                sum(torch.Size(s).numel() for s in shapes), dtype=DTYPES[dtype], device=self.device
             )
-            self.weight_sync.broadcast(flat)
+            if slices is None:
+                self.weight_sync.broadcast(flat)
+            else:
+                self.weight_sync.receive(flat)
             if apply:
-                self.rollout.update_weights(zip((n for n, _ in unit), unpack(flat, [s for _, s in unit])))
+                parts = unpack(flat, shapes)
+                if slices is not None:
+                    parts = [placed(targets[n], part) for n, part in zip(names, parts, strict=True)]
+                self.rollout.update_weights(zip(names, parts, strict=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

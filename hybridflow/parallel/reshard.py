@@ -155,14 +155,25 @@ class ReshardPlan:
                 dst = _view(out[name], box, self._slice[name])
                 dst.copy_(flat[offset : offset + dst.numel()].view(dst.shape))
                 offset += dst.numel()
-        return [(name, self._placed(name, out[name])) for name in unit.names]
+        return [(name, placed(self.targets[name], out[name])) for name in unit.names]
 
-    def _placed(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        target = self.targets[name]
-        if not isinstance(target, DTensor):
-            return local
-        return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                                  shape=target.shape, stride=target.stride())  # fmt: skip
+
+def placed(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local`, an engine rank's slice, placed as the engine's `target` is (the whole tensor of an
+    unsplit one), for Engine.update_weights."""
+    if not isinstance(target, DTensor):
+        return local
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                              shape=target.shape, stride=target.stride())  # fmt: skip
+
+
+def part_of(whole: torch.Tensor, box: Box) -> torch.Tensor:
+    """The part `box` of a whole tensor (a view)."""
+    return whole[tuple(slice(start, stop) for start, stop in box)]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
 
 
 def _part(source: torch.Tensor, box: Box, device: torch.device) -> torch.Tensor:

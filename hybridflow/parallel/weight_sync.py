@@ -33,6 +33,14 @@ class WeightSync:
         options.rootRank = 0
         self.group.broadcast([flat], options).wait()
 
+    def send(self, flat: torch.Tensor, rank: int) -> None:
+        """From sync rank 0 to one rollout worker (its slices of a unit: an engine split over workers)."""
+        self.group.send([flat], rank, 0).wait()
+
+    def receive(self, flat: torch.Tensor) -> None:
+        """Into `flat`, from sync rank 0."""
+        self.group.recv([flat], 0, 0).wait()
+
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat buffer [sum of numels] of tensors of one dtype."""

@@ -283,8 +283,8 @@ def test_tensor_parallel_roles_over_two_workers_train_as_one_process(setup, tmp_
 @pytest.mark.slow
 def test_an_engine_split_over_two_rollout_workers_trains_as_one_process(setup, tmp_path, single):
     """Disaggregated with rollout.tensor_parallel_size=2: one trainer, one engine split over two Ray
-    rollout workers (each given the same prompts; each takes its slices of every whole layer the actor
-    broadcasts): the same steps and weights as one colocated process."""
+    rollout workers (each given the same prompts; the actor's rank 0 sends each only its slices of every
+    layer, checked by the per-step weight check): the same steps and weights as one colocated process."""
     single_dir, single = single
     workers = ["resources.device=cpu", "resources.num_workers=3", "resources.rollout_workers=2"]
     apart = _train(setup, tmp_path / "apart", 2, *workers, "rollout.tensor_parallel_size=2")
