@@ -4,6 +4,8 @@
 # (`hybridflow data preprocess gsm8k`): each run writes /tmp/res/NAME/ and /tmp/res/NAME.log, and
 # /tmp/res/done says when each started and ended. Start it detached and read /tmp/res while it runs:
 #   PYTHONPATH=/tmp/site:$PWD setsid nohup bash bench/real_gsm8k_runs.sh > /tmp/res/driver.log 2>&1 &
+# A later device call that reads /tmp/res must begin with `[ -f /tmp/res/done ] || exit 3`: a machine lost
+# between two calls is replaced by a bare one, and a poll that sleeps there spends the lease on nothing.
 # RUNS picks a subset (default: all, in this order); MODEL and EXTRA (appended to every run's arguments)
 # make a quick check elsewhere, e.g. on a CPU: MODEL=default RUNS=dense_off EXTRA="--steps 1 --prompts 2
 # --samples 2 --response 16 --test-size 2 --test-freq 1" bash bench/real_gsm8k_runs.sh
