@@ -120,8 +120,9 @@ class RolloutConfig:
     rank receives, a layer at a time, only the parts of its slices its trainer shard lacks;
     on rollout workers of their own (resources.rollout_workers, a multiple of it), consecutive workers
     split each engine and the actor's rank 0 sends each its slices of every layer; synchronous generation
-    (vLLM's / verl's tensor_model_parallel_size). Without CUDA graphs or the fused layers for now:
-    slower than whole engines where those fit."""
+    (vLLM's / verl's tensor_model_parallel_size). Decode steps replay CUDA graphs with the
+    all-reduces inside (cuda_graphs); the fused layers are a whole engine's only: slower than whole
+    engines where those fit."""
     max_batch_sequences: int = 256
     """Most sequences generated together (the hf backend chunks larger batches)."""
     max_prefill_tokens: int = 16384

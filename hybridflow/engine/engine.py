@@ -52,7 +52,7 @@ class Engine:
         same requests and weight updates."""
         self.config = c = config or EngineConfig()
         self.tp: EngineTP | None = None
-        if tp_mesh is not None and tp_mesh.size() > 1:
+        if tp_mesh is not None:  # a group of one too (bench/engine_tp_graphs_check.py: one GPU)
             from hybridflow.engine.tensor_parallel import EngineTP
 
             self.tp = EngineTP(tp_mesh)
@@ -107,12 +107,13 @@ class Engine:
             compute_dtype=self.compute_dtype,
             max_batch=c.max_batch_sequences,
             max_context=c.max_context_tokens,
-            cuda_graphs=c.cuda_graphs and self.tp is None,
+            # a tensor-parallel copy's graphs hold its all-reduces and the logits' gather (NCCL captures
+            # them; every rank captures and replays the same buckets, as it runs the same steps)
+            cuda_graphs=c.cuda_graphs,
             compile_layers=c.compile_layers and self.tp is None,
             # the Triton kernels run on CUDA, and on CPU tensors in Triton's interpreter (tests); their
             # tiles span a head in two halves of a power-of-two size. A tensor-parallel copy runs the
-            # trainer's modules under its plan (the fused layers have no all-reduce) without graphs
-            # (a capture of the plan's collectives is not tried yet)
+            # trainer's modules under its plan (the fused layers have no all-reduce)
             fused_decode=c.fused_decode
             and self.tp is None
             and mc.moe is None  # the fused layers are dense; an MoE model runs its own modules
@@ -122,6 +123,7 @@ class Engine:
             onednn_layers=c.fused_decode and self.tp is None,
             decode_steps=c.decode_steps,
             head=self.tp.logits(self.model) if self.tp is not None else None,
+            check_capture=self.tp.check_capture if self.tp is not None else None,
         )
         self.asleep = False
         self.paused = False

@@ -52,11 +52,15 @@ class Runner:
         onednn_layers: bool = False,
         decode_steps: int = 8,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        check_capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         """head: hidden [N, H] -> logits [N, V] where the model's own LM head does not give them whole
-        (a tensor-parallel copy)."""
+        (a tensor-parallel copy). check_capture(eager, replayed): told the logits of a decode graph's
+        warm-up and of its first replay on the same inputs (a tensor-parallel copy: raises on every rank
+        when a collective did not make it into the graph)."""
         self.model, self.cache, self.page_size = model, cache, cache.page_size
         self.head = head or model.lm_head
+        self.check_capture = check_capture
         self.device = cache.device
         self.compute_dtype = compute_dtype
         self.max_batch = max_batch
@@ -372,13 +376,16 @@ class Runner:
         for name in names:  # the warm-up below writes to the scratch page 0 only, never to a page
             self.static[name].zero_()  # that a live sequence owns
         args = [self.static[k][:bucket] for k in names]
-        self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
+        eager = self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = self._decode_step(*args)
         self._graph_pool = graph.pool()
+        if self.check_capture is not None:
+            graph.replay()  # the warm-up's inputs again (it wrote only to the scratch page 0)
+            self.check_capture(eager, logits)
         self.graphs[bucket] = (graph, logits)
         self.capture_seconds += time.perf_counter() - start
 

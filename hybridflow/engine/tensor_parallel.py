@@ -2,13 +2,15 @@
 the same engine on the same requests (SPMD), holding heads / tp of the attention, intermediate / tp
 of the MLP, its rows of the vocabulary and KV pages of its KV heads only; the trainer's TP plan
 (parallel/tensor.py) shards the copy, so two all-reduces a layer join the ranks' partial sums and the
-logits are gathered whole before the sampler. The sampler hashes its noise per sequence, so every rank
+logits are gathered whole before the sampler; on CUDA these collectives are captured in the decode
+graphs with the rest of a step (each graph's first replay checked against its eager warm-up). The sampler hashes its noise per sequence, so every rank
 draws the same tokens from the same logits; what could still make ranks disagree (a random seed, a
 pool size from each GPU's free memory, a request given to one rank only) is agreed here or caught at
 the next step, with one line, before the ranks' collectives would wait on each other."""
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from functools import partial
@@ -22,6 +24,11 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.parallel.tensor import TP_MESH, apply_tensor_parallel, full_logits
+
+
+# the relative difference a decode graph's logits may have from the eager step's: summation order
+# (NCCL may reduce in another order inside a graph); a rank's missing partial sums give ~1/tp and more
+CAPTURE_TOLERANCE = 0.02
 
 
 class EngineTP:
@@ -69,6 +76,22 @@ class EngineTP:
         """A random sampling seed, the first rank's on every rank (a request without a seed)."""
         mine = int(torch.randint(0, 2**31 - 1, ()))
         return self._reduce([mine if self.rank == 0 else 0], dist.ReduceOp.SUM)[0]
+
+    def check_capture(self, eager: torch.Tensor, replayed: torch.Tensor) -> None:
+        """A decode step's logits [B, V] run eagerly and replayed from the CUDA graph captured from it,
+        on the same inputs: equal but for the collectives' summation order, unless a collective was
+        left out of the graph (a rank's partial sums then reach the logits). Every rank learns the
+        largest difference of the group, so all stop together."""
+        scale = float(eager.float().norm())
+        mine = float((replayed.float() - eager.float()).norm()) / max(scale, 1e-6)
+        mine = min(mine, 1e6) if math.isfinite(mine) else 1e6
+        worst = self._reduce([round(mine * 1e6)], dist.ReduceOp.MAX)[0] / 1e6
+        if worst > CAPTURE_TOLERANCE:
+            raise RuntimeError(
+                f"tensor-parallel engine rank {self.rank}: a decode step replayed from its CUDA graph gave "
+                f"other logits than the same step run eagerly (relative difference {worst:.3g}): a "
+                "collective did not make it into the graph; set rollout.cuda_graphs=false"
+            )
 
     def check_same_step(self, kind: str, seqs: list, prompts: list[list[int]] = ()) -> None:
         """Every rank is about to run the same prefill or decode of the same sequences at the same

@@ -4,7 +4,8 @@ half the heads, KV heads and MLP channels (half the experts of an MoE layer, rou
 and its rows of a vocabulary (259) that does not split evenly;
 weight updates from whole tensors and from a trainer's TP shards land as in one engine (each rank
 writing its part only) and gather back to the trainer's weights bit for bit; ranks that
-would run different steps stop with one line instead of waiting on each other; a training worker
+would run different steps stop with one line instead of waiting on each other, as do all ranks when a
+decode graph's replay lost a collective (its check, on CPU tensors); a training worker
 pair with rollout.tensor_parallel_size=2 builds its engine split (the runs themselves:
 test_distributed_trainer.py); four workers with the engine split unlike the actor (TP 2 -> 4, 4 -> 2)
 receive their slices of each synced layer; and what a split cannot run with is refused in one line."""
@@ -24,6 +25,7 @@ from torch.testing import assert_close
 from hybridflow.controller.worker_group import free_address
 from hybridflow.controller.worker_models import build_models
 from hybridflow.engine import Engine, EngineConfig
+from hybridflow.engine.tensor_parallel import EngineTP
 from hybridflow.errors import UserError
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
@@ -63,6 +65,7 @@ def _rank(rank: int, world: int, port: int, families: list[str]) -> None:
         for family in families:
             _engine_over_tp_equals_one_engine(family, mesh)
         _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh)
+        _a_decode_graph_that_lost_a_collective_stops_every_rank(mesh)
 
 
 def _engine_over_tp_equals_one_engine(family: str, mesh) -> None:
@@ -131,6 +134,20 @@ def _ranks_agree_on_a_random_seed_and_stop_when_their_requests_differ(mesh) -> N
     prompt = [7, 8, 9] if mesh.get_local_rank() == 0 else [7, 8, 10]
     with pytest.raises(RuntimeError, match="must be given the same requests"):
         tp.generate([prompt], GREEDY)
+
+
+def _a_decode_graph_that_lost_a_collective_stops_every_rank(mesh) -> None:
+    """The check of a decode graph's first replay against its eager warm-up (CUDA only, so its verdict
+    is tried here on what a graph would return): a replay that kept a rank's partial sums, on one rank
+    or on all, stops every rank; the collectives' summation order does not."""
+    tp, rank = EngineTP(mesh), mesh.get_local_rank()
+    partial = torch.randn(4, 259, generator=torch.Generator().manual_seed(rank))  # [B, V] one rank's share
+    eager = partial.clone()
+    dist.all_reduce(eager, group=tp.group)  # what the step computes: the shares summed
+    tp.check_capture(eager, eager + 1e-4 * torch.randn(eager.shape))  # another summation order: passes
+    for replayed in (partial, eager if rank == 0 else partial):  # the all-reduce left out of the graph
+        with pytest.raises(RuntimeError, match=r"relative difference .* rollout\.cuda_graphs=false"):
+            tp.check_capture(eager, replayed)
 
 
 @pytest.mark.slow
