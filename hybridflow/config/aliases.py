@@ -91,8 +91,8 @@ VERL: dict[str, Entry] = {
     ),
     f"{_ARR}.rollout.tensor_model_parallel_size": no_effect(
         "each GPU runs its own engine replica; results are the same, memory per GPU is not (`hybridflow plan`); "
-        "rollout.tensor_parallel_size splits it (over the actor's TP groups or groups of its own), without "
-        "CUDA graphs for now"
+        "rollout.tensor_parallel_size splits it (over the actor's TP groups or groups of its own; CUDA graphs, "
+        "not the fused layers: slower than a whole engine where one fits)"
     ),
     f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": no_effect(r.MICRO),
     f"{_ARR}.rollout.log_prob_use_dynamic_bsz": no_effect(r.DYNAMIC),

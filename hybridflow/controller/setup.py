@@ -109,8 +109,8 @@ def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoc
         f"({num_prompts} training prompts, {steps_per_epoch} steps per epoch) | "
         f"estimator {c.algorithm.adv_estimator}, policy loss {c.actor.policy_loss}, agg {c.actor.loss_agg_mode}"
         + (
-            f" | each engine split over {c.rollout.tensor_parallel_size} workers (tensor parallel: no CUDA "
-            "graphs or fused layers yet, generation is slower than a whole engine's)"
+            f" | each engine split over {c.rollout.tensor_parallel_size} workers (tensor parallel: no fused "
+            "layers, generation is slower than a whole engine's)"
             if c.rollout.tensor_parallel_size > 1
             else ""
         )

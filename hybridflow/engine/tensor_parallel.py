@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.parallel.tensor import TP_MESH, apply_tensor_parallel, full_logits
 
-
 # the relative difference a decode graph's logits may have from the eager step's: summation order
 # (NCCL may reduce in another order inside a graph); a rank's missing partial sums give ~1/tp and more
 CAPTURE_TOLERANCE = 0.02
