@@ -20,13 +20,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from rollout import SHAPES, VOCAB, random_model  # bench/ is the script's own directory
+from decode_parity import gap_to_trainer  # bench/ is the script's own directory
+from rollout import SHAPES, VOCAB, random_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridflow.controller.worker_group import free_address
 from hybridflow.engine import Engine, EngineConfig
-from hybridflow.roles.forward import packed_response_logprobs
 from hybridflow.rollout.sampling import SamplingParams
 
 
@@ -62,18 +62,6 @@ def measure(model, mesh, prompts, params, graphs: bool, response: int) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in out)
-    sample = out[:64]
-    with torch.no_grad():
-        trainer_lp, _ = packed_response_logprobs(
-            model, [prompts[g.prompt_index] for g in sample], [g.token_ids for g in sample],
-            device=torch.device("cuda"), compute_dtype="auto",
-        )  # fmt: skip
-    gaps = torch.cat(
-        [
-            (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs)).abs()
-            for i, g in enumerate(sample)
-        ]
-    )
     result = {
         "split": mesh is not None,
         "cuda_graphs": graphs,
@@ -82,7 +70,7 @@ def measure(model, mesh, prompts, params, graphs: bool, response: int) -> dict:
         "tokens_per_s": round(tokens / seconds),
         "steps": engine.stats.get("steps"),
         "host_collectives": comm.counts,
-        "logprob_gap_vs_trainer": {"mean": gaps.mean().item(), "max": gaps.max().item()},
+        "logprob_gap_vs_trainer": gap_to_trainer(model, prompts, out[:64]),
     }
     engine.sleep()
     del engine
