@@ -3,10 +3,11 @@ the same engine on the same requests (SPMD), holding heads / tp of the attention
 of the MLP, its rows of the vocabulary and KV pages of its KV heads only; the trainer's TP plan
 (parallel/tensor.py) shards the copy, so two all-reduces a layer join the ranks' partial sums and the
 logits are gathered whole before the sampler; on CUDA these collectives are captured in the decode
-graphs with the rest of a step (each graph's first replay checked against its eager warm-up). The sampler hashes its noise per sequence, so every rank
-draws the same tokens from the same logits; what could still make ranks disagree (a random seed, a
-pool size from each GPU's free memory, a request given to one rank only) is agreed here or caught at
-the next step, with one line, before the ranks' collectives would wait on each other."""
+graphs with the rest of a step (each graph's first replay checked against its eager warm-up). The
+sampler hashes its noise per sequence, so every rank draws the same tokens from the same logits; what
+could still make ranks disagree (a random seed, a pool size from each GPU's free memory, a request
+given to one rank only) is agreed here or caught at the next step, with one line, before the ranks'
+collectives would wait on each other."""
 
 from __future__ import annotations
 
