@@ -21,8 +21,9 @@ run() {
   echo "$name start $(date +%s)" >> /tmp/res/done
   python3 bench/real_gsm8k.py $COMMON --out "/tmp/res/$name" "$@" ${EXTRA:-} > "/tmp/res/$name.log" 2>&1
   echo "$name rc=$? $(date +%s)" >> /tmp/res/done
-  # trainer.save_freq=-1 still saves at the end (28 GB for this model with its optimizer state): three
-  # runs' checkpoints fill the machine's disk, and nothing here reads them
+  # bench/real_gsm8k.py sets trainer.save_freq=-1 (verl's "never"); with a --set trainer.save_freq=N each
+  # checkpoint is 28 GB for this model with its optimizer state: three runs' fill the machine's disk, and
+  # nothing here reads them
   rm -rf /tmp/res/"$name"/*/checkpoints
 }
 # #30: the three modes alone, to the same held-out accuracy, with a reward that is not 0 at the start

@@ -58,7 +58,7 @@ def main() -> None:
     SFTTrainer(load_config(None, [
         "model.path=default", f"data.train_files=[{out / 'demos.jsonl'}]", "sft.messages_key=messages",
         "sft.batch_size=8", "actor.optim.lr=5e-5", "actor.compute_dtype=float32",
-        f"trainer.total_training_steps={args.sft_steps}", f"trainer.run_dir={out / 'sft'}", "trainer.save_freq=-1",
+        f"trainer.total_training_steps={args.sft_steps}", f"trainer.run_dir={out / 'sft'}",
         "trainer.logger=[jsonl]", "trainer.progress=false",
     ]), overwrite=True).fit()  # fmt: skip
     sft_s = time.time() - start

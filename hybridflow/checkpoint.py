@@ -41,6 +41,23 @@ MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
 
 
+def writes_checkpoints(save_freq: int | None) -> bool:
+    return save_freq is None or save_freq > 0
+
+
+NO_CHECKPOINTS = (
+    "no checkpoints (trainer.save_freq 0 or -1, verl's 'never'): the trained weights are not kept"
+)
+
+
+def checkpoint_due(save_freq: int | None, step: int, last: bool) -> bool:
+    """Whether a checkpoint follows `step` under trainer.save_freq (None: the last step only; N > 0:
+    every N steps and the last; 0 or less: never, verl's meaning)."""
+    if save_freq is None:
+        return last
+    return save_freq > 0 and (last or step % save_freq == 0)
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 

@@ -31,8 +31,10 @@ class TrainerConfig:
     """None: run `total_epochs` passes over the training prompts."""
     total_epochs: int = 1
     """Passes over the training prompts when total_training_steps is None."""
-    save_freq: int = -1
-    """Save a checkpoint every N steps (-1: only at the end)."""
+    save_freq: int | None = None
+    """Save a checkpoint every N steps and after the last one. None: after the last step only. 0 or
+    -1: never, as in verl (whose default -1 saves nothing, and whose commands set it to save nothing):
+    the run says so when it starts, and its trained weights are not kept."""
     test_freq: int = -1
     """Validate every N steps and at the end (-1: only before training, if val_before_train, and at the end)."""
     val_before_train: bool = True

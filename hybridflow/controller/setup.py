@@ -7,6 +7,7 @@ import math
 from hybridflow.algorithms.estimators import ESTIMATORS, estimator
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.policy_losses import POLICY_LOSSES
+from hybridflow.checkpoint import NO_CHECKPOINTS, writes_checkpoints
 from hybridflow.config.schema import Config
 from hybridflow.controller.async_checks import check_async
 from hybridflow.errors import UserError, closest
@@ -19,6 +20,12 @@ def sequences_per_step(config: Config) -> int:
 def check_config(config: Config) -> None:
     """Names that must exist and batch sizes that must divide, with the arithmetic spelled out."""
     algo, actor = config.algorithm, config.actor
+    if config.trainer.max_restarts and not writes_checkpoints(config.trainer.save_freq):
+        raise UserError(
+            f"trainer.max_restarts={config.trainer.max_restarts} starts a run again from its latest checkpoint, "
+            f"and trainer.save_freq={config.trainer.save_freq} writes none (verl's 'never'): set save_freq to N "
+            "(a checkpoint every N steps) or leave it unset"
+        )
     if config.rollout.agent.loop and config.rollout.backend in ("hf", "vllm"):
         raise UserError(
             f"rollout.agent.loop={config.rollout.agent.loop} runs its episodes on the built-in engine, not "
@@ -119,6 +126,7 @@ def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoc
             if c.actor.expert_parallel_size > 1
             else ""
         )
+        + ("" if writes_checkpoints(c.trainer.save_freq) else f" | {NO_CHECKPOINTS}")
     )
 
 

@@ -13,12 +13,13 @@ import torch
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.batch import TrainingBatch, pad_ragged
+from hybridflow.checkpoint import checkpoint_due, writes_checkpoints
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
 from hybridflow.controller.divergence import count_bad_step, diverged
-from hybridflow.controller.graceful_stop import GracefulStop
+from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics
@@ -182,7 +183,10 @@ class RLTrainer:
         self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.step)
         started, first_step = time.perf_counter(), self.step
         try:
-            with Watchdog(c.trainer.watchdog_s, self.run_dir) as self.watchdog, GracefulStop() as stop:
+            with (
+                Watchdog(c.trainer.watchdog_s, self.run_dir) as self.watchdog,
+                GracefulStop(writes_checkpoints(c.trainer.save_freq)) as stop,
+            ):
                 if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                     self._log(self._validate(), step=0)
                 if self.stream is not None:
@@ -195,7 +199,7 @@ class RLTrainer:
                     self._after_step(metrics)
                     self.progress.update()
                 if stop.requested:
-                    self._stop_with_checkpoint(stop.requested)
+                    stop_with_checkpoint(self, stop.requested, stop.saves)
             self.watchdog = Watchdog(0, self.run_dir)  # off between fits (evaluate, save)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
             self.run_lock.release()  # the same command (in this process too) must find it free
@@ -251,12 +255,6 @@ class RLTrainer:
             raise UserError("no validation prompts: set data.val_files (or pass eval_dataset)")
         return self._validate()
 
-    def _stop_with_checkpoint(self, signal_name: str) -> None:
-        if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.step}":
-            self.save()
-        print(f"stopped by {signal_name} after step {self.step}; checkpoint {self.last_checkpoint}. To go on, "
-              "run the same command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
-
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Validation and checkpoint when due, then the step's metrics to the sinks."""
         c, last = self.config, self.step == self.stop_at
@@ -265,7 +263,7 @@ class RLTrainer:
             metrics |= self._validate()
             metrics["timing_s/testing"] = time.perf_counter() - start
         try:
-            if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+            if checkpoint_due(c.trainer.save_freq, self.step, last):
                 start = time.perf_counter()
                 self.save(metrics)
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start

@@ -11,15 +11,18 @@ from pathlib import Path
 import torch
 
 from hybridflow.checkpoint import (
+    NO_CHECKPOINTS,
     check_resumable,
+    checkpoint_due,
     latest_checkpoint,
     load_checkpoint_state,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    writes_checkpoints,
 )
 from hybridflow.config import Config, to_yaml
-from hybridflow.controller.graceful_stop import GracefulStop
+from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.policy_export import export_policy
 from hybridflow.controller.role_models import lora_policy, policy_model
 from hybridflow.controller.run_dir import prepare_run_dir
@@ -120,7 +123,8 @@ class OfflineTrainer:
         c = self.config
         print(
             f"{self.name}: {len(self.train_examples)} examples, {self.sampler.prompts_per_step} per step, "
-            f"{self.total_steps} steps, micro-batch budget {c.actor.max_tokens_per_microbatch} tokens",
+            f"{self.total_steps} steps, micro-batch budget {c.actor.max_tokens_per_microbatch} tokens"
+            + ("" if writes_checkpoints(c.trainer.save_freq) else f" | {NO_CHECKPOINTS}"),
             flush=True,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,15 +134,15 @@ class OfflineTrainer:
             self._log(self.validate(), 0)
         progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
         try:
-            with (
-                GracefulStop() as stop
-            ):  # SIGTERM / Ctrl-C: finish the step, save, return (a second: at once)
+            with GracefulStop(
+                writes_checkpoints(c.trainer.save_freq)
+            ) as stop:  # SIGTERM / Ctrl-C: finish the step, save, return (a second: at once)
                 while self.step < self.total_steps and not stop.requested:
                     self.step += 1
                     metrics = self._step()
                     progress.update()
                 if stop.requested:
-                    self._stop_with_checkpoint(stop.requested)
+                    stop_with_checkpoint(self, stop.requested, stop.saves)
         finally:
             progress.close()
             if "jsonl" in c.trainer.logger:
@@ -149,12 +153,6 @@ class OfflineTrainer:
             sink.close()
         self.run_lock.release()  # the directory is free for the next run
         return metrics
-
-    def _stop_with_checkpoint(self, signal_name: str) -> None:
-        if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.step}":
-            self.save()
-        print(f"stopped by {signal_name} after step {self.step}; checkpoint {self.last_checkpoint}. To go on, "
-              "run the same command without --overwrite (trainer.resume=auto continues from it)", flush=True)  # fmt: skip
 
     def _step(self) -> dict[str, float]:
         c, last = self.config, self.step == self.total_steps
@@ -168,7 +166,7 @@ class OfflineTrainer:
             self.model.eval()
             with torch.no_grad():
                 metrics |= self.validate()
-        if last or (c.trainer.save_freq > 0 and self.step % c.trainer.save_freq == 0):
+        if checkpoint_due(c.trainer.save_freq, self.step, last):
             start = time.perf_counter()
             self.save(metrics)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start

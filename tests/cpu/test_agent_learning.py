@@ -78,7 +78,6 @@ def test_grpo_raises_tool_use_where_only_the_tool_knows_the_answer(tmp_path):
     common = [
         "actor.compute_dtype=float32",
         "trainer.logger=[jsonl]",
-        "trainer.save_freq=-1",
         "trainer.progress=false",
     ]
     SFTTrainer(load_config(None, [

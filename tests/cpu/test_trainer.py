@@ -7,7 +7,9 @@ import torch
 from rl_run import config, read_metrics
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from hybridflow.checkpoint import checkpoint_due
 from hybridflow.controller.divergence import TrainingDiverged
+from hybridflow.controller.graceful_stop import stop_with_checkpoint
 from hybridflow.controller.trainer import RLTrainer
 from hybridflow.errors import UserError
 from hybridflow.models import byte_tokenizer, save_hf
@@ -93,6 +95,37 @@ def test_resume_gives_exactly_the_uninterrupted_run(setup, tmp_path):
         assert same == {k: mb[k] for k in same}
     wa, wb = _weights(straight.workers.worker.actor.model), _weights(resumed.workers.worker.actor.model)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_save_freq_means_what_it_means_in_verl(setup, tmp_path, capsys):
+    """N: a checkpoint every N steps and after the last; 0 or -1 (verl's default, and what its scripts set
+    to save nothing): none, said when the run starts and when a signal stops it; unset: the last only."""
+    every_two = RLTrainer(
+        config(setup, tmp_path / "two", "trainer.total_training_steps=3", "trainer.save_freq=2",
+               "trainer.keep_last_checkpoints=3")
+    )  # fmt: skip
+    every_two.fit()
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [
+        "global_step_2",
+        "global_step_3",
+    ]
+    capsys.readouterr()
+    never = RLTrainer(
+        config(setup, tmp_path / "never", "trainer.total_training_steps=2", "trainer.save_freq=-1")
+    )
+    never.fit()
+    assert not (tmp_path / "never" / "checkpoints").exists() and never.last_checkpoint is None
+    assert "no checkpoints (trainer.save_freq 0 or -1, verl's 'never')" in capsys.readouterr().out
+    stop_with_checkpoint(never, "SIGTERM", saves=False)  # a signal saves nothing either
+    assert (
+        "no checkpoint written" in capsys.readouterr().out
+        and not (tmp_path / "never" / "checkpoints").exists()
+    )
+    table = {(None, 1, False): False, (None, 3, True): True, (2, 2, False): True, (2, 3, False): False,
+             (2, 3, True): True, (0, 3, True): False, (-1, 3, True): False}  # fmt: skip
+    assert {key: checkpoint_due(*key) for key in table} == table
+    with pytest.raises(UserError, match=r"trainer.max_restarts=1 .* trainer.save_freq=0 writes none"):
+        RLTrainer(config(setup, tmp_path / "restarts", "trainer.save_freq=0", "trainer.max_restarts=1"))
 
 
 def test_checkpoint_policy_reloads_in_transformers_with_identical_logits(setup, tmp_path):
