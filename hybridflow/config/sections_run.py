@@ -33,8 +33,9 @@ class TrainerConfig:
     """Passes over the training prompts when total_training_steps is None."""
     save_freq: int | None = None
     """Save a checkpoint every N steps and after the last one. None: after the last step only. 0 or
-    -1: never, as in verl (whose default -1 saves nothing, and whose commands set it to save nothing):
-    the run says so when it starts, and its trained weights are not kept."""
+    -1: never, as in verl's RL trainer (whose default -1 saves nothing, and whose commands set it to
+    save nothing): the run says so when it starts, and its trained weights are not kept. The offline
+    trainers (sft, dpo, kto) save after the last step whatever it says, as verl's SFT trainer does."""
     test_freq: int = -1
     """Validate every N steps and at the end (-1: only before training, if val_before_train, and at the end)."""
     val_before_train: bool = True

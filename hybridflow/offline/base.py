@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from hybridflow.checkpoint import (
-    NO_CHECKPOINTS,
     check_resumable,
     checkpoint_due,
     latest_checkpoint,
@@ -19,7 +18,6 @@ from hybridflow.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
-    writes_checkpoints,
 )
 from hybridflow.config import Config, to_yaml
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
@@ -123,8 +121,7 @@ class OfflineTrainer:
         c = self.config
         print(
             f"{self.name}: {len(self.train_examples)} examples, {self.sampler.prompts_per_step} per step, "
-            f"{self.total_steps} steps, micro-batch budget {c.actor.max_tokens_per_microbatch} tokens"
-            + ("" if writes_checkpoints(c.trainer.save_freq) else f" | {NO_CHECKPOINTS}"),
+            f"{self.total_steps} steps, micro-batch budget {c.actor.max_tokens_per_microbatch} tokens",
             flush=True,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,15 +131,14 @@ class OfflineTrainer:
             self._log(self.validate(), 0)
         progress = bar(self.total_steps, "steps", enabled=c.trainer.progress, initial=self.step)
         try:
-            with GracefulStop(
-                writes_checkpoints(c.trainer.save_freq)
-            ) as stop:  # SIGTERM / Ctrl-C: finish the step, save, return (a second: at once)
+            # SIGTERM / Ctrl-C: finish the step, save, return (a second: at once)
+            with GracefulStop() as stop:
                 while self.step < self.total_steps and not stop.requested:
                     self.step += 1
                     metrics = self._step()
                     progress.update()
                 if stop.requested:
-                    stop_with_checkpoint(self, stop.requested, stop.saves)
+                    stop_with_checkpoint(self, stop.requested, saves=True)
         finally:
             progress.close()
             if "jsonl" in c.trainer.logger:
@@ -166,7 +162,8 @@ class OfflineTrainer:
             self.model.eval()
             with torch.no_grad():
                 metrics |= self.validate()
-        if checkpoint_due(c.trainer.save_freq, self.step, last):
+        # verl's SFT trainer saves after the last step whatever save_freq says (its RL trainer does not)
+        if last or checkpoint_due(c.trainer.save_freq, self.step, last=False):
             start = time.perf_counter()
             self.save(metrics)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start

@@ -84,7 +84,10 @@ def _weights(trainer):
 
 @pytest.mark.slow
 def test_loss_falls_resume_is_exact_and_rl_starts_from_the_export(sft_setup, tmp_path):
-    straight = SFTTrainer(_sft_config(sft_setup, tmp_path / "a", "trainer.total_training_steps=6"))
+    # save_freq=-1: as verl's SFT trainer, the offline trainers still save after the last step (global_step_6)
+    straight = SFTTrainer(
+        _sft_config(sft_setup, tmp_path / "a", "trainer.total_training_steps=6", "trainer.save_freq=-1")
+    )
     straight.fit()
     SFTTrainer(_sft_config(sft_setup, tmp_path / "b", "trainer.total_training_steps=3")).fit()
     # killed after checkpoint 3 was written, before step 3's metrics were: the checkpoint keeps them
