@@ -62,8 +62,8 @@ class EngineTP:
     def kv_heads(self, model: NativeCausalLM) -> int:
         return model.config.num_key_value_heads // self.size
 
-    def _reduce(self, values: list[int], op) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64, device=self._device)
+    def _reduce(self, values: list, op, dtype: torch.dtype = torch.int64) -> list:
+        t = torch.tensor(values, dtype=dtype, device=self._device)
         dist.all_reduce(t, op, group=self.group)
         return t.tolist()
 
@@ -84,8 +84,8 @@ class EngineTP:
         largest difference of the group, so all stop together."""
         scale = float(eager.float().norm())
         mine = float((replayed.float() - eager.float()).norm()) / max(scale, 1e-6)
-        mine = min(mine, 1e6) if math.isfinite(mine) else 1e6
-        worst = self._reduce([round(mine * 1e6)], dist.ReduceOp.MAX)[0] / 1e6
+        mine = min(mine, 1e6) if math.isfinite(mine) else 1e6  # a NaN would not win a MAX
+        worst = self._reduce([mine], dist.ReduceOp.MAX, torch.float64)[0]
         if worst > CAPTURE_TOLERANCE:
             raise RuntimeError(
                 f"tensor-parallel engine rank {self.rank}: a decode step replayed from its CUDA graph gave "
