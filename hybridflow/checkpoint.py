@@ -50,14 +50,6 @@ NO_CHECKPOINTS = (
 )
 
 
-def checkpoint_due(save_freq: int | None, step: int, last: bool) -> bool:
-    """Whether a checkpoint follows `step` under trainer.save_freq (None: the last step only; N > 0:
-    every N steps and the last; 0 or less: never, verl's meaning)."""
-    if save_freq is None:
-        return last
-    return save_freq > 0 and (last or step % save_freq == 0)
-
-
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 

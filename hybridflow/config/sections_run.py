@@ -25,6 +25,14 @@ class GuardsConfig:
     """Warn once when the rollout/trainer probability gap keeps growing, naming the step it began."""
 
 
+def due(freq: int | None, step: int, last: bool) -> bool:
+    """Whether trainer.save_freq / test_freq call for a checkpoint / validation after `step` (None: the
+    last step only; N > 0: every N steps and the last; 0 or less: never, verl's meaning)."""
+    if freq is None:
+        return last
+    return freq > 0 and (last or step % freq == 0)
+
+
 @dataclass
 class TrainerConfig:
     total_training_steps: int | None = None
@@ -36,8 +44,10 @@ class TrainerConfig:
     -1: never, as in verl's RL trainer (whose default -1 saves nothing, and whose commands set it to
     save nothing): the run says so when it starts, and its trained weights are not kept. The offline
     trainers (sft, dpo, kto) save after the last step whatever it says, as verl's SFT trainer does."""
-    test_freq: int = -1
-    """Validate every N steps and at the end (-1: only before training, if val_before_train, and at the end)."""
+    test_freq: int | None = None
+    """Validate every N steps and after the last one. None: after the last step only. 0 or -1: never
+    during the run, as in verl's RL trainer (val_before_train still validates before the first step).
+    The offline trainers validate after the last step whatever it says, as verl's SFT trainer does."""
     val_before_train: bool = True
     """Validate once before the first step (the step-0 numbers of the curves)."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])

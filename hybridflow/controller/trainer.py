@@ -13,8 +13,9 @@ import torch
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.batch import TrainingBatch, pad_ragged
-from hybridflow.checkpoint import checkpoint_due, writes_checkpoints
+from hybridflow.checkpoint import writes_checkpoints
 from hybridflow.config import Config, to_yaml
+from hybridflow.config.sections_run import due
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
 from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
@@ -258,12 +259,12 @@ class RLTrainer:
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Validation and checkpoint when due, then the step's metrics to the sinks."""
         c, last = self.config, self.step == self.stop_at
-        if self.val_prompts and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
+        if self.val_prompts and due(c.trainer.test_freq, self.step, last):
             start = time.perf_counter()
             metrics |= self._validate()
             metrics["timing_s/testing"] = time.perf_counter() - start
         try:
-            if checkpoint_due(c.trainer.save_freq, self.step, last):
+            if due(c.trainer.save_freq, self.step, last):
                 start = time.perf_counter()
                 self.save(metrics)
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start

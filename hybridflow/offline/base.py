@@ -12,7 +12,6 @@ import torch
 
 from hybridflow.checkpoint import (
     check_resumable,
-    checkpoint_due,
     latest_checkpoint,
     load_checkpoint_state,
     rng_state,
@@ -20,6 +19,7 @@ from hybridflow.checkpoint import (
     set_rng_state,
 )
 from hybridflow.config import Config, to_yaml
+from hybridflow.config.sections_run import due
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.policy_export import export_policy
 from hybridflow.controller.role_models import lora_policy, policy_model
@@ -158,12 +158,12 @@ class OfflineTrainer:
         metrics["timing_s/step"] = time.perf_counter() - start
         if "train/tokens" in metrics:  # tokens through the policy's forward
             metrics["perf/throughput"] = metrics["train/tokens"] / metrics["timing_s/step"]
-        if self.val_examples and (last or (c.trainer.test_freq > 0 and self.step % c.trainer.test_freq == 0)):
+        # as verl's SFT trainer: validation and a checkpoint after the last step whatever the freqs say
+        if self.val_examples and (last or due(c.trainer.test_freq, self.step, last=False)):
             self.model.eval()
             with torch.no_grad():
                 metrics |= self.validate()
-        # verl's SFT trainer saves after the last step whatever save_freq says (its RL trainer does not)
-        if last or checkpoint_due(c.trainer.save_freq, self.step, last=False):
+        if last or due(c.trainer.save_freq, self.step, last=False):
             start = time.perf_counter()
             self.save(metrics)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start

@@ -7,7 +7,7 @@ import torch
 from rl_run import config, read_metrics
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.checkpoint import checkpoint_due
+from hybridflow.config.sections_run import due
 from hybridflow.controller.divergence import TrainingDiverged
 from hybridflow.controller.graceful_stop import stop_with_checkpoint
 from hybridflow.controller.trainer import RLTrainer
@@ -123,7 +123,7 @@ def test_save_freq_means_what_it_means_in_verl(setup, tmp_path, capsys):
     )
     table = {(None, 1, False): False, (None, 3, True): True, (2, 2, False): True, (2, 3, False): False,
              (2, 3, True): True, (0, 3, True): False, (-1, 3, True): False}  # fmt: skip
-    assert {key: checkpoint_due(*key) for key in table} == table
+    assert {key: due(*key) for key in table} == table
     with pytest.raises(UserError, match=r"trainer.max_restarts=1 .* trainer.save_freq=0 writes none"):
         RLTrainer(config(setup, tmp_path / "restarts", "trainer.save_freq=0", "trainer.max_restarts=1"))
 
