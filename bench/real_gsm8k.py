@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 REWARD = '''"""verl's strict GSM8K score trains (with --reward dense, half of it and half the lenient check);
-the lenient math-verify check rides along (val-aux)."""
+the lenient math-verify check rides along (val-aux). `acc` and `pred` (held-out mean/best/maj@N) are
+VAL_SCORE's."""
 from hybridflow.rewards.scorers import compute_score as builtin
 
 
@@ -35,7 +36,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     strict = builtin("openai/gsm8k", solution_str, ground_truth)
     lenient = builtin("gsm8k_math_verify", solution_str, ground_truth)
     score = STRICT_SHARE * strict["score"] + (1 - STRICT_SHARE) * lenient["score"]
-    return {"score": score, "acc": strict["acc"], "pred": strict["pred"], "lenient": lenient["score"]}
+    held_out = strict if "VAL_SCORE" == "strict" else {"acc": lenient["score"], "pred": lenient["pred"]}
+    return {"score": score, "acc": held_out["acc"], "pred": held_out["pred"], "lenient": lenient["score"]}
 '''
 DAPO = [
     "actor.clip_ratio_low=0.2",
@@ -146,6 +148,12 @@ def main() -> None:
         "lenient math-verify check (signal from the first step; what comparisons of modes should use)",
     )  # fmt: skip
     ap.add_argument(
+        "--val-score", choices=["strict", "lenient"], default="strict",
+        help="what val-core's acc mean/best/maj@N (the curve's 'strict') holds: verl's '#### N' score or the "
+        "lenient check (with --set rollout.val_samples_per_prompt=16 rollout.val_temperature=1: how many "
+        "problems the model can solve at all, whatever the format)",
+    )  # fmt: skip
+    ap.add_argument(
         "--updates-per-step",
         type=int,
         default=0,
@@ -172,7 +180,11 @@ def main() -> None:
             f"--updates-per-step {updates} does not divide {args.prompts} x {args.samples} responses"
         )
     reward = args.out / "reward.py"
-    reward.write_text(REWARD.replace("STRICT_SHARE", "1.0" if args.reward == "strict" else "0.5"))
+    reward.write_text(
+        REWARD.replace("STRICT_SHARE", "1.0" if args.reward == "strict" else "0.5").replace(
+            "VAL_SCORE", args.val_score
+        )
+    )
     run_dir = args.out / f"{args.algo}{f'-lora{args.lora_rank}' if args.lora_rank else ''}"
     overrides = [
         f"model.path={args.model}",

@@ -45,3 +45,12 @@ run dapo64_lr2e6_full --prompts 64 --steps 200 --test-freq 10 --lr 2e-6 --algo d
   --test-size 1319 --set trainer.log_val_generations=1319
 # #32: PPO with a critic
 run ppo --prompts 32 --steps 150 --test-freq 10 --lr 1e-6 --algo ppo
+# #32: how many of the first 200 test problems the untrained model solves at all: 16 samples each at the
+# training temperature, scored leniently (mean/best/maj@16); greedy RL rarely ends above what the start
+# model's samples reach, so this bounds what 0.75 asks
+run ceiling16 --prompts 8 --steps 1 --test-freq 0 --val-score lenient \
+  --set rollout.val_samples_per_prompt=16 --set rollout.val_temperature=1.0
+# #32: DAPO at lr 2e-6 with 16 samples a prompt: at 0.70 most groups of 8 are all right or all wrong (no
+# signal); 16 give the hard problems' rare right answers a group to stand out in
+run dapo64x16_lr2e6_full --prompts 64 --samples 16 --steps 200 --test-freq 10 --lr 2e-6 --algo dapo \
+  --updates-per-step 2 --test-size 1319 --set trainer.log_val_generations=1319
