@@ -6,6 +6,8 @@
 #   PYTHONPATH=/tmp/site:$PWD setsid nohup bash bench/real_gsm8k_runs.sh > /tmp/res/driver.log 2>&1 &
 # A later device call that reads /tmp/res must begin with `[ -f /tmp/res/done ] || exit 3`: a machine lost
 # between two calls is replaced by a bare one, and a poll that sleeps there spends the lease on nothing.
+# Such a loss took four sessions' runs in a row (once within seconds of the previous call): every poll also
+# copies the running run's log and metrics.jsonl to $OUT, so that the points up to the last poll come back.
 # RUNS picks a subset (default: all, in this order); MODEL and EXTRA (appended to every run's arguments)
 # make a quick check elsewhere, e.g. on a CPU: MODEL=default RUNS=dense_off EXTRA="--steps 1 --prompts 2
 # --samples 2 --response 16 --test-size 2 --test-freq 1" bash bench/real_gsm8k_runs.sh
@@ -54,3 +56,10 @@ run ceiling16 --prompts 8 --steps 1 --test-freq 0 --val-score lenient \
 # signal); 16 give the hard problems' rare right answers a group to stand out in
 run dapo64x16_lr2e6_full --prompts 64 --samples 16 --steps 200 --test-freq 10 --lr 2e-6 --algo dapo \
   --updates-per-step 2 --test-size 1319 --set trainer.log_val_generations=1319
+# #32: the same at the sampling temperature 0.7 (the trainer's policy is softmax(logits / 0.7) too): at 1 the
+# dequantised Q4 model's samples solve 0.191 of the first 200 against 0.385 greedily (its noisy tail), so most
+# of a step's samples are derailed rather than explored; ceiling16_t07 says what its samples reach at 0.7
+run ceiling16_t07 --prompts 8 --steps 1 --test-freq 0 --val-score lenient \
+  --set rollout.val_samples_per_prompt=16 --set rollout.val_temperature=0.7
+run dapo64_t07_full --prompts 64 --steps 200 --test-freq 10 --lr 2e-6 --algo dapo --updates-per-step 2 \
+  --set rollout.temperature=0.7 --test-size 1319 --set trainer.log_val_generations=1319
