@@ -50,6 +50,12 @@ class _Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def location(self) -> tuple[str, int]:
+        """(Ray node id, process id): where the controller can signal this worker from."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def address(self) -> tuple[str, int]:
         """This worker's IP and a free port: rank 0 hosts the process group's rendezvous."""
         return free_address()
@@ -101,6 +107,9 @@ class RayWorkerGroup:
         from ray.util.placement_group import placement_group
 
         self.timeout_s = timeout_s
+        self.last_call_failed = False
+        """A rank raised, died or timed out in the last call: shutdown gives no grace period (the ranks
+        left may be blocked in a collective for good)."""
         if not ray.is_initialized():
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         kind = "GPU" if gpus else "CPU"
@@ -122,6 +131,8 @@ class RayWorkerGroup:
             ) from None
         self.factory, self.gpus = factory, gpus
         self.workers = [self._start(i, num_workers) for i in range(num_workers)]
+        # asked now, while every worker is idle: a worker stuck in a call answers nothing
+        self.locations = self._results([w.run.remote("location", (), {}, own=True) for w in self.workers])
         master = self.address()
         backend = "nccl" if gpus else "gloo"
         self._results(
@@ -157,6 +168,7 @@ class RayWorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.workers[rank])
         self.workers[rank] = self._start(rank, self.world_size)
+        self.locations[rank] = self.call_one(rank, "location", own=True)
         self.call_one(rank, "build", self.factory, own=True)
 
     def is_alive(self, rank: int) -> bool:
@@ -181,6 +193,7 @@ class RayWorkerGroup:
         so waiting for them would hang."""
         import ray
 
+        self.last_call_failed = True  # until every value is in
         ranks = list(range(len(refs))) if ranks is None else ranks
         rank_of = dict(zip(refs, ranks))
         position = {ref: i for i, ref in enumerate(refs)}
@@ -211,15 +224,19 @@ class RayWorkerGroup:
             if status == "error":
                 raise WorkerError(f"worker rank {rank} raised:\n{value}")
             values[position[ref]] = value
+        self.last_call_failed = False
         return values
 
     def _dump_stacks(self) -> None:
-        """Ask the workers on this node to write every thread's stack to their logs."""
+        """Have the workers on this node write every thread's stack to their logs (a signal: a worker
+        stuck in a call answers no actor call; the process ids of other nodes mean nothing here)."""
         import ray
 
-        for worker in self.workers:
-            with contextlib.suppress(Exception):
-                os.kill(ray.get(worker.pid.remote(), timeout=5), signal.SIGUSR1)
+        here = ray.get_runtime_context().get_node_id()
+        for node, pid in self.locations:
+            if node == here:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
 
     def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """The method on every worker with the same arguments; results by rank."""
@@ -259,9 +276,10 @@ class RayWorkerGroup:
         import ray
 
         # every worker is asked at once; a stuck one (in a collective a failed peer never reached)
-        # does not get to it within the grace period and is killed as it is, as is a dead one
+        # does not get to it within the grace period and is killed as it is, as is a dead one; after a
+        # failed call there is no grace period: its ranks' next step may never come
         pending = [w.shutdown.remote() for w in self.workers]
-        ray.wait(pending, num_returns=len(pending), timeout=10)
+        ray.wait(pending, num_returns=len(pending), timeout=0 if self.last_call_failed else 10)
         for w in self.workers:
             ray.kill(w)
         ray.util.remove_placement_group(self.placement)

@@ -97,7 +97,9 @@ def test_worker_error_names_rank_and_traceback(group):
 @pytest.mark.slow
 def test_an_error_surfaces_while_its_peer_waits_in_a_collective_and_slow_calls_time_out():
     """Rank 1 raises before an all-reduce that rank 0 is blocked in: the controller reports rank 1's
-    traceback at once instead of waiting on rank 0 for ever. A call past timeout_s names its ranks."""
+    traceback at once instead of waiting on rank 0 for ever. A call past timeout_s names its ranks, and
+    the stuck workers' stacks are in their logs (written on a signal: they answer no actor call). A
+    group whose last call failed shuts down without waiting for ranks that will never get there."""
     import time
 
     group = RayWorkerGroup(Role, num_workers=2, timeout_s=120)
@@ -109,13 +111,33 @@ def test_an_error_surfaces_while_its_peer_waits_in_a_collective_and_slow_calls_t
             group.call("fail_on_rank_one_while_rank_zero_waits")
         assert time.monotonic() - start < 60  # well before the timeout, even on a loaded machine
     finally:
-        group.shutdown()
+        start = time.monotonic()
+        group.shutdown()  # rank 0 is still in the all-reduce
+        assert time.monotonic() - start < 5  # no 10 s grace period for it
     group = RayWorkerGroup(Role, num_workers=2, timeout_s=3)
     try:
         with pytest.raises(WorkerError, match=r"worker ranks \[0, 1\] did not finish within 3 s"):
             group.call("sleep", 30)
+        for _, pid in group.locations:
+            assert _stack_in_log(pid, "in sleep"), f"no stack of worker {pid} in its log"
     finally:
         group.shutdown()
+
+
+def _stack_in_log(pid: int, text: str, deadline_s: float = 20) -> bool:
+    """`text` in the stderr log Ray keeps of worker process `pid` (this session's), within the deadline."""
+    import glob
+    import time
+
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for path in glob.glob(os.path.join(logs, f"worker-*-{pid}.err")):
+            with open(path, errors="replace") as f:
+                if text in f.read():
+                    return True
+        time.sleep(0.2)
+    return False
 
 
 class FSDPRole:
