@@ -26,6 +26,16 @@ from hybridflow.controller.worker_group import Method, free_address, method_name
 from hybridflow.errors import UserError
 
 
+def _is_ray_worker(pid: int) -> bool:
+    """Process `pid` is still a Ray worker (Ray titles them 'ray::...'): the id of one that died may
+    belong to another process by now, which SIGUSR1 would end."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(b"ray::")
+    except OSError:
+        return False
+
+
 class WorkerError(RuntimeError):
     """A role method raised in a worker; the message holds the rank and the worker's traceback."""
 
@@ -234,7 +244,7 @@ class RayWorkerGroup:
 
         here = ray.get_runtime_context().get_node_id()
         for node, pid in self.locations:
-            if node == here:
+            if node == here and _is_ray_worker(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
 
