@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -18,6 +19,9 @@ import torch.distributed as dist
 def gloo_group(rank: int, world: int, port: int, timeout_s: float = 300.0) -> Iterator[None]:
     """The default process group over `world` ranks for the body; a rank whose body fails skips the
     closing barrier (the others then fail at theirs, within `timeout_s`, rather than hang)."""
+    # the ranks share this machine's cores: each with as many torch threads as cores would make every
+    # thread of both wait for the slowest (OpenMP's barriers), several times slower on 2 cores
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
