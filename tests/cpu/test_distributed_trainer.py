@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
+from local_ray import start_local_ray  # noqa: E402
 from rl_run import config, read_metrics  # noqa: E402
 
 from hybridflow.controller.async_steps import admit  # noqa: E402
@@ -38,7 +39,7 @@ COMPARED = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray()
     yield
     ray.shutdown()
 

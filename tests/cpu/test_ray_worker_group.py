@@ -10,6 +10,8 @@ import torch
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need this module's classes
 
+from local_ray import start_local_ray  # noqa: E402
+
 from hybridflow.controller.ray_worker_group import RayWorkerGroup, WorkerError  # noqa: E402
 
 
@@ -60,7 +62,7 @@ class Role:
 @pytest.fixture(scope="module")
 def group():
     ray.shutdown()  # a test run alone may have started Ray with this machine's own CPU count
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # logical slots: 2 groups of 2
+    start_local_ray()
     g = RayWorkerGroup(Role, num_workers=2, timeout_s=300)
     yield g
     g.shutdown()
