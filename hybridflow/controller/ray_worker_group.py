@@ -25,6 +25,9 @@ from hybridflow.controller.dispatch import merge_rows
 from hybridflow.controller.worker_group import Method, free_address, method_name
 from hybridflow.errors import UserError
 
+STARTUP_TIMEOUT_S = 300.0
+"""How long a group may wait for its placement, and the least it gets to start and build its workers."""
+
 
 def _is_ray_worker(pid: int) -> bool:
     """Process `pid` is still a Ray worker (Ray titles them 'ray::...'): the id of one that died may
@@ -111,8 +114,12 @@ class RayWorkerGroup:
         gpus: bool = False,
         ray_address: str | None = None,
         timeout_s: float | None = None,
+        start_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
-        """`timeout_s` bounds every call (None: wait as long as the work takes)."""
+        """`timeout_s` bounds every call (None: wait as long as the work takes). Placing the workers
+        waits at most `start_timeout_s`, and starting them (their processes, process group and roles)
+        at least that long: on a loaded machine a worker's imports alone can outlast a short call
+        bound, and the resources of a group just shut down come back a little later."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -120,6 +127,8 @@ class RayWorkerGroup:
         self.last_call_failed = False
         """A rank raised, died or timed out in the last call: shutdown gives no grace period (the ranks
         left may be blocked in a collective for good)."""
+        self.workers: list = []
+        self.locations: list[tuple[str, int]] = []
         if not ray.is_initialized():
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         kind = "GPU" if gpus else "CPU"
@@ -131,24 +140,42 @@ class RayWorkerGroup:
             )
         bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * num_workers, strategy="PACK")
+        self.start_timeout_s = placing_s = start_timeout_s  # never unbounded: other work may hold them
         try:  # resources held by other work (another group, another job) leave it waiting
-            ray.get(self.placement.ready(), timeout=timeout_s)
+            ray.get(self.placement.ready(), timeout=placing_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement)
             raise WorkerError(
-                f"Ray could not place {num_workers} workers with one {kind} each within {timeout_s} s: the "
+                f"Ray could not place {num_workers} workers with one {kind} each within {placing_s:g} s: the "
                 f"cluster's {have:g} {kind}s are held by other work (ray status shows what)"
             ) from None
         self.factory, self.gpus = factory, gpus
-        self.workers = [self._start(i, num_workers) for i in range(num_workers)]
-        # asked now, while every worker is idle: a worker stuck in a call answers nothing
-        self.locations = self._results([w.run.remote("location", (), {}, own=True) for w in self.workers])
-        master = self.address()
-        backend = "nccl" if gpus else "gloo"
-        self._results(
-            [w.run.remote("init_process_group", (master, backend), {}, own=True) for w in self.workers]
-        )
-        self._results([w.run.remote("build", (factory,), {}, own=True) for w in self.workers])
+        try:
+            self.workers = [self._start(i, num_workers) for i in range(num_workers)]
+            # asked now, while every worker is idle: a worker stuck in a call answers nothing
+            self.locations = self._results(
+                [w.run.remote("location", (), {}, own=True) for w in self.workers], within=self._startup_s
+            )
+            (master,) = self._results(
+                [self.workers[0].run.remote("address", (), {}, own=True)], within=self._startup_s
+            )
+            backend = "nccl" if gpus else "gloo"
+            self._results(
+                [w.run.remote("init_process_group", (master, backend), {}, own=True) for w in self.workers],
+                within=self._startup_s,
+            )
+            self._results(
+                [w.run.remote("build", (factory,), {}, own=True) for w in self.workers],
+                within=self._startup_s,
+            )
+        except BaseException:  # the workers started so far would hold their CPUs/GPUs for good
+            self.last_call_failed = True
+            self.shutdown()
+            raise
+
+    @property
+    def _startup_s(self) -> float | None:
+        return None if self.timeout_s is None else max(self.timeout_s, self.start_timeout_s)
 
     def _start(self, rank: int, world_size: int):
         """The Ray actor of `rank`, in its bundle of the placement group."""
@@ -178,8 +205,16 @@ class RayWorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.workers[rank])
         self.workers[rank] = self._start(rank, self.world_size)
-        self.locations[rank] = self.call_one(rank, "location", own=True)
-        self.call_one(rank, "build", self.factory, own=True)
+        (self.locations[rank],) = self._results(
+            [self.workers[rank].run.remote("location", (), {}, own=True)],
+            ranks=[rank],
+            within=self._startup_s,
+        )
+        self._results(
+            [self.workers[rank].run.remote("build", (self.factory,), {}, own=True)],
+            ranks=[rank],
+            within=self._startup_s,
+        )
 
     def is_alive(self, rank: int) -> bool:
         """The worker answers within a few seconds."""
@@ -197,10 +232,12 @@ class RayWorkerGroup:
         (value,) = self._results([self.workers[rank].run.remote(name, args, kwargs, own=own)], ranks=[rank])
         return value
 
-    def _results(self, refs: list, ranks: list[int] | None = None) -> list:
-        """Each worker's value, in the order of `refs` (the workers' ranks, or `ranks`). The first error
-        is raised at once: the failed rank's peers may be blocked in a collective it will never reach,
-        so waiting for them would hang."""
+    def _results(
+        self, refs: list, ranks: list[int] | None = None, within: float | None | str = "call"
+    ) -> list:
+        """Each worker's value, in the order of `refs` (the workers' ranks, or `ranks`), within `within`
+        seconds (by default the group's `timeout_s`). The first error is raised at once: the failed
+        rank's peers may be blocked in a collective it will never reach, so waiting for them would hang."""
         import ray
 
         self.last_call_failed = True  # until every value is in
@@ -209,7 +246,8 @@ class RayWorkerGroup:
         position = {ref: i for i, ref in enumerate(refs)}
         values: list[Any] = [None] * len(refs)
         pending = list(refs)
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        limit = self.timeout_s if within == "call" else within
+        deadline = None if limit is None else time.monotonic() + limit
         while pending:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
@@ -217,7 +255,7 @@ class RayWorkerGroup:
                 waiting = sorted(rank_of[r] for r in pending)
                 self._dump_stacks()
                 raise WorkerError(
-                    f"worker ranks {waiting} did not finish within {self.timeout_s} s (a collective that "
+                    f"worker ranks {waiting} did not finish within {limit} s (a collective that "
                     "some rank never reached?); their stacks are in the worker logs"
                 )
             (ref,) = ready

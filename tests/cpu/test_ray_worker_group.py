@@ -116,7 +116,7 @@ def test_an_error_surfaces_while_its_peer_waits_in_a_collective_and_slow_calls_t
         start = time.monotonic()
         group.shutdown()  # rank 0 is still in the all-reduce
         assert time.monotonic() - start < 5  # no 10 s grace period for it
-    group = RayWorkerGroup(Role, num_workers=2, timeout_s=3)
+    group = RayWorkerGroup(SlowToBuildRole, num_workers=2, timeout_s=3)  # its start is not a call
     try:
         with pytest.raises(WorkerError, match=r"worker ranks \[0, 1\] did not finish within 3 s"):
             group.call("sleep", 30)
@@ -124,6 +124,23 @@ def test_an_error_surfaces_while_its_peer_waits_in_a_collective_and_slow_calls_t
             assert _stack_in_log(pid, "in sleep"), f"no stack of worker {pid} in its log"
     finally:
         group.shutdown()
+
+
+class SlowToBuildRole(Role):
+    """Builds for longer than its group's 3 s call bound, as a role loading a model on a busy machine."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        import time
+
+        time.sleep(4)
+        super().__init__(rank, world_size)
+
+
+class RoleFailingToBuild(Role):
+    def __init__(self, rank: int, world_size: int) -> None:
+        if rank == 1:
+            raise ValueError("rank 1 cannot build its role")
+        super().__init__(rank, world_size)
 
 
 def _stack_in_log(pid: int, text: str, deadline_s: float = 20) -> bool:
@@ -368,8 +385,21 @@ def test_actor_update_on_two_ranks_equals_one_process():
 def test_workers_that_cannot_be_placed_stop_with_a_message(group):
     # the fixture's group holds 2 of the cluster's 4 CPU slots: 3 more cannot be placed
     with pytest.raises(WorkerError, match="could not place 3 workers with one CPU each within 5 s"):
-        RayWorkerGroup(Role, num_workers=3, timeout_s=5)
+        RayWorkerGroup(Role, num_workers=3, timeout_s=5, start_timeout_s=5)
     assert group.call("shard_sizes", Rows([1])) == [1, 1]  # the group in place is untouched
+
+
+@pytest.mark.slow
+def test_a_group_that_fails_to_start_gives_its_slots_back(group):
+    # the fixture's group holds 2 of the cluster's 4 CPU slots; a start that fails must free the 2 it took
+    with pytest.raises(WorkerError, match="worker rank 1 raised(.|\\n)*rank 1 cannot build its role"):
+        RayWorkerGroup(RoleFailingToBuild, num_workers=2, timeout_s=300)
+    again = RayWorkerGroup(Role, num_workers=2, timeout_s=300, start_timeout_s=60)
+    try:
+        assert again.call("shard_sizes", Rows([1])) == [1, 1]
+    finally:
+        again.shutdown()
+    assert group.call("shard_sizes", Rows([1])) == [1, 1]
 
 
 @pytest.mark.slow
