@@ -134,7 +134,9 @@ class ResourcesConfig:
     """An existing Ray cluster to join (multi-node); None starts a local one when needed."""
     worker_timeout_s: float | None = None
     """Longest wait for one call on the workers (None: no limit). Past it the run stops, naming the
-    ranks still busy, and the workers on this node write their stacks to their logs."""
+    ranks still busy, and the workers on this node write their stacks to their logs. Starting the
+    workers (placing them, building their roles) gets at least 300 s whatever this says, and placing
+    them never waits longer than that."""
 
     def __post_init__(self) -> None:
         check_choice("resources", "device", self.device, ("auto", "cpu", "cuda"))
