@@ -216,13 +216,15 @@ class RayWorkerGroup:
             within=self._startup_s,
         )
 
-    def is_alive(self, rank: int) -> bool:
-        """The worker answers within a few seconds."""
+    def is_alive(self, rank: int, answer_within_s: float = 60.0) -> bool:
+        """The worker answers a trivial call within `answer_within_s`: its process is gone (Ray says so
+        at once) or it is stuck, either way to be replaced. Not a few seconds: on a loaded machine a
+        busy worker's answer can take that long, and replacing it would throw its groups away."""
         import ray
 
         try:
-            ray.get(self.workers[rank].pid.remote(), timeout=10)
-        except Exception:  # dead (RayActorError) or not answering: to be replaced either way
+            ray.get(self.workers[rank].pid.remote(), timeout=answer_within_s)
+        except Exception:  # dead (RayActorError) or not answering
             return False
         return True
 
