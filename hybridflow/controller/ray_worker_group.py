@@ -140,42 +140,35 @@ class RayWorkerGroup:
             )
         bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * num_workers, strategy="PACK")
-        self.start_timeout_s = placing_s = start_timeout_s  # never unbounded: other work may hold them
+        self.start_timeout_s = start_timeout_s  # never unbounded: other work may hold the resources
         try:  # resources held by other work (another group, another job) leave it waiting
-            ray.get(self.placement.ready(), timeout=placing_s)
+            ray.get(self.placement.ready(), timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement)
             raise WorkerError(
-                f"Ray could not place {num_workers} workers with one {kind} each within {placing_s:g} s: the "
-                f"cluster's {have:g} {kind}s are held by other work (ray status shows what)"
+                f"Ray could not place {num_workers} workers with one {kind} each within {start_timeout_s:g} s: "
+                f"the cluster's {have:g} {kind}s are held by other work (ray status shows what)"
             ) from None
         self.factory, self.gpus = factory, gpus
         try:
             self.workers = [self._start(i, num_workers) for i in range(num_workers)]
             # asked now, while every worker is idle: a worker stuck in a call answers nothing
-            self.locations = self._results(
-                [w.run.remote("location", (), {}, own=True) for w in self.workers], within=self._startup_s
-            )
-            (master,) = self._results(
-                [self.workers[0].run.remote("address", (), {}, own=True)], within=self._startup_s
-            )
-            backend = "nccl" if gpus else "gloo"
-            self._results(
-                [w.run.remote("init_process_group", (master, backend), {}, own=True) for w in self.workers],
-                within=self._startup_s,
-            )
-            self._results(
-                [w.run.remote("build", (factory,), {}, own=True) for w in self.workers],
-                within=self._startup_s,
-            )
+            self.locations = self._starting("location")
+            (master,) = self._starting("address", ranks=[0])
+            self._starting("init_process_group", master, "nccl" if gpus else "gloo")
+            self._starting("build", factory)
         except BaseException:  # the workers started so far would hold their CPUs/GPUs for good
             self.last_call_failed = True
             self.shutdown()
             raise
 
-    @property
-    def _startup_s(self) -> float | None:
-        return None if self.timeout_s is None else max(self.timeout_s, self.start_timeout_s)
+    def _starting(self, method: str, *args: Any, ranks: list[int] | None = None) -> list:
+        """A start-up step of the workers (`ranks`, default all): `method` of _Worker itself, bounded
+        by the start-up time rather than the call bound (a worker may still be importing)."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        within = None if self.timeout_s is None else max(self.timeout_s, self.start_timeout_s)
+        refs = [self.workers[r].run.remote(method, args, {}, own=True) for r in ranks]
+        return self._results(refs, ranks=ranks, within=within)
 
     def _start(self, rank: int, world_size: int):
         """The Ray actor of `rank`, in its bundle of the placement group."""
@@ -205,16 +198,8 @@ class RayWorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.workers[rank])
         self.workers[rank] = self._start(rank, self.world_size)
-        (self.locations[rank],) = self._results(
-            [self.workers[rank].run.remote("location", (), {}, own=True)],
-            ranks=[rank],
-            within=self._startup_s,
-        )
-        self._results(
-            [self.workers[rank].run.remote("build", (self.factory,), {}, own=True)],
-            ranks=[rank],
-            within=self._startup_s,
-        )
+        (self.locations[rank],) = self._starting("location", ranks=[rank])
+        self._starting("build", self.factory, ranks=[rank])
 
     def is_alive(self, rank: int, answer_within_s: float = 60.0) -> bool:
         """The worker answers a trivial call within `answer_within_s`: its process is gone (Ray says so
