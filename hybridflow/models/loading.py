@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from hybridflow.compat import gguf_supported_architectures
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
+from hybridflow.models.hf_filled import filled_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(loaded.state_dict())
-    return model, tokenizer
+    return filled_hf_model(AutoModelForCausalLM, config, loaded.state_dict()), tokenizer
 
 
 def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -72,13 +72,28 @@ def test_chunked_logprob_gradients_equal_naive(temperature):
     assert_close(entropy, -(probs * probs.log()).sum(-1), atol=1e-5, rtol=0)
 
 
-def test_round_trip_hf_to_ours_to_hf_is_identical(tmp_path):
-    hf = tiny_model("qwen2", seed=4)
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])  # a tied head, an untied one
+def test_round_trip_hf_to_ours_to_hf_is_identical(tmp_path, family):
+    """to_hf_model builds the transformers model without its random initialisation: every weight
+    comes from ours (a tied head tied again), and its forward is the original's."""
+    hf = tiny_model(family, seed=4)
     back = to_hf_model(from_hf_model(hf), hf.config)
+    assert (back.lm_head.weight is back.model.embed_tokens.weight) == hf.config.tie_word_embeddings
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    assert torch.equal(back(ids).logits, hf(ids).logits)
     save_hf(back, byte_tokenizer(), tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     original = hf.state_dict()
     assert all(torch.equal(original[k], v) for k, v in reloaded.state_dict().items())
+
+
+def test_weights_that_do_not_fill_the_model_stop_the_conversion():
+    """A weight left out would be uninitialised memory in the model built without random init."""
+    hf = tiny_model("llama3", seed=4)
+    state = from_hf_model(hf).state_dict()
+    del state["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"not in them \['model.layers.0.mlp.up_proj.weight'\]"):
+        to_hf_model(state, hf.config)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])  # a tied head, an untied one

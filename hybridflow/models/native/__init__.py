@@ -63,10 +63,11 @@ def to_hf_model(model: NativeCausalLM | dict[str, torch.Tensor], hf_config):
     its state dict (e.g. full weights gathered from FSDP shards)."""
     from transformers import AutoModelForCausalLM
 
-    state = model if isinstance(model, dict) else model.state_dict()
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
-    hf.load_state_dict(state, strict=False)  # a tied LM head is one tensor under two names
-    return hf
+    from hybridflow.models.hf_filled import filled_hf_model
+
+    return filled_hf_model(
+        AutoModelForCausalLM, hf_config, model if isinstance(model, dict) else model.state_dict()
+    )
 
 
 def sequence_log_probs(

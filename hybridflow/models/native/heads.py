@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridflow.models.hf_filled import filled_hf_model
 from hybridflow.models.native.config import NativeConfig, from_hf
 from hybridflow.models.native.model import Backbone, NativeModule
 
@@ -74,9 +75,7 @@ def to_hf_score_model(model: NativeScoreModel | dict[str, torch.Tensor], hf_conf
     config = hf_config.__class__.from_dict(hf_config.to_dict())
     config.num_labels = state["score.weight"].shape[0]
     cls = AutoModelForTokenClassification if "score.bias" in state else AutoModelForSequenceClassification
-    hf = cls.from_config(config, dtype=next(iter(state.values())).dtype)
-    hf.load_state_dict(state, strict=True)
-    return hf
+    return filled_hf_model(cls, config, state)
 
 
 def _empty(config: NativeConfig, num_labels: int, bias: bool, like: torch.Tensor) -> NativeScoreModel:
