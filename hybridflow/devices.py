@@ -29,14 +29,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def use_free_cores(reserved: int = 0) -> str | None:
-    """On the CPU, give torch as many threads as there are cores not already busy and not `reserved`
-    (one for each Ray rollout worker beside an in-process trainer: Ray runs its workers at niceness
-    15, so a trainer on every core starved their generation 3x in a disaggregated run): a core
-    shared with another busy process makes every one of torch's threads wait for the slowest (25-45x
-    slower steps were seen on a loaded 2-core machine). Busy is measured now, over a quarter second
-    (a load average lags by minutes). OMP_NUM_THREADS, when set, decides instead. Returns a line
-    saying what was chosen when it is fewer than the cores, else None."""
+def use_free_cores() -> str | None:
+    """On the CPU, give torch as many threads as there are cores not already busy: a core shared
+    with another busy process makes every one of torch's threads wait for the slowest (25-45x slower
+    steps were seen on a loaded 2-core machine). Busy is measured now, over a quarter second (a load
+    average lags by minutes). OMP_NUM_THREADS, when set, decides instead. Returns a line saying what
+    was chosen when it is fewer than the cores, else None."""
     import os
 
     import psutil
@@ -46,12 +44,13 @@ def use_free_cores(reserved: int = 0) -> str | None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_core = psutil.cpu_percent(interval=0.25, percpu=True)  # this process sleeps meanwhile
     busy = sum(1 for load in per_core if load > 60)
-    threads = max(1, min(cores - reserved, len(per_core) - busy))
+    threads = max(1, min(cores, len(per_core) - busy))
     torch.set_num_threads(threads)
     if threads < cores:
-        why = [f"{reserved} left to the rollout workers"] if reserved else []
-        why += [f"{busy} busy with other work"] if busy else []
-        return f"torch uses {threads} of {cores} CPU cores ({', '.join(why)}; set OMP_NUM_THREADS to choose)"
+        return (
+            f"{cores - threads} of {cores} CPU cores are busy with other work: torch uses {threads} "
+            "thread(s) (set OMP_NUM_THREADS to choose)"
+        )
     return None
 
 

@@ -90,11 +90,8 @@ class RLTrainer:
             write_inputs(self.run_dir)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
-        if self.device.type == "cpu" and c.resources.num_workers - c.resources.rollout_workers == 1:
-            # the trainer works in this process; local Ray rollout workers take a core each
-            beside = c.resources.rollout_workers if c.resources.ray_address is None else 0
-            if note := use_free_cores(reserved=beside):
-                print(note, flush=True)
+        if self.device.type == "cpu" and c.resources.num_workers == 1 and (note := use_free_cores()):
+            print(note, flush=True)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None

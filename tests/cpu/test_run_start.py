@@ -166,25 +166,3 @@ def test_a_run_directory_from_before_the_written_list_is_trusted_by_name_once(se
     RLTrainer(config(setup, run, "trainer.total_training_steps=1"), overwrite=True).close()
     assert not (run / "checkpoints" / "global_step_1").exists()
     assert (run / "checkpoints" / "notes.txt").read_text() == "mine"
-
-
-def test_a_trainer_beside_local_rollout_workers_leaves_them_a_core_each(monkeypatch):
-    """On the CPU an in-process trainer takes the cores not reserved for the Ray rollout workers
-    beside it (Ray runs them at niceness 15: a trainer on every core starved their generation)."""
-    import os
-
-    import torch
-
-    from hybridflow.devices import use_free_cores
-
-    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    try:
-        note = use_free_cores(reserved=1)
-        assert torch.get_num_threads() <= max(1, cores - 1)
-        if cores > 1:
-            assert note.startswith(
-                f"torch uses {torch.get_num_threads()} of {cores} CPU cores (1 left to the rollout workers"
-            )
-    finally:
-        torch.set_num_threads(before)
