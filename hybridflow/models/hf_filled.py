@@ -25,8 +25,9 @@ def filled_hf_model(auto_class, config, state: dict[str, torch.Tensor]):
         model = auto_class.from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     model.tie_weights()
-    loaded = {t.data_ptr() for name, t in model.state_dict().items() if name in state}
-    unfilled = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded]
+    held = model.state_dict()
+    loaded = {t.data_ptr() for name, t in held.items() if name in state}
+    unfilled = [k for k in missing if held[k].data_ptr() not in loaded]
     if unfilled or unexpected:
         raise ValueError(
             f"{type(model).__name__} from these weights: not in them {unfilled[:5]}, not in the model {unexpected[:5]}"
