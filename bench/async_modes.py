@@ -80,7 +80,12 @@ def main() -> None:
         "--stop-tokens", type=int, default=500, help="heavy_tail: random EOS ids (fewer: longer responses)"
     )
     ap.add_argument("--lr", type=float, default=1e-5, help="heavy_tail: learning rate")
-    ap.add_argument("--modes", default="off,one_step,streaming")
+    ap.add_argument(
+        "--modes",
+        default="off,one_step,streaming",
+        help="off, one_step, streaming (its engine pausing for the trainer), streaming_beside (generating "
+        "beside the trainer's phases: rollout.pause_for_training=false)",
+    )
     ap.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness for streaming")
     ap.add_argument("--out", type=Path, default=Path("/tmp/async_modes"))
     ap.add_argument("--set", action="append", default=[], help="more overrides, key=value")
@@ -92,12 +97,13 @@ def main() -> None:
         run_dir = args.out / mode
         overrides = [
             *workload,
-            f"trainer.async_mode={mode}",
+            f"trainer.async_mode={mode.removesuffix('_beside')}",
+            *(["rollout.pause_for_training=false"] if mode.endswith("_beside") else []),
             f"trainer.run_dir={run_dir}",
             "trainer.progress=false",
             *args.set,
         ]
-        if mode == "streaming":
+        if mode.startswith("streaming"):
             overrides.append(f"rollout.max_staleness={args.staleness}")
         start = time.perf_counter()
         done = subprocess.run(
@@ -136,6 +142,7 @@ def main() -> None:
             "throughput_tokens_s": mean("perf/throughput"),
             "probs_diff_max": max(r.get("training/rollout_probs_diff_max", 0.0) for r in steps),
             "score_mean_per_step": [round(r["critic/score/mean"], 4) for r in steps],
+            "step_s_per_step": [round(r["timing_s/step"], 2) for r in steps],
             "elapsed_s_per_step": elapsed,
             "held_out": val,
         }

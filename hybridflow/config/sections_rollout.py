@@ -111,6 +111,14 @@ class RolloutConfig:
     synchronous run, bit for bit. A fraction admits that share of one more step's groups early
     (verl's async_training.staleness_threshold): 0.25 lets a quarter of the next step's groups start
     under the policy before the one that trains on them, 1.5 a whole step and half of the next."""
+    pause_for_training: bool | None = None
+    """trainer.async_mode=streaming with the engine in the trainer's process (one GPU, or this CPU): the
+    engine generates until the groups of the step to train next have finished, then pauses between two
+    of its steps while the trainer computes, and goes on after the weight update with the sequences in
+    flight (partial rollouts), so each side has the device to itself and generation never runs a
+    step's tail alone (the next steps' groups fill the batch). False: the engine generates beside the
+    trainer's phases on a CUDA stream of its own (they contend for the device). None: True for such a
+    streaming run. Rollout workers have devices of their own and never pause."""
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one

@@ -15,10 +15,29 @@ def max_staleness(config: Config) -> float:
     return (0 if config.trainer.async_mode == "off" else 1) if bound is None else float(bound)
 
 
+def pauses_for_training(config: Config) -> bool:
+    """rollout.pause_for_training resolved: by default a streaming run's in-process engine pauses."""
+    pause = config.rollout.pause_for_training
+    if pause is None:
+        return config.trainer.async_mode == "streaming" and not config.resources.rollout_workers
+    return pause
+
+
 def check_async(config: Config) -> None:
     mode, bound = config.trainer.async_mode, config.rollout.max_staleness
     if bound is not None and bound < 0:
         raise UserError(f"config rollout.max_staleness={bound} must be >= 0")
+    if config.rollout.pause_for_training and mode != "streaming":
+        raise UserError(
+            f"rollout.pause_for_training=true pauses a streaming run's engine for the trainer; with "
+            f"trainer.async_mode={mode} it would leave nothing overlapped: use trainer.async_mode=streaming, "
+            "or drop it"
+        )
+    if config.rollout.pause_for_training and config.resources.rollout_workers:
+        raise UserError(
+            "rollout.pause_for_training=true shares one device between engine and trainer; rollout workers "
+            "(resources.rollout_workers) have devices of their own: drop it"
+        )
     if mode == "off":
         if bound:
             raise UserError(

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
-from hybridflow.controller.async_checks import max_staleness
+from hybridflow.controller.async_checks import max_staleness, pauses_for_training
 from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.metrics import probs_diff
@@ -39,6 +39,7 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
         in_flight_updates=c.trainer.async_mode == "streaming",
         deadline_s=c.trainer.watchdog_s or 3600.0,
         resume=trainer.in_flight,
+        pause_for_training=pauses_for_training(c),
     )
 
 
@@ -97,7 +98,9 @@ def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
     prompts' positions in the step), and the async/* metrics of how they were made."""
     c, stream, step = trainer.config, trainer.stream, trainer.step
     base = group_base(c, step)
-    groups, waited = stream.take(list(range(base, base + c.data.prompts_per_step)))
+    group_ids = list(range(base, base + c.data.prompts_per_step))
+    stream.run_until(group_ids)  # an engine that pauses for training generates now, until these are done
+    groups, waited = stream.take(group_ids)
     rollouts = Rollouts.concat([g.rollouts for g in groups])
     rollouts.group_ids = [g - base for g in rollouts.group_ids]
     start = time.perf_counter()

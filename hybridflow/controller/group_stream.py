@@ -6,6 +6,11 @@ as each group finishes, and held until the trainer takes the step's groups (`tak
 order. Meanwhile the trainer updates its weights, and `update_weights` puts them into the engine
 between two engine steps: with `in_flight_updates` (streaming) at once, sequences in flight keep their
 tokens and go on with the new weights; without (one_step) once every admitted group has finished.
+With `pause_for_training` (one device for both) the engine generates only until the groups the trainer
+asks for next (`run_until`) have finished, then pauses between two of its steps until the trainer asks
+again, after its update: the two never contend for the device, and where the engine pauses is set by
+its own steps, not by the trainer's timing, so such a run is the same run every time (and after a
+resume from a checkpoint).
 
 Versions: the engine counts its weight writes (several per update when a sharded actor sends one
 layer at a time); the stream maps that count to the policy version (updates applied), so every
@@ -127,6 +132,9 @@ class GroupBuffer:
             self._error = error
             self._changed.notify_all()
 
+    def run_until(self, group_ids: list[int]) -> None:
+        """Generation may go on until these groups have finished (a stream that pauses for training)."""
+
     def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
         """These groups once all have finished and been scored (in the order given), and the seconds
         the trainer waited for them."""
@@ -178,12 +186,14 @@ class GroupStream(GroupBuffer):
         in_flight_updates: bool,
         deadline_s: float,
         resume: dict | None = None,
+        pause_for_training: bool = False,
     ) -> None:
         """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
         Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
         a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
         episode) or None; `version`: the policy version its weights hold; `resume`: a `snapshot()`
-        of the run this one continues."""
+        of the run this one continues; `pause_for_training`: the engine generates only while the trainer
+        waits (`run_until`)."""
         super().__init__(deadline_s)
         self._records: dict[int, list[SampleRecord]] = {}  # groups sampling now (the loop's)
         self._resume = {
@@ -197,10 +207,24 @@ class GroupStream(GroupBuffer):
         # finished groups queue here for the scoring lock: in asyncio's shared pool, waiting groups
         # would fill the threads the engine's steps need (validation, holding the lock, then hangs)
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridflow-scoring")
+        self.pause_for_training = pause_for_training
+        # the loop's: groups entered (their requests reach the engine at once), groups whose samples all
+        # finished, the groups whose generation the trainer waits for (None: it never pauses; empty:
+        # nothing yet), validation batches beside the stream
+        self._started: set[int] = set()
+        self._generated: set[int] = set()
+        self._target: set[int] | None = set() if pause_for_training else None
+        self._holds = 0
+        self._paused_since: float | None = None
+        self._paused_s = 0.0  # seconds paused for the trainer, since take_idle_seconds last asked
+        if pause_for_training:
+            engine.pause()  # until the trainer's first run_until
+            self._paused_since = time.perf_counter()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
         self._thread.start()
-        self.front = AsyncEngine(engine, own_device_stream=True)  # beside the trainer's kernels
+        # generating beside the trainer's kernels needs a device stream of its own; a paused one does not
+        self.front = AsyncEngine(engine, own_device_stream=not pause_for_training)
 
     # ---- the trainer's side ----------------------------------------------------------------------
     def submit(
@@ -213,6 +237,21 @@ class GroupStream(GroupBuffer):
         params, first_group = self._params_of(params, offset), first_group + offset
         self._admitted(range(first_group, first_group + len(prompts)))
         asyncio.run_coroutine_threadsafe(self._groups(prompts, params, first_group), self.loop)
+
+    def run_until(self, group_ids: list[int]) -> None:
+        """Pausing for training: the engine goes on (with every admitted group) until these groups'
+        samples have all finished, and pauses between that step and the next."""
+        if self.pause_for_training:
+            self._wait(asyncio.run_coroutine_threadsafe(self._run_until(set(group_ids)), self.loop))
+
+    def take_idle_seconds(self) -> float:
+        """As a buffer's, plus the seconds the engine was paused for the trainer."""
+        idle = super().take_idle_seconds()
+        with self._changed:
+            now = time.perf_counter()
+            paused = self._paused_s + (now - self._paused_since if self._paused_since is not None else 0.0)
+            self._paused_s, self._paused_since = 0.0, now if self._paused_since is not None else None
+        return idle + paused
 
     def poll(self) -> list[tuple[int, Rollouts]]:
         """The groups finished since the last poll, handed over (a stream without a reward)."""
@@ -280,7 +319,7 @@ class GroupStream(GroupBuffer):
 
     def generate_now(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """A batch beside the stream's groups on the same engine (validation), returned when done."""
-        return self._wait(asyncio.run_coroutine_threadsafe(self._batch(prompts, params, 0), self.loop))
+        return self._wait(asyncio.run_coroutine_threadsafe(self._held_batch(prompts, params), self.loop))
 
     def close(self) -> None:
         if self.loop.is_closed():
@@ -293,6 +332,8 @@ class GroupStream(GroupBuffer):
             self._thread.join(timeout=60)
             self.loop.close()
             self._scorer.shutdown(wait=False)
+            if self.pause_for_training:  # the engine outlives the stream (validation after the run)
+                self.engine.resume()
 
     # ---- the stream's thread -------------------------------------------------------------------
     async def _groups(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
@@ -308,17 +349,24 @@ class GroupStream(GroupBuffer):
             raise
 
     async def _group(self, prompt: Prompt, params: SamplingParams, group_id: int) -> None:
+        self._started.add(group_id)  # (its requests reach the engine before this coroutine first waits)
         if self.agent is not None:
             rollouts = await self._episodes(prompt, params, group_id)
+            self._group_generated(group_id)
         else:
             records = self._resume.pop(group_id, None) or fresh_records(params.n)
             self._records[group_id] = records  # read by snapshot() until the group is done
-            rollouts = await self._sample(prompt, params, records, group_id)
+            if all(r.finish for r in records):  # finished before a resume: only scored again
+                self._group_generated(group_id)
+            rollouts = await self._sample(
+                prompt, params, records, group_id, on_generated=lambda: self._group_generated(group_id)
+            )
         outcomes = None
         if self.reward is not None:  # off the event loop: the engine goes on meanwhile
             outcomes = await asyncio.get_running_loop().run_in_executor(self._scorer, self._score, rollouts)
         self._done(group_id, rollouts, outcomes)
         self._records.pop(group_id, None)
+        self._started.discard(group_id)
 
     def _params_of(self, params: SamplingParams, i: int) -> SamplingParams:
         """Prompt i's sampling streams, as in one batch call (an episode takes CALLS_PER_EPISODE)."""
@@ -326,10 +374,15 @@ class GroupStream(GroupBuffer):
         return replace(params, first_sequence=params.first_sequence + i * stride)
 
     async def _sample(
-        self, prompt: Prompt, params: SamplingParams, records: list[SampleRecord], group_id: int
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        records: list[SampleRecord],
+        group_id: int,
+        on_generated=None,
     ) -> Rollouts:
         """The prompt's samples, each going on from its record (empty: from the start), the records
-        kept current at every engine step."""
+        kept current at every engine step; `on_generated()` in the step where the last one finishes."""
 
         def record(out) -> None:
             r = records[out.sample]
@@ -339,6 +392,8 @@ class GroupStream(GroupBuffer):
             r.finish = out.finish_reason or r.finish
             if out.routed_experts is not None:
                 r.routes = out.routed_experts
+            if out.finish_reason is not None and on_generated is not None and all(x.finish for x in records):
+                on_generated()
 
         if not all(r.finish for r in records):
             so_far = [SampleSoFar(r.ids, r.logprobs, r.finish) if r.ids else None for r in records]
@@ -371,6 +426,66 @@ class GroupStream(GroupBuffer):
             for segment in segments
         ]  # the rows' order: episode by episode, segment by segment
         return rollouts
+
+    async def _run_until(self, target: set[int]) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        while True:  # every admitted group's requests in the engine before its next step: the same run
+            with self._changed:
+                if self._error is not None or self._running <= self._started:
+                    break
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"admitted groups did not start within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+                )
+            await asyncio.sleep(0)
+
+        def start(engine) -> None:
+            self._generated -= self._target  # trained on by now
+            self._target = target
+            self._resume_engine()
+            self._maybe_pause()
+
+        await self.front.between_steps(start, on_loop=True)
+
+    async def _held_batch(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
+        """A batch that keeps a paused engine running until it is done (the stream's groups step too)."""
+
+        def hold(engine) -> None:
+            self._holds += 1
+            self._resume_engine()
+
+        def release(engine) -> None:
+            self._holds -= 1
+            self._maybe_pause()
+
+        await self.front.between_steps(hold, on_loop=True)
+        try:
+            return await self._batch(prompts, params, 0)
+        finally:
+            await self.front.between_steps(release, on_loop=True)
+
+    def _group_generated(self, group_id: int) -> None:
+        """On the loop, between two engine steps: the group's samples have all finished."""
+        if self._target is not None:
+            self._generated.add(group_id)
+            self._maybe_pause()
+
+    def _maybe_pause(self) -> None:
+        """Pause the engine (before its next step) once what the trainer waits for has been generated,
+        unless a batch beside the stream still runs."""
+        if self._target is None or self._holds or self.engine.paused or not self._target <= self._generated:
+            return
+        self.engine.pause()
+        with self._changed:
+            self._paused_since = time.perf_counter()
+
+    def _resume_engine(self) -> None:
+        if self.engine.paused:
+            self.engine.resume()
+            with self._changed:
+                if self._paused_since is not None:
+                    self._paused_s += time.perf_counter() - self._paused_since
+                    self._paused_since = None
 
     async def _batch(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> Rollouts:
         parts = await asyncio.gather(

@@ -2,6 +2,7 @@
 across in-flight weight updates, and staleness 0 as the synchronous run bit for bit."""
 
 import json
+import shutil
 import time
 
 import pytest
@@ -134,21 +135,46 @@ def whole_then_killed(setup, tmp_path, args):
     return run_dir
 
 
-def test_kill_9_in_streaming_mode_resumes_with_the_prompts_that_were_in_flight(setup, tmp_path):
+@pytest.fixture(scope="module")
+def long_tail_setup(setup, tmp_path_factory):
+    """The setup's run with 40 of the model's ids as end-of-sequence besides the tokenizer's: response
+    lengths geometric (mean ~6, capped at 24), so a step's groups finish at different engine steps."""
+    root = tmp_path_factory.mktemp("rl-long-tail")
+    shutil.copytree(setup, root, dirs_exist_ok=True)
+    path = root / "model" / "generation_config.json"
+    generation = json.loads(path.read_text())
+    eos = generation["eos_token_id"]
+    generation["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos]), *range(150, 190)]
+    path.write_text(json.dumps(generation))
+    return root
+
+
+def test_kill_9_in_streaming_mode_resumes_the_groups_in_flight_exactly(long_tail_setup, tmp_path):
+    """Streaming with partial rollouts, its engine pausing for the trainer where its own steps say:
+    the run is the same every time, so the one resumed after a SIGKILL is the uninterrupted one,
+    metrics and weights, sequences cut by a weight update included."""
+    setup = long_tail_setup
     args = ["trainer.total_training_steps=6", "trainer.val_before_train=false", "trainer.save_freq=1",
-            "trainer.async_mode=streaming", "rollout.max_staleness=1", "trainer.log_samples_freq=1",
-            "trainer.log_samples=8"]  # fmt: skip
+            "trainer.async_mode=streaming", "rollout.max_staleness=1", "data.max_response_tokens=24"]  # fmt: skip
     run_dir = whole_then_killed(setup, tmp_path, args)
     assert read_metrics(run_dir)[-1]["step"] < 6  # killed mid-run
     RLTrainer(config(setup, run_dir, *args)).fit()
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
+    assert max(m["async/partial_sequences"] for m in whole) > 0  # sequences went on across an update
+    assert_same_run(whole, resumed)
+    a, b = policy(tmp_path / "whole", 6), policy(run_dir, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
-    def prompts(run_dir, step):
-        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-        return sorted(r["prompt"] for r in rows if r["step"] == step)
 
-    for step in range(1, 7):  # the sampler resumed before the prompts in flight: none skipped, none twice
-        assert prompts(run_dir, step) == prompts(tmp_path / "whole", step), step
-    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+def assert_same_run(whole: list[dict], resumed: list[dict]) -> None:
+    for a, b in zip(whole, resumed, strict=True):
+        # a continued sample's next token comes from a prefill, not a decode step: its log-prob (the
+        # sampler's, not the trainer's) differs in the last bits; the tokens and all training do not
+        gaps = [k for k in a if k.startswith("training/rollout_probs_diff")]
+        same = {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED) and k not in gaps}
+        assert same == {k: b[k] for k in same}, a["step"]
+        assert all(abs(a[k] - b[k]) < 1e-7 for k in gaps)
 
 
 def test_kill_9_in_one_step_mode_resumes_the_groups_in_flight_exactly(setup, tmp_path):
@@ -171,13 +197,7 @@ def test_kill_9_in_one_step_mode_resumes_the_groups_in_flight_exactly(setup, tmp
     RLTrainer(config(setup, run_dir, *args)).fit()
     whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
-    for a, b in zip(whole, resumed, strict=True):
-        # a continued sample's next token comes from a prefill, not a decode step: its log-prob (the
-        # sampler's, not the trainer's) differs in the last bits; the tokens and all training do not
-        gaps = [k for k in a if k.startswith("training/rollout_probs_diff")]
-        same = {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED) and k not in gaps}
-        assert same == {k: b[k] for k in same}, a["step"]
-        assert all(abs(a[k] - b[k]) < 1e-7 for k in gaps)
+    assert_same_run(whole, resumed)
     a, b = policy(tmp_path / "whole", 5), policy(run_dir, 5)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -249,6 +269,16 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
         (["trainer.async_mode=streaming", "rollout.backend=hf"], "built-in engine"),
         (["trainer.async_mode=streaming", "algorithm.filter_groups.enable=true"], "filter_groups"),
         (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),
+        (["rollout.pause_for_training=true"], "nothing overlapped"),
+        (["trainer.async_mode=one_step", "rollout.pause_for_training=true"], "nothing overlapped"),
+        (
+            [
+                "trainer.async_mode=streaming",
+                "rollout.pause_for_training=true",
+                "resources.rollout_workers=1",
+            ],
+            "devices of their own",
+        ),
     ],
 )
 def test_what_an_asynchronous_run_cannot_do_is_named(setup, tmp_path, overrides, message):
@@ -327,6 +357,52 @@ def test_a_group_interrupted_by_a_weight_update_carries_both_versions_and_their_
             mine = torch.tensor([v == version for v in versions])
             gap = (logp[i, :1500][mine] - torch.tensor(r.response_logprobs[i])[mine]).abs().max()
             assert gap < 1e-4, (version, gap)
+
+
+def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
+    """Step 1's groups (8 tokens) beside step 2's (300): the engine pauses in the step where step 1's
+    last sample finishes, step 2's samples cut there, the same in every run; a validation batch runs
+    the paused engine and leaves it paused; after the update step 2 goes on with the new policy."""
+
+    def lengths(engine):
+        return sorted(s.num_generated for group in list(engine._requests.values()) for s in group)
+
+    cuts = []
+    for _ in range(2):
+        engine = tiny_engine()
+        before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+        stream = GroupStream(
+            engine, Scores(), version=0, in_flight_updates=True, deadline_s=120, pause_for_training=True
+        )
+        try:
+            stream.submit([prompt(0), prompt(1)], SamplingParams(n=2, max_tokens=8, seed=1), first_group=0)
+            stream.submit([prompt(2), prompt(3)], SamplingParams(n=2, max_tokens=300, seed=1), first_group=2)
+            time.sleep(0.2)
+            assert set(lengths(engine)) <= {0}  # nothing generated before the trainer asks
+            stream.run_until([0, 1])
+            step1, _ = stream.take([0, 1])
+            cut = lengths(engine)
+            time.sleep(0.2)
+            assert lengths(engine) == cut and len(cut) == 4 and 0 < cut[0] <= cut[-1] < 300  # paused
+            validation = stream.generate_now([prompt(4)], SamplingParams(n=1, max_tokens=30, seed=2))
+            assert len(validation.response_ids[0]) == 30
+            moved = lengths(engine)  # step 2's samples went on beside the validation batch
+            time.sleep(0.2)
+            assert lengths(engine) == moved and moved[0] > cut[0]  # and paused again after it
+            moved_weights = [(k, v + 0.05) for k, v in before.items()]
+            stream.update_weights(lambda engine, w=moved_weights: engine.update_weights(w), version=1)
+            stream.run_until([2, 3])
+            step2, _ = stream.take([2, 3])
+            idle = stream.take_idle_seconds()
+        finally:
+            stream.close()
+        assert not engine.paused  # left running for whatever uses the engine after the stream
+        assert idle >= 0.6  # the three sleeps above, paused
+        assert [len(ids) for g in step1 for ids in g.rollouts.response_ids] == [8] * 4
+        for versions in (v for g in step2 for v in g.rollouts.policy_versions):
+            assert len(versions) == 300 and versions.index(1) in moved
+        cuts.append((cut, moved))
+    assert cuts[0] == cuts[1]
 
 
 def test_the_trainer_takes_every_admitted_group_even_when_later_ones_finish_first():
