@@ -116,9 +116,11 @@ class RolloutConfig:
     engine generates until the groups of the step to train next have finished, then pauses between two
     of its steps while the trainer computes, and goes on after the weight update with the sequences in
     flight (partial rollouts), so each side has the device to itself and generation never runs a
-    step's tail alone (the next steps' groups fill the batch). False: the engine generates beside the
-    trainer's phases on a CUDA stream of its own (they contend for the device). None: True for such a
-    streaming run. Rollout workers have devices of their own and never pause."""
+    step's tail alone (the next steps' groups fill the batch). On a GPU its KV pool is freed while it
+    pauses (rollout.free_cache_engine), so the memory plan is the synchronous run's. False: the engine
+    generates beside the trainer's phases on a CUDA stream of its own (they contend for the device, and
+    the pool stays beside training). None: True for such a streaming run. Rollout workers have devices
+    of their own and never pause."""
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one

@@ -40,6 +40,8 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
         deadline_s=c.trainer.watchdog_s or 3600.0,
         resume=trainer.in_flight,
         pause_for_training=pauses_for_training(c),
+        # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout)
+        free_cache_while_paused=c.rollout.free_cache_engine and engine.device.type == "cuda",
     )
 
 

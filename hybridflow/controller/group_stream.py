@@ -106,25 +106,33 @@ class GroupBuffer:
         self.deadline_s = deadline_s
         self._finished: dict[int, FinishedGroup] = {}
         self._running: set[int] = set()
-        self._idle_since: float | None = time.perf_counter()  # no group running since then
-        self._idle = 0.0  # seconds with no group running, since take_idle_seconds last asked
+        self._paused = False  # the engine paused for the trainer (a stream that pauses for training)
+        self._idle_since: float | None = time.perf_counter()  # no group running, or paused, since then
+        self._idle = 0.0  # seconds idle so, since take_idle_seconds last asked
         self._error: BaseException | None = None
         self._changed = threading.Condition()
 
     def _admitted(self, group_ids) -> None:
         with self._changed:
-            if self._idle_since is not None:
-                self._idle += time.perf_counter() - self._idle_since
-                self._idle_since = None
             self._running.update(group_ids)
+            self._tick_idle_clock()
 
     def _done(self, group_id: int, rollouts: Rollouts, outcomes) -> None:
         with self._changed:
             self._finished[group_id] = FinishedGroup(rollouts, outcomes, time.perf_counter())
             self._running.discard(group_id)
-            if not self._running:
-                self._idle_since = time.perf_counter()
+            self._tick_idle_clock()
             self._changed.notify_all()
+
+    def _tick_idle_clock(self) -> None:
+        """Under the lock, after the running groups or the pause changed: the engine is idle while no
+        admitted group runs, or while it is paused for the trainer."""
+        idle, now = self._paused or not self._running, time.perf_counter()
+        if idle and self._idle_since is None:
+            self._idle_since = now
+        elif not idle and self._idle_since is not None:
+            self._idle += now - self._idle_since
+            self._idle_since = None
 
     def _failed(self, error: BaseException) -> None:
         """Generation or scoring failed: the trainer hears it at its next take() or update."""
@@ -153,8 +161,8 @@ class GroupBuffer:
             return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
 
     def take_idle_seconds(self) -> float:
-        """Seconds with no admitted group to work on since the last call (waiting for the trainer's
-        next update to admit more)."""
+        """Seconds with no admitted group to work on (waiting for the trainer's next update to admit
+        more), or paused for the trainer, since the last call."""
         with self._changed:
             now = time.perf_counter()
             idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
@@ -187,13 +195,15 @@ class GroupStream(GroupBuffer):
         deadline_s: float,
         resume: dict | None = None,
         pause_for_training: bool = False,
+        free_cache_while_paused: bool = False,
     ) -> None:
         """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
         Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
         a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
         episode) or None; `version`: the policy version its weights hold; `resume`: a `snapshot()`
         of the run this one continues; `pause_for_training`: the engine generates only while the trainer
-        waits (`run_until`)."""
+        waits (`run_until`), and with `free_cache_while_paused` sleeps meanwhile (its KV pool freed for
+        training, the sequences in flight prefilled again after the update, as they would be anyway)."""
         super().__init__(deadline_s)
         self._records: dict[int, list[SampleRecord]] = {}  # groups sampling now (the loop's)
         self._resume = {
@@ -207,7 +217,7 @@ class GroupStream(GroupBuffer):
         # finished groups queue here for the scoring lock: in asyncio's shared pool, waiting groups
         # would fill the threads the engine's steps need (validation, holding the lock, then hangs)
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridflow-scoring")
-        self.pause_for_training = pause_for_training
+        self.pause_for_training, self.free_cache_while_paused = pause_for_training, free_cache_while_paused
         # the loop's: groups entered (their requests reach the engine at once), groups whose samples all
         # finished, the groups whose generation the trainer waits for (None: it never pauses; empty:
         # nothing yet), validation batches beside the stream
@@ -215,11 +225,8 @@ class GroupStream(GroupBuffer):
         self._generated: set[int] = set()
         self._target: set[int] | None = set() if pause_for_training else None
         self._holds = 0
-        self._paused_since: float | None = None
-        self._paused_s = 0.0  # seconds paused for the trainer, since take_idle_seconds last asked
-        if pause_for_training:
-            engine.pause()  # until the trainer's first run_until
-            self._paused_since = time.perf_counter()
+        if pause_for_training:  # until the trainer's first run_until
+            self._pause_engine()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-groups", daemon=True)
         self._thread.start()
@@ -243,15 +250,6 @@ class GroupStream(GroupBuffer):
         samples have all finished, and pauses between that step and the next."""
         if self.pause_for_training:
             self._wait(asyncio.run_coroutine_threadsafe(self._run_until(set(group_ids)), self.loop))
-
-    def take_idle_seconds(self) -> float:
-        """As a buffer's, plus the seconds the engine was paused for the trainer."""
-        idle = super().take_idle_seconds()
-        with self._changed:
-            now = time.perf_counter()
-            paused = self._paused_s + (now - self._paused_since if self._paused_since is not None else 0.0)
-            self._paused_s, self._paused_since = 0.0, now if self._paused_since is not None else None
-        return idle + paused
 
     def poll(self) -> list[tuple[int, Rollouts]]:
         """The groups finished since the last poll, handed over (a stream without a reward)."""
@@ -427,17 +425,22 @@ class GroupStream(GroupBuffer):
         ]  # the rows' order: episode by episode, segment by segment
         return rollouts
 
-    async def _run_until(self, target: set[int]) -> None:
+    async def _all_admitted_started(self) -> None:
+        """Until every admitted group's requests have reached the engine's queue (they do before the
+        engine's next step): what the engine runs next is then the same in every run."""
         deadline = time.monotonic() + self.deadline_s
-        while True:  # every admitted group's requests in the engine before its next step: the same run
+        while True:
             with self._changed:
                 if self._error is not None or self._running <= self._started:
-                    break
+                    return
             if time.monotonic() > deadline:
                 raise UserError(
                     f"admitted groups did not start within {self.deadline_s:.0f} s (trainer.watchdog_s)"
                 )
             await asyncio.sleep(0)
+
+    async def _run_until(self, target: set[int]) -> None:
+        await self._all_admitted_started()
 
         def start(engine) -> None:
             self._generated -= self._target  # trained on by now
@@ -448,14 +451,22 @@ class GroupStream(GroupBuffer):
         await self.front.between_steps(start, on_loop=True)
 
     async def _held_batch(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        """A batch that keeps a paused engine running until it is done (the stream's groups step too)."""
+        """A batch that runs a paused engine until it is done, the stream's groups set aside meanwhile
+        (so that where they stand after it is the same in every run); beside an engine that does not
+        pause, the stream's groups step too."""
+        if self.pause_for_training:
+            await self._all_admitted_started()
 
         def hold(engine) -> None:
             self._holds += 1
+            if self.pause_for_training and self._holds == 1:
+                engine.set_aside()
             self._resume_engine()
 
         def release(engine) -> None:
             self._holds -= 1
+            if self.pause_for_training and not self._holds:
+                engine.bring_back()
             self._maybe_pause()
 
         await self.front.between_steps(hold, on_loop=True)
@@ -475,17 +486,24 @@ class GroupStream(GroupBuffer):
         unless a batch beside the stream still runs."""
         if self._target is None or self._holds or self.engine.paused or not self._target <= self._generated:
             return
+        self._pause_engine()
+
+    def _pause_engine(self) -> None:
         self.engine.pause()
+        if self.free_cache_while_paused:
+            self.engine.sleep()
         with self._changed:
-            self._paused_since = time.perf_counter()
+            self._paused = True
+            self._tick_idle_clock()
 
     def _resume_engine(self) -> None:
         if self.engine.paused:
+            if self.engine.asleep:
+                self.engine.wake()
             self.engine.resume()
             with self._changed:
-                if self._paused_since is not None:
-                    self._paused_s += time.perf_counter() - self._paused_since
-                    self._paused_since = None
+                self._paused = False
+                self._tick_idle_clock()
 
     async def _batch(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> Rollouts:
         parts = await asyncio.gather(

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.config.schema import Config
+from hybridflow.controller.async_checks import pauses_for_training
 from hybridflow.controller.worker_models import WorkerLayout, sharded_policy_path, sharded_reference_path
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
@@ -346,9 +347,11 @@ def model_hf_config(config: Config):
 
 def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:
     """The colocated engine keeps its KV pool while the other roles run: it generates meanwhile (an
-    asynchronous run) or keeps its cache (rollout.free_cache_engine=false)."""
+    asynchronous run whose engine does not pause for training) or keeps its cache
+    (rollout.free_cache_engine=false)."""
     c = config
-    return layout.colocated and (c.trainer.async_mode != "off" or not c.rollout.free_cache_engine)
+    generates_meanwhile = c.trainer.async_mode != "off" and not pauses_for_training(c)
+    return layout.colocated and (generates_meanwhile or not c.rollout.free_cache_engine)
 
 
 def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) -> int | None:

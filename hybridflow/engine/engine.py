@@ -464,6 +464,14 @@ class Engine:
     def resume(self) -> None:
         self.paused = False
 
+    def set_aside(self) -> None:
+        """Requests in flight leave the schedule until `bring_back()` (tokens kept, K/V recomputed):
+        a batch added meanwhile runs alone, as on an idle engine."""
+        self.scheduler.set_aside()
+
+    def bring_back(self) -> None:
+        self.scheduler.bring_back()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy trainer tensors into the engine's weights in place (captured graphs stay valid);
         returns the bytes written (0 when the engine runs the trainer's own module). Requests in
@@ -495,7 +503,9 @@ class Engine:
         return {name: tensors[0] for name, tensors in self._update.targets.items()}
 
     def sleep(self) -> None:
-        """Free the KV pool and the captured graphs so that training gets the memory."""
+        """Free the KV pool and the captured graphs so that training gets the memory; requests in flight
+        keep their tokens and are prefilled again after `wake()` (as after a weight update)."""
+        self.scheduler.preempt_all()
         self.runner.drop_graphs()
         self.cache.release()
         if self.device.type == "cuda":

@@ -31,6 +31,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache = prefix_cache
         self.waiting: deque[PrefillJob] = deque()
+        self.aside: deque[PrefillJob] = deque()  # out of the schedule until bring_back()
         self.running: dict[int, Sequence] = {}  # by seq_id, in admission order
         self.preemptions = 0
         self.admitted_tokens = 0  # tokens of the jobs admitted to prefill
@@ -166,11 +167,24 @@ class Scheduler:
         """Forget the waiting jobs of these sequences (an aborted request's)."""
         gone = {s.seq_id for s in seqs}
         self.waiting = deque(job for job in self.waiting if job.seqs[0].seq_id not in gone)
+        self.aside = deque(job for job in self.aside if job.seqs[0].seq_id not in gone)
 
     def preempt_all(self) -> None:
         """Every running sequence back to waiting, in admission order (its K/V to be recomputed)."""
         for seq in reversed(list(self.running.values())):
             self._preempt(seq)
+
+    def set_aside(self) -> None:
+        """Every job in flight or waiting out of the schedule (K/V freed, tokens kept) until
+        bring_back(): jobs added meanwhile run alone."""
+        self.preempt_all()
+        self.aside.extend(self.waiting)
+        self.waiting = deque()
+
+    def bring_back(self) -> None:
+        """The jobs set aside back, ahead of those waiting now, in their order."""
+        self.waiting = deque([*self.aside, *self.waiting])
+        self.aside = deque()
 
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.seq_id]

@@ -152,16 +152,19 @@ def long_tail_setup(setup, tmp_path_factory):
 def test_kill_9_in_streaming_mode_resumes_the_groups_in_flight_exactly(long_tail_setup, tmp_path):
     """Streaming with partial rollouts, its engine pausing for the trainer where its own steps say:
     the run is the same every time, so the one resumed after a SIGKILL is the uninterrupted one,
-    metrics and weights, sequences cut by a weight update included."""
+    metrics and weights, sequences cut by a weight update and validations in between included."""
     setup = long_tail_setup
     args = ["trainer.total_training_steps=6", "trainer.val_before_train=false", "trainer.save_freq=1",
-            "trainer.async_mode=streaming", "rollout.max_staleness=1", "data.max_response_tokens=24"]  # fmt: skip
+            "trainer.async_mode=streaming", "rollout.max_staleness=1", "data.max_response_tokens=24",
+            f"data.val_files=[{setup / 'prompts.jsonl'}]", "data.max_val_prompts=6",
+            "trainer.test_freq=2"]  # fmt: skip
     run_dir = whole_then_killed(setup, tmp_path, args)
     assert read_metrics(run_dir)[-1]["step"] < 6  # killed mid-run
     RLTrainer(config(setup, run_dir, *args)).fit()
     whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
     assert max(m["async/partial_sequences"] for m in whole) > 0  # sequences went on across an update
+    assert sum(any(k.startswith("val-core/") for k in m) for m in whole) == 3  # validations between
     assert_same_run(whole, resumed)
     a, b = policy(tmp_path / "whole", 6), policy(run_dir, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -361,19 +364,23 @@ def test_a_group_interrupted_by_a_weight_update_carries_both_versions_and_their_
 
 def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
     """Step 1's groups (8 tokens) beside step 2's (300): the engine pauses in the step where step 1's
-    last sample finishes, step 2's samples cut there, the same in every run; a validation batch runs
-    the paused engine and leaves it paused; after the update step 2 goes on with the new policy."""
+    last sample finishes, step 2's samples cut there, the same in every run (its K/V pool kept or
+    freed meanwhile); a validation batch runs alone on the paused engine (step 2's samples set aside)
+    and leaves it paused; after the update step 2 goes on with the new policy."""
 
     def lengths(engine):
         return sorted(s.num_generated for group in list(engine._requests.values()) for s in group)
 
-    cuts = []
-    for _ in range(2):
+    val_params = SamplingParams(n=1, max_tokens=30, seed=2)
+    alone = tiny_engine().generate([prompt(4).token_ids], val_params)
+    runs = []
+    for free_cache in (False, True):  # the second time its K/V pool freed while paused, as on a GPU
         engine = tiny_engine()
         before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
         stream = GroupStream(
-            engine, Scores(), version=0, in_flight_updates=True, deadline_s=120, pause_for_training=True
-        )
+            engine, Scores(), version=0, in_flight_updates=True, deadline_s=120, pause_for_training=True,
+            free_cache_while_paused=free_cache,
+        )  # fmt: skip
         try:
             stream.submit([prompt(0), prompt(1)], SamplingParams(n=2, max_tokens=8, seed=1), first_group=0)
             stream.submit([prompt(2), prompt(3)], SamplingParams(n=2, max_tokens=300, seed=1), first_group=2)
@@ -384,11 +391,11 @@ def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
             cut = lengths(engine)
             time.sleep(0.2)
             assert lengths(engine) == cut and len(cut) == 4 and 0 < cut[0] <= cut[-1] < 300  # paused
-            validation = stream.generate_now([prompt(4)], SamplingParams(n=1, max_tokens=30, seed=2))
-            assert len(validation.response_ids[0]) == 30
-            moved = lengths(engine)  # step 2's samples went on beside the validation batch
+            assert engine.asleep == free_cache
+            validation = stream.generate_now([prompt(4)], val_params)
+            assert validation.response_ids == [g.token_ids for g in alone]  # as on an idle engine
             time.sleep(0.2)
-            assert lengths(engine) == moved and moved[0] > cut[0]  # and paused again after it
+            assert lengths(engine) == cut  # step 2's samples set aside meanwhile, and paused after it
             moved_weights = [(k, v + 0.05) for k, v in before.items()]
             stream.update_weights(lambda engine, w=moved_weights: engine.update_weights(w), version=1)
             stream.run_until([2, 3])
@@ -400,9 +407,9 @@ def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
         assert idle >= 0.6  # the three sleeps above, paused
         assert [len(ids) for g in step1 for ids in g.rollouts.response_ids] == [8] * 4
         for versions in (v for g in step2 for v in g.rollouts.policy_versions):
-            assert len(versions) == 300 and versions.index(1) in moved
-        cuts.append((cut, moved))
-    assert cuts[0] == cuts[1]
+            assert len(versions) == 300 and versions.index(1) in cut
+        runs.append((cut, [g.rollouts.response_ids for g in step2]))
+    assert runs[0] == runs[1]  # the same run, K/V kept or recomputed
 
 
 def test_the_trainer_takes_every_admitted_group_even_when_later_ones_finish_first():
@@ -455,7 +462,8 @@ def test_validation_beside_more_finished_groups_than_threads_does_not_starve_the
 def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(tmp_path):
     """Environment episodes (guess_number; its answers masked out) through the stream: with
     staleness 0 the synchronous run's metrics and weights; with one_step every sampled token one
-    update old and the environment's tokens without a version."""
+    update old and the environment's tokens without a version; streaming at staleness 1, its engine
+    pausing for the trainer between episodes' turns, within its bound."""
     from agent_helpers import write_guess_game
 
     from hybridflow.config import load_config
@@ -474,6 +482,7 @@ def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(t
         ("sync", []),
         ("s0", ["trainer.async_mode=streaming", "rollout.max_staleness=0"]),
         ("one", ["trainer.async_mode=one_step"]),
+        ("s1", ["trainer.async_mode=streaming", "rollout.max_staleness=1"]),  # pausing for the trainer
     ):
         RLTrainer(load_config(None, [*base, *extra, f"trainer.run_dir={tmp_path / name}"])).fit()
         results[name] = read_metrics(tmp_path / name)
@@ -489,6 +498,7 @@ def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(t
     assert [m["async/staleness_max"] for m in results["one"]] == [0.0, 1.0, 1.0]
     assert [m["async/staleness_mean"] for m in results["one"]] == [0.0, 1.0, 1.0]  # -1 tokens left out
     assert all(m["agent/episodes"] == 16 for m in results["one"])
+    assert all(m["agent/episodes"] == 16 and m["async/staleness_max"] <= 1 for m in results["s1"])
 
 
 def test_off_is_off_though_yaml_reads_it_as_false(setup, tmp_path):

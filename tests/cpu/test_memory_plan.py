@@ -155,11 +155,18 @@ def test_offload_and_disaggregation_move_memory_off_the_training_gpu():
     assert apart.phases["update_actor"] == pytest.approx(plain.phases["update_actor"] - engine)
 
 
-@pytest.mark.parametrize("keeps", ["rollout.free_cache_engine=false", "trainer.async_mode=streaming"])
+@pytest.mark.parametrize(
+    "keeps",
+    [
+        "rollout.free_cache_engine=false",
+        "trainer.async_mode=one_step",
+        "trainer.async_mode=streaming rollout.pause_for_training=false",
+    ],
+)
 def test_a_kept_kv_pool_is_counted_in_every_phase(keeps):
     shape = _shape(**QWEN_05B)
     freed = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=1)
-    kept = estimate(load_config(None, [*BENCH, keeps]), shape, gpu_bytes=H200, workers=1)
+    kept = estimate(load_config(None, [*BENCH, *keeps.split()]), shape, gpu_bytes=H200, workers=1)
     pool = freed.kv_tokens * shape.kv_bytes_per_token()
     assert kept.kv_tokens == freed.kv_tokens and kept.phases["gen"] == freed.phases["gen"]
     for phase in ("ref/old_log_prob", "update_actor", "update_weights"):
@@ -177,8 +184,11 @@ def test_a_pool_beside_training_gets_what_training_leaves():
     shape = _shape(**QWEN_05B)
     per_token = shape.kv_bytes_per_token()
     sync = estimate(load_config(None, LONG), shape, gpu_bytes=H200, workers=1)
-    streaming = load_config(None, [*LONG, "trainer.async_mode=streaming"])
+    streaming = load_config(None, [*LONG, "trainer.async_mode=streaming", "rollout.pause_for_training=false"])
     plan = estimate(streaming, shape, gpu_bytes=H200, workers=1)
+    # an engine that pauses for training (streaming's default) frees its pool meanwhile, as sync does
+    pausing = estimate(load_config(None, [*LONG, "trainer.async_mode=streaming"]), shape, gpu_bytes=H200, workers=1)  # fmt: skip
+    assert pausing.phases == sync.phases and pausing.kv_tokens == sync.kv_tokens and not pausing.pool_capped
     # the synchronous run frees its pool (512 sequences x 4,608 tokens) for the update
     assert not sync.pool_capped and sync.kv_tokens == 512 * 4608 and sync.fits()
     # kept beside an update of ~113 GiB, that pool (27 GiB) would not fit: it gets what is left

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# #30 on one H200: synchronous against streaming with the engine pausing for the trainer (the default
+# since 2026-12-04) and against streaming beside the trainer (rollout.pause_for_training=false, the
+# 1.08x of docs/benchmarks.md), on bench/vs_trl's long-tailed random workload (0.5B shape, 32 prompts
+# x 8, up to 4,096 tokens, 125 random EOS ids: mean ~1,160). One device call of < 600 s with the
+# omegaconf wheels carried (`../shared/tools/device-wheels`, carry [".whl"]):
+#   timeout 585 bash bench/async_pause_runs.sh
+# Each run's report line is printed as it ends and its metrics.jsonl copied to $OUT/NAME/, so a run cut
+# by the call's limit still returns the ones before it. RUNS picks a subset (default: all, in order).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/omegaconf*.whl .whl/antlr4*.whl
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+HT="--workload heavy_tail --shape 0.5b --steps 8 --prompts 32 --response 4096 --stop-tokens 125"
+BYPASS="--set algorithm.rollout_correction.bypass_mode=true"  # pi_old = the sampler's: nothing recomputed
+run() {
+  name=$1; shift
+  case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+  # the random model (~2 GB) is written under --out: /tmp, not $OUT
+  python3 bench/async_modes.py $HT --out "/tmp/ht_$name" "$@" 2>&1 | grep -E '^\{"|failed|Error'
+  mkdir -p "${OUT:-/tmp/out}/$name"
+  for d in /tmp/ht_"$name"/*/; do
+    [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "${OUT:-/tmp/out}/$name/$(basename "$d").jsonl"
+  done
+}
+run off --modes off
+run pause2 --modes streaming --staleness 2 $BYPASS
+run pause1 --modes streaming --staleness 1 $BYPASS
+run beside2 --modes streaming_beside --staleness 2 $BYPASS
