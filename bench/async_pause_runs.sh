@@ -17,8 +17,11 @@ BYPASS="--set algorithm.rollout_correction.bypass_mode=true"  # pi_old = the sam
 run() {
   name=$1; shift
   case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
-  # the random model (~2 GB) is written under --out: /tmp, not $OUT
+  # the random model (~2 GB) is written under --out: /tmp, not $OUT; made once, shared by the runs
+  mkdir -p "/tmp/ht_$name" && [ -d /tmp/ht_model ] && ln -sfn /tmp/ht_model "/tmp/ht_$name/model-0.5b-stops125"
   python3 bench/async_modes.py $HT --out "/tmp/ht_$name" "$@" 2>&1 | grep -E '^\{"|failed|Error'
+  [ -d /tmp/ht_model ] || mv "/tmp/ht_$name/model-0.5b-stops125" /tmp/ht_model
+  ln -sfn /tmp/ht_model "/tmp/ht_$name/model-0.5b-stops125"
   mkdir -p "${OUT:-/tmp/out}/$name"
   for d in /tmp/ht_"$name"/*/; do
     [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "${OUT:-/tmp/out}/$name/$(basename "$d").jsonl"
