@@ -33,6 +33,8 @@ run() {
 D="--reward dense --prompts 32 --steps 20 --test-freq 5 --lr 3e-6"
 run dense_off $D
 run dense_one_step $D --set trainer.async_mode=one_step $ASYNC
+# (streaming's engine pauses for the trainer since 2026-12-04; the fifth session's streaming figures were the
+# engine beside the trainer: rollout.pause_for_training=false)
 run dense_streaming $D --set trainer.async_mode=streaming --set rollout.max_staleness=1 $ASYNC
 # #32: LoRA with the trainer on the engine's merged weights (the rollout gap grew 0.002 -> 0.054 without)
 run lora_merged --prompts 32 --steps 150 --test-freq 10 --lr 1e-5 --lora-rank 32 --set model.lora_alpha=64 \
