@@ -109,6 +109,32 @@ def test_abort_ends_a_request_at_once_and_frees_its_pages(model):
     assert not engine.has_unfinished_requests and engine.step() == []
 
 
+def test_requests_set_aside_wait_while_a_batch_runs_alone_then_go_on_as_if_never_stopped(model):
+    """set_aside(): the requests in flight leave the schedule (tokens kept, pages freed) while another
+    request runs as on an idle engine; an aborted one stays gone; bring_back() continues the rest to
+    the tokens they would have had."""
+    engine = engine_for(model)
+    engine.add_request("kept", PROMPTS[2], PARAMS[3])
+    engine.add_request("dropped", PROMPTS[1], PARAMS[1])
+    early = engine.step() + engine.step() + engine.step()
+    engine.set_aside()
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages and not engine.has_unfinished_requests
+    engine.add_request("alone", PROMPTS[0], PARAMS[0])
+    joined = run_to_end(engine)
+    assert {k[0] for k in joined} == {"alone"}  # the others did not move
+    assert [joined[("alone", j)]["tokens"] for j in range(2)] == [
+        g.token_ids for g in alone(model, PROMPTS[0], PARAMS[0])
+    ]
+    assert len(engine.abort("dropped")) == 3
+    engine.bring_back()
+    went_on = run_to_end(engine)
+    assert {k[0] for k in went_on} == {"kept"}
+    for j in range(PARAMS[3].n):
+        tokens = [t for o in early if (o.request_id, o.sample) == ("kept", j) for t in o.token_ids]
+        assert tokens + went_on[("kept", j)]["tokens"] == alone(model, PROMPTS[2], PARAMS[3])[j].token_ids
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
 def test_request_ids_and_prompts_are_checked(model):
     engine = engine_for(model)
     engine.add_request("a", [3, 4], PARAMS[0])
