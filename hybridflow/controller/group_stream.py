@@ -29,6 +29,7 @@ import asyncio
 import base64
 import bisect
 import concurrent.futures
+import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -429,7 +430,7 @@ class GroupStream(GroupBuffer):
         """Until every admitted group's requests have reached the engine's queue (they do before the
         engine's next step): what the engine runs next is then the same in every run."""
         deadline = time.monotonic() + self.deadline_s
-        while True:
+        for turn in itertools.count():
             with self._changed:
                 if self._error is not None or self._running <= self._started:
                     return
@@ -437,7 +438,7 @@ class GroupStream(GroupBuffer):
                 raise UserError(
                     f"admitted groups did not start within {self.deadline_s:.0f} s (trainer.watchdog_s)"
                 )
-            await asyncio.sleep(0)
+            await asyncio.sleep(0 if turn < 100 else 0.001)  # a turn of the loop is enough; never spin long
 
     async def _run_until(self, target: set[int]) -> None:
         await self._all_admitted_started()
