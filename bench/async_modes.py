@@ -26,15 +26,36 @@ LETTER_A = """def compute_score(data_source, solution_str, ground_truth, extra_i
 """
 
 
+def tiny_model_dir(out: Path, stop_tokens: int) -> str:
+    """The tests' 2-layer random Qwen2 with the byte tokenizer, `stop_tokens` of its byte ids (never
+    'a') as EOS besides the tokenizer's: on a CPU its decode step costs about the same at 1 sequence
+    as at 64 (the step's fixed work dominates), as a small model's does on a GPU."""
+    import random
+
+    from hybridflow.models import byte_tokenizer, save_hf, tiny_model
+
+    path = out / f"model-tiny-stops{stop_tokens}"
+    if not (path / "config.json").is_file():
+        model, tokenizer = tiny_model("qwen2", seed=0), byte_tokenizer()
+        ids = random.Random(0).sample([i for i in range(128, 256)], stop_tokens)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *sorted(ids)]
+        save_hf(model, tokenizer, path, overwrite=True)
+    return str(path)
+
+
 def heavy_tail_overrides(args) -> list[str]:
     sys.path.insert(0, str(ROOT / "bench" / "vs_trl"))
     from run import model_dir, prompts_file
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.shape == "tiny":
+        model = tiny_model_dir(args.out, args.stop_tokens)
+    else:
+        model = model_dir(args.out, args.shape, stop_tokens=args.stop_tokens)
     reward = args.out / "letter_a.py"
     reward.write_text(LETTER_A)
     return [
-        f"model.path={model_dir(args.out, args.shape, stop_tokens=args.stop_tokens)}",
+        f"model.path={model}",
         f"data.train_files=[{prompts_file(args.out, 'letter_a', args.prompts * args.steps)}]",
         "data.val_files=[]",
         f"data.prompts_per_step={args.prompts}",
@@ -72,7 +93,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="demo_arithmetic_grpo")
     ap.add_argument("--workload", choices=["recipe", "heavy_tail"], default="recipe")
-    ap.add_argument("--shape", default="0.5b", help="heavy_tail: 0.5b or 1.5b (random weights)")
+    ap.add_argument(
+        "--shape", default="0.5b", help="heavy_tail: 0.5b or 1.5b (random weights), or tiny (for a CPU)"
+    )
     ap.add_argument("--steps", type=int, default=12, help="heavy_tail: training steps")
     ap.add_argument("--prompts", type=int, default=64, help="heavy_tail: prompts per step (x 8 samples)")
     ap.add_argument("--response", type=int, default=1024, help="heavy_tail: max response tokens")

@@ -27,7 +27,10 @@ run() {
     [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "${OUT:-/tmp/out}/$name/$(basename "$d").jsonl"
   done
 }
+# a window of generation lasts at least (longest response) / (staleness + 1) engine steps: the step's
+# longest sample started max_staleness windows earlier; at 3, four steps' groups (1,024 sequences) run at once
 run off --modes off
 run pause2 --modes streaming --staleness 2 $BYPASS
-run pause1 --modes streaming --staleness 1 $BYPASS
+run pause3 --modes streaming --staleness 3 $BYPASS --set rollout.max_batch_sequences=1024
 run beside2 --modes streaming_beside --staleness 2 $BYPASS
+run pause1 --modes streaming --staleness 1 $BYPASS
