@@ -115,8 +115,9 @@ class RolloutConfig:
     """trainer.async_mode=streaming with the engine in the trainer's process (one GPU, or this CPU): the
     engine generates until the groups of the step to train next have finished, then pauses between two
     of its steps while the trainer computes, and goes on after the weight update with the sequences in
-    flight (partial rollouts), so each side has the device to itself and generation never runs a
-    step's tail alone (the next steps' groups fill the batch). On a GPU its KV pool is freed while it
+    flight (partial rollouts), so each side has the device to itself, generation never runs a step's
+    tail alone (the next steps' groups fill the batch), and where it pauses is set by its own steps:
+    the same run every time, resumed exactly after a kill. On a GPU its KV pool is freed while it
     pauses (rollout.free_cache_engine), so the memory plan is the synchronous run's. False: the engine
     generates beside the trainer's phases on a CUDA stream of its own (they contend for the device, and
     the pool stays beside training). None: True for such a streaming run. Rollout workers have devices
