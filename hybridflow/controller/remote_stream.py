@@ -19,7 +19,7 @@ from dataclasses import replace
 from hybridflow.agents.runner import CALLS_PER_EPISODE
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.controller.dispatch import prompt_shards
-from hybridflow.controller.group_stream import GroupBuffer
+from hybridflow.controller.group_buffer import GroupBuffer
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.ray_worker_group import WorkerDied
 from hybridflow.controller.rollout_worker import RolloutWorker
