@@ -122,6 +122,15 @@ class RolloutConfig:
     generates beside the trainer's phases on a CUDA stream of its own (they contend for the device, and
     the pool stays beside training). None: True for such a streaming run. Rollout workers have devices
     of their own and never pause."""
+    keep_kv_on_weight_update: bool = False
+    """trainer.async_mode=streaming: a weight update leaves the sequences in flight the K/V they have,
+    computed with the older weights, instead of prefilling each again (prompt and tokens so far) with
+    the new ones: no recomputation after each update (async/recomputed_tokens), and the tokens
+    sampled after it attend to older K/V (PipelineRL's in-flight updates; the sampler's log-probs
+    are still the ones the tokens were drawn with, so the off-policy corrections hold). An engine
+    that pauses for training then keeps its KV pool while paused (the memory plan holds it beside
+    training). A resume recomputes the K/V of the sequences in flight (a checkpoint holds tokens,
+    not K/V), so it is not the uninterrupted run token for token."""
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one

@@ -38,6 +38,12 @@ def check_async(config: Config) -> None:
             "rollout.pause_for_training=true shares one device between engine and trainer; rollout workers "
             "(resources.rollout_workers) have devices of their own: drop it"
         )
+    if config.rollout.keep_kv_on_weight_update and mode != "streaming":
+        raise UserError(
+            f"rollout.keep_kv_on_weight_update=true keeps the K/V of sequences in flight across a weight "
+            f"update; with trainer.async_mode={mode} none is in flight at an update: use "
+            "trainer.async_mode=streaming, or drop it"
+        )
     if mode == "off":
         if bound:
             raise UserError(

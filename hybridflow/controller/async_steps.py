@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
 from hybridflow.controller.async_checks import max_staleness, pauses_for_training
 from hybridflow.controller.group_stream import GroupStream
@@ -40,8 +42,11 @@ def open_stream(trainer) -> GroupStream | RemoteGroupStream:
         deadline_s=c.trainer.watchdog_s or 3600.0,
         resume=trainer.in_flight,
         pause_for_training=pauses_for_training(c),
-        # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout)
-        free_cache_while_paused=c.rollout.free_cache_engine and engine.device.type == "cuda",
+        # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout), unless
+        # the K/V of the sequences in flight are to outlive the update
+        free_cache_while_paused=c.rollout.free_cache_engine
+        and not c.rollout.keep_kv_on_weight_update
+        and engine.device.type == "cuda",
     )
 
 
@@ -113,6 +118,7 @@ def take_step(trainer) -> tuple[Rollouts, RewardResult, dict[str, float]]:
     metrics["async/wait_for_groups_s"] = waited  # the trainer's idle time
     metrics["async/generation_idle_s"] = stream.take_idle_seconds()  # the engine's, since the last step
     metrics["async/groups_running"] = float(stream.running)
+    metrics["async/recomputed_tokens"] = float(stream.take_recomputed_tokens())  # K/V prefilled again
     metrics |= stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
     return rollouts, scored, metrics
 
@@ -132,15 +138,22 @@ def staleness_metrics(rollouts: Rollouts, *, trained_by: int) -> dict[str, float
     }
 
 
-def fresh_gap(rollouts: Rollouts, batch: TrainingBatch, *, trained_by: int) -> dict[str, float]:
+def fresh_gap(
+    rollouts: Rollouts, batch: TrainingBatch, *, trained_by: int, kv_kept: bool = False
+) -> dict[str, float]:
     """The rollout/trainer probability gap over the tokens the training policy itself sampled
     (training/rollout_probs_diff_fresh_*): the guard's numerics check, which older tokens' drift
-    would trip. Nothing when every token is older."""
+    would trip. `kv_kept` (rollout.keep_kv_on_weight_update): only sequences sampled by that policy
+    alone, as a continued one's tokens attend to K/V of older weights. Nothing when none is left."""
     if batch.old_logprobs is None:
         return {}
     versions = pad_ragged(
         [[float(v) for v in row] for row in rollouts.policy_versions], batch.response_mask.shape[1]
     )
-    fresh = batch.response_mask * (versions == trained_by).to(batch.response_mask.dtype)  # [B, T]
+    own = versions == trained_by  # [B, T]
+    if kv_kept:
+        whole = [all(v == trained_by for v in row) for row in rollouts.policy_versions]
+        own &= torch.tensor(whole, device=own.device)[:, None]
+    fresh = batch.response_mask * own.to(batch.response_mask.dtype)  # [B, T]
     gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, fresh)
     return {k.replace("probs_diff_", "probs_diff_fresh_"): v for k, v in gap.items()}

@@ -73,6 +73,7 @@ class GroupStream(GroupBuffer):
         self.in_flight_updates, self.version = in_flight_updates, version
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
         self._policy_versions = [version]
+        self._recomputed_seen = engine.recomputed_tokens
         self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
         # finished groups queue here for the scoring lock: in asyncio's shared pool, waiting groups
         # would fill the threads the engine's steps need (validation, holding the lock, then hangs)
@@ -142,6 +143,13 @@ class GroupStream(GroupBuffer):
         self._call(apply)
         self.version = version
         return waited
+
+    def take_recomputed_tokens(self) -> int:
+        """Tokens of sequences in flight prefilled again since the last call: after a weight update
+        (unless rollout.keep_kv_on_weight_update), a preemption for room, a resume, a validation."""
+        now = self.engine.recomputed_tokens
+        taken, self._recomputed_seen = now - self._recomputed_seen, now
+        return taken
 
     def snapshot(self) -> dict | None:
         """Every admitted group not taken yet, as JSON: group id -> its samples so far (a group that

@@ -16,8 +16,9 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
   update_actor         resident + saved activations + the log-prob chunks' forward and backward
   update_weights       resident + one gathered layer
-  (rollout.free_cache_engine=false colocated, or trainer.async_mode one_step / streaming, where the
-  engine generates while the trainer works: the KV pool stays, so every phase holds it)
+  (colocated with rollout.free_cache_engine=false, or an asynchronous run whose engine generates
+  while the trainer works or keeps the K/V of its sequences in flight across updates: the KV pool
+  stays, so every phase holds it)
 Activations: 11.8 bytes x (hidden + intermediate) per token per layer under bf16 autocast with an
 fp32 master, and 2 x chunk x vocabulary x 2 bytes for the log-prob chunks — both fitted to the peaks
 measured on one H200 (docs/benchmarks.md), which the estimate reproduces within a few percent."""
@@ -347,11 +348,13 @@ def model_hf_config(config: Config):
 
 def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:
     """The colocated engine keeps its KV pool while the other roles run: it generates meanwhile (an
-    asynchronous run whose engine does not pause for training) or keeps its cache
+    asynchronous run whose engine does not pause for training), keeps the K/V of its sequences in
+    flight across the update (rollout.keep_kv_on_weight_update) or keeps its cache
     (rollout.free_cache_engine=false)."""
     c = config
     generates_meanwhile = c.trainer.async_mode != "off" and not pauses_for_training(c)
-    return layout.colocated and (generates_meanwhile or not c.rollout.free_cache_engine)
+    keeps = c.rollout.keep_kv_on_weight_update or not c.rollout.free_cache_engine
+    return layout.colocated and (generates_meanwhile or keeps)
 
 
 def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) -> int | None:
@@ -372,7 +375,13 @@ def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) 
         return None
     context = c.data.max_prompt_tokens + c.data.max_response_tokens
     if plan.kv_tokens < context:
-        why = "an asynchronous run" if c.trainer.async_mode != "off" else "rollout.free_cache_engine=false"
+        why = (
+            "rollout.keep_kv_on_weight_update=true"
+            if c.rollout.keep_kv_on_weight_update
+            else "an asynchronous run"
+            if c.trainer.async_mode != "off"
+            else "rollout.free_cache_engine=false"
+        )
         raise UserError(
             f"the KV pool stays beside training ({why}) and the memory plan leaves it {plan.kv_tokens:,} "
             f"tokens, less than one sequence of {context:,}: "

@@ -119,6 +119,11 @@ class RemoteGroupStream(GroupBuffer):
             idle = self._recovering(lambda: self.group.call(RolloutWorker.stream_idle_seconds))
         return sum(idle) / len(idle)
 
+    def take_recomputed_tokens(self) -> int:
+        """The rollout workers' tokens prefilled again since the last call (their sum)."""
+        with self._members:
+            return sum(self._recovering(lambda: self.group.call(RolloutWorker.stream_recomputed_tokens)))
+
     def take_recovery_metrics(self) -> dict[str, float]:
         """Rollout workers replaced and groups submitted again since the last call."""
         with self._members:

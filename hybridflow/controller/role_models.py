@@ -198,6 +198,7 @@ def rollout_backend(
         compute_dtype=compute,
         share_weights=share_weights,
         prefix_cache=r.prefix_cache,
+        keep_kv_on_weight_update=r.keep_kv_on_weight_update,
         progress=c.trainer.progress,
         record_routes=replay,
     )

@@ -128,6 +128,9 @@ class RolloutWorker:
     def stream_idle_seconds(self) -> float:
         return self.stream.take_idle_seconds()
 
+    def stream_recomputed_tokens(self) -> int:
+        return self.stream.take_recomputed_tokens()
+
     def close_stream(self) -> None:
         if getattr(self, "stream", None) is not None:
             self.stream.close()

@@ -78,6 +78,15 @@ def resume_run(trainer) -> None:
     if resume == "force" and state.get("in_flight"):  # its lengths and sampling may no longer hold
         print(f"trainer.resume=force: the groups in flight at {path.name} are generated again from their "
               "prompts (the config may have changed under them)", flush=True)  # fmt: skip
+    partial = sum(
+        bool(r["ids"]) and r["finish"] is None
+        for samples in (trainer.in_flight or {}).values()
+        for r in samples
+    )
+    if partial and trainer.config.rollout.keep_kv_on_weight_update:
+        print(f"{partial} sequences in flight at {path.name} go on with their K/V recomputed by the current "
+              "weights (a checkpoint holds tokens, not K/V): rollout.keep_kv_on_weight_update makes this "
+              "run differ from the uninterrupted one from here", flush=True)  # fmt: skip
     trainer.last_checkpoint = path
     for name in ("metrics.jsonl", "samples.jsonl"):
         truncate_jsonl(trainer.run_dir / name, trainer.step)

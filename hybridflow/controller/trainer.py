@@ -322,7 +322,9 @@ class RLTrainer:
                     actor_mask, corrections = set_old_logprobs(c, batch, recompute or self.roles.log_probs)
                 metrics |= corrections
                 if self.stream is not None:
-                    metrics |= fresh_gap(rollouts, batch, trained_by=self.step - 1)
+                    metrics |= fresh_gap(
+                        rollouts, batch, trained_by=self.step - 1, kv_kept=c.rollout.keep_kv_on_weight_update
+                    )
             if c.actor.router_replay == "R2":  # one update on-policy: its own pass is pi_old's, none replayed
                 metrics["router_replay/recorded_fraction"] = float(batch.routed_experts is not None)
             if self.needs_ref:

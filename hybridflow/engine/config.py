@@ -44,6 +44,11 @@ class EngineConfig:
     """Keep the K/V of full pages after their requests end, keyed by their token prefix, so a prompt
     that extends an earlier one (a conversation's next turn, a shared system prompt) prefills only
     what is new; dropped at every update_weights and sleep."""
+    keep_kv_on_weight_update: bool = False
+    """A weight update leaves the sequences in flight the K/V they have (computed with the older
+    weights) instead of prefilling them again: no recomputation, and tokens sampled with the new
+    weights attend to older K/V (PipelineRL's in-flight updates). Such K/V never enter the prefix
+    cache; a sequence preempted for room is recomputed with the weights of the time."""
     share_weights: bool = True
     """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
     False keeps a copy (the trainer's module is about to be sharded)."""

@@ -128,6 +128,7 @@ class Engine:
         self.asleep = False
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
+        self.recomputed_tokens = 0  # tokens of generated sequences prefilled again, K/V recomputed
         self.stats: dict[str, float] = {}
         self.scheduler = self._new_scheduler()
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
@@ -374,6 +375,7 @@ class Engine:
             "cached_tokens": s.cached_tokens,
             "weight_version": self.weight_version,
             "preemptions": s.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
         }
 
     def _stops_for(self, params: SamplingParams) -> torch.Tensor:
@@ -388,6 +390,9 @@ class Engine:
         batch = [s for job in jobs for s in job.seqs]
         if self.tp is not None:
             self.tp.check_same_step("prefill", batch, prompts=[job.tokens for job in jobs])
+        self.recomputed_tokens += sum(  # sequences with tokens of their own: preempted, updated, resumed
+            len(job.tokens) - job.seqs[0].cached for job in jobs if job.seqs[0].num_generated
+        )
         logits = self.runner.prefill(jobs)  # [J, V]
         rows = torch.tensor([j for j, job in enumerate(jobs) for _ in job.seqs], device=logits.device)
         logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
@@ -477,14 +482,14 @@ class Engine:
         returns the bytes written (0 when the engine runs the trainer's own module). Requests in
         flight keep their tokens but lose their cached K/V (computed with the old weights): they are
         prefilled again, prompt and tokens so far, at their next step, and sample on with the new
-        weights (`weight_version` says which)."""
+        weights (`weight_version` says which); with `keep_kv_on_weight_update` they keep their K/V."""
         written = self._update(named_tensors)
         self._weights_changed()
         return written
 
     def _weights_changed(self) -> None:
         self.weight_version += 1
-        self.scheduler.preempt_all()
+        self.scheduler.weights_changed(keep_kv=self.config.keep_kv_on_weight_update)
         self.cache.pool.forget_prefixes()  # every cached K/V was computed with the old weights
         self._weights_stamp = self._stamp()
 

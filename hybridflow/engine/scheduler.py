@@ -36,6 +36,7 @@ class Scheduler:
         self.preemptions = 0
         self.admitted_tokens = 0  # tokens of the jobs admitted to prefill
         self.cached_tokens = 0  # of those, the ones found in the prefix cache (not computed)
+        self.kv_epoch = 0  # +1 at each weight update that keeps the running sequences' K/V
         # The page table on the host: one row per running sequence, updated as pages change, so a
         # decode step gathers its rows in one vectorised copy.
         self.table = np.zeros((max_sequences, max_pages_per_sequence), dtype=np.int32)
@@ -87,6 +88,7 @@ class Scheduler:
                         self.pool.share(page)
                     seq.page_keys = list(job.seqs[0].page_keys)
                 seq.pages, seq.cached = list(pages), len(found) * self.page_size
+                seq.kv_epoch = self.kv_epoch
                 self._assign_row(seq)
             self.running.update((s.seq_id, s) for s in job.seqs)
             jobs.append(job)
@@ -105,8 +107,9 @@ class Scheduler:
 
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full pages: the K/V of every token but the last are computed (running,
-        or finished: a decode run's steps past its stop write beyond the kept tokens only)."""
-        if self.prefix_cache:
+        or finished: a decode run's steps past its stop write beyond the kept tokens only). Not those
+        of a sequence whose K/V were computed before a weight update that kept them."""
+        if self.prefix_cache and seq.kv_epoch == self.kv_epoch:
             full = (len(seq.tokens) - 1) // self.page_size
             keys = extend_page_hashes(seq.page_keys, seq.tokens, self.page_size, full)
             self.pool.register(seq.pages[:full], keys[:full])
@@ -173,6 +176,14 @@ class Scheduler:
         """Every running sequence back to waiting, in admission order (its K/V to be recomputed)."""
         for seq in reversed(list(self.running.values())):
             self._preempt(seq)
+
+    def weights_changed(self, keep_kv: bool) -> None:
+        """New weights: every running sequence is prefilled again (its K/V recomputed) at its next
+        step, or, `keep_kv`, goes on from the K/V it has, never to be named in the prefix cache."""
+        if keep_kv:
+            self.kv_epoch += 1
+        else:
+            self.preempt_all()
 
     def set_aside(self) -> None:
         """Every job in flight or waiting out of the schedule (K/V freed, tokens kept) until

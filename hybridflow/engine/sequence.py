@@ -25,6 +25,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # physical page of each logical page
     row: int = -1  # this sequence's row in the scheduler's page table while running
     cached: int = 0  # tokens whose K/V are in the cache
+    kv_epoch: int = 0  # the scheduler's weights epoch when its K/V were computed (kept across updates)
     logprobs: list[float] = field(default_factory=list)
     unscaled_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None

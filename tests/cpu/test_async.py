@@ -170,6 +170,40 @@ def test_kill_9_in_streaming_mode_resumes_the_groups_in_flight_exactly(long_tail
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_run_that_keeps_the_kv_across_updates_prefills_nothing_again(long_tail_setup, tmp_path, capsys):
+    """rollout.keep_kv_on_weight_update: the sequences continued across an update are not prefilled
+    again (the recomputing run prefills them); both runs are the same until a sequence crosses an
+    update, and differ from there (the kept K/V were computed with the older weights). The guard's
+    numerics gap leaves continued sequences out, so it stays at zero. A resume says that it recomputes."""
+    args = ["trainer.async_mode=streaming", "rollout.max_staleness=1", "data.max_response_tokens=48"]
+    keep = "rollout.keep_kv_on_weight_update=true"
+    kept = run(
+        long_tail_setup,
+        tmp_path / "kept",
+        5,
+        *args,
+        keep,
+        "trainer.save_freq=1",
+        "trainer.keep_last_checkpoints=5",
+    )
+    redone = run(long_tail_setup, tmp_path / "redone", 5, *args, "trainer.save_freq=-1")
+    crossed = [i for i, m in enumerate(redone) if m["async/partial_sequences"] > 0]
+    assert crossed and crossed[0] < 4  # (steps 4 and 5 with these seeds)
+    assert [m["async/recomputed_tokens"] for m in kept] == [0] * 5
+    assert [m["async/recomputed_tokens"] > 0 for m in redone] == [i in crossed for i in range(5)]
+    for i in range(crossed[0] + 1):
+        same = {k: v for k, v in kept[i].items() if not k.startswith(NOT_COMPARED)}
+        assert (same == {k: redone[i][k] for k in same}) == (i < crossed[0]), i
+    assert all(m.get("training/rollout_probs_diff_fresh_max", 0) < 1e-6 for m in kept + redone)
+    # resumed where sequences were in flight, their K/V are recomputed, and the run says so
+    for step in range(crossed[0] + 1, 6):
+        shutil.rmtree(tmp_path / "kept" / "checkpoints" / f"global_step_{step}")
+    capsys.readouterr()
+    run(long_tail_setup, tmp_path / "kept", 5, *args, keep, "trainer.save_freq=-1")
+    said = capsys.readouterr().out
+    assert f"in flight at global_step_{crossed[0]} go on with their K/V recomputed" in said
+
+
 def assert_same_run(whole: list[dict], resumed: list[dict]) -> None:
     for a, b in zip(whole, resumed, strict=True):
         # a continued sample's next token comes from a prefill, not a decode step: its log-prob (the
@@ -274,6 +308,7 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
         (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),
         (["rollout.pause_for_training=true"], "nothing overlapped"),
         (["trainer.async_mode=one_step", "rollout.pause_for_training=true"], "nothing overlapped"),
+        (["rollout.keep_kv_on_weight_update=true"], "async_mode=off none is in flight at an update"),
         (
             [
                 "trainer.async_mode=streaming",

@@ -1,7 +1,10 @@
 """The engine's request API: add_request / step / abort give what generate gives, token for token,
 whatever else runs beside a request, with each request's own sampling parameters."""
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.errors import UserError
@@ -255,3 +258,69 @@ def test_a_reader_of_results_only_gets_one_output_per_sample_and_weight_version(
     every, held = asyncio.run(read(True, True)), asyncio.run(read(False, True))
     assert joined(held) == joined(every)
     assert sorted((o.sample, o.weight_version) for o in held) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_weight_update_that_keeps_the_kv_goes_on_over_the_older_weights_kv(model):
+    """keep_kv_on_weight_update: nothing is prefilled again, and each request goes on exactly as
+    transformers does with the old model's cache of every token but the last and the new model from
+    there (greedy, tokens and log-probs); the recomputing engine goes on as the new model alone does,
+    and the two differ. K/V that outlived an update never serve a later request from the prefix cache."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    old_hf, new_hf = tiny_model("qwen2", seed=3), tiny_model("qwen2", seed=11)
+    new_model = from_hf_model(new_hf)
+    prompts, total = PROMPTS[:3], 24
+    params = SamplingParams(n=1, temperature=0, max_tokens=total)
+
+    def run(keep: bool) -> tuple[Engine, dict[str, list[int]], dict[str, dict]]:
+        engine = engine_for(model, share_weights=False, keep_kv_on_weight_update=keep)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        before: dict[str, list[int]] = {}
+        for out in engine.step() + engine.step():
+            before.setdefault(out.request_id, []).extend(out.token_ids)
+        assert all(len(s.tokens) - 1 == s.cached for s in engine.scheduler.running.values())
+        engine.update_weights(new_model.named_parameters())
+        return engine, before, {request_id: got for (request_id, _), got in run_to_end(engine).items()}
+
+    cache_arg = "cache" if "cache" in inspect.signature(new_hf.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
+    def over_old_kv(tokens: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy: the old model's K/V of tokens[:-1], then the new model from the last token on."""
+        cache = DynamicCache()
+        old_hf(torch.tensor([tokens[:-1]]), use_cache=True, **{cache_arg: cache})
+        last, out, logprobs = tokens[-1], [], []
+        for _ in range(steps):
+            logits = new_hf(torch.tensor([[last]]), use_cache=True, **{cache_arg: cache}).logits[0, -1]
+            last = int(logits.argmax())
+            out.append(last)
+            logprobs.append(torch.log_softmax(logits.double(), -1)[last])
+        return out, torch.stack(logprobs)
+
+    kept, before, after = run(keep=True)
+    assert kept.recomputed_tokens == 0 and kept.scheduler.preemptions == 0
+    recomputing, before_r, after_r = run(keep=False)
+    assert before_r == before and recomputing.recomputed_tokens == sum(
+        len(p) + len(before[f"r{i}"]) for i, p in enumerate(prompts)
+    )
+    fresh = engine_for(new_model)
+    gaps = []
+    for i, prompt in enumerate(prompts):
+        done, got, got_r = before[f"r{i}"], after[f"r{i}"], after_r[f"r{i}"]
+        tokens, logprobs = over_old_kv(prompt + done, total - len(done))
+        assert got["tokens"] == tokens
+        torch.testing.assert_close(
+            torch.tensor(got["logprobs"], dtype=torch.float64), logprobs, atol=1e-4, rtol=0
+        )
+        alone = fresh.generate([prompt + done], replace(params, max_tokens=total - len(done)))[0]
+        assert got_r["tokens"] == alone.token_ids and got_r["logprobs"] == pytest.approx(
+            alone.logprobs, abs=1e-5
+        )
+        gaps.append(max(abs(a - b) for a, b in zip(got["logprobs"], got_r["logprobs"])))
+    assert max(gaps) > 1e-2  # the test tells the two apart
+    assert kept.cache.pool.num_cached == 0  # the finished sequences' pages were not named
+    kept.generate([prompts[2]], replace(params, max_tokens=4))
+    assert kept.stats["prefix_cached_tokens"] == 0

@@ -161,6 +161,7 @@ def test_offload_and_disaggregation_move_memory_off_the_training_gpu():
         "rollout.free_cache_engine=false",
         "trainer.async_mode=one_step",
         "trainer.async_mode=streaming rollout.pause_for_training=false",
+        "trainer.async_mode=streaming rollout.keep_kv_on_weight_update=true",  # pausing, the K/V kept
     ],
 )
 def test_a_kept_kv_pool_is_counted_in_every_phase(keeps):
