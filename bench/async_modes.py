@@ -107,7 +107,8 @@ def main() -> None:
         "--modes",
         default="off,one_step,streaming",
         help="off, one_step, streaming (its engine pausing for the trainer), streaming_beside (generating "
-        "beside the trainer's phases: rollout.pause_for_training=false)",
+        "beside the trainer's phases: rollout.pause_for_training=false); a streaming mode with _keep appended "
+        "keeps the K/V of sequences in flight across updates (rollout.keep_kv_on_weight_update=true)",
     )
     ap.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness for streaming")
     ap.add_argument("--out", type=Path, default=Path("/tmp/async_modes"))
@@ -118,10 +119,12 @@ def main() -> None:
     report = {}
     for mode in args.modes.split(","):
         run_dir = args.out / mode
+        base = mode.removesuffix("_keep").removesuffix("_beside")
         overrides = [
             *workload,
-            f"trainer.async_mode={mode.removesuffix('_beside')}",
-            *(["rollout.pause_for_training=false"] if mode.endswith("_beside") else []),
+            f"trainer.async_mode={base}",
+            *(["rollout.pause_for_training=false"] if "_beside" in mode else []),
+            *(["rollout.keep_kv_on_weight_update=true"] if mode.endswith("_keep") else []),
             f"trainer.run_dir={run_dir}",
             "trainer.progress=false",
             *args.set,
@@ -161,6 +164,7 @@ def main() -> None:
             "generation_idle_s_mean": mean("async/generation_idle_s"),
             "staleness_mean": mean("async/staleness_mean"),
             "partial_sequences_mean": mean("async/partial_sequences"),
+            "recomputed_tokens_mean": mean("async/recomputed_tokens"),  # K/V prefilled again a step
             "response_length_mean": mean("response_length/mean"),
             "throughput_tokens_s": mean("perf/throughput"),
             "probs_diff_max": max(r.get("training/rollout_probs_diff_max", 0.0) for r in steps),

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # #30 on one H200: synchronous against streaming with the engine pausing for the trainer (the default
 # since 2026-12-04) and against streaming beside the trainer (rollout.pause_for_training=false, the
-# 1.08x of docs/benchmarks.md), on bench/vs_trl's long-tailed random workload (0.5B shape, 32 prompts
-# x 8, up to 4,096 tokens, 125 random EOS ids: mean ~1,160). One device call of < 600 s with the
-# omegaconf wheels carried (`../shared/tools/device-wheels`, carry [".whl"]):
-#   timeout 585 bash bench/async_pause_runs.sh
+# 1.08x of docs/benchmarks.md), each also keeping the K/V of the sequences in flight across updates
+# (rollout.keep_kv_on_weight_update: no prefill of them after each update), on bench/vs_trl's
+# long-tailed random workload (0.5B shape, 32 prompts x 8, up to 4,096 tokens, 125 random EOS ids: mean
+# ~1,160). Two device calls of < 600 s with the omegaconf wheels carried
+# (`../shared/tools/device-wheels`, carry [".whl"]); the second finds the model the first made in /tmp
+# while the machine stays warm:
+#   RUNS="off pause2 pause2keep pause3" timeout 585 bash bench/async_pause_runs.sh
+#   RUNS="beside2 beside2keep pause3keep pause1" timeout 585 bash bench/async_pause_runs.sh
 # Each run's report line is printed as it ends and its metrics.jsonl copied to $OUT/NAME/, so a run cut
 # by the call's limit still returns the ones before it. RUNS picks a subset (default: all, in order).
 set -u
@@ -31,6 +35,9 @@ run() {
 # longest sample started max_staleness windows earlier; at 3, four steps' groups (1,024 sequences) run at once
 run off --modes off
 run pause2 --modes streaming --staleness 2 $BYPASS
+run pause2keep --modes streaming_keep --staleness 2 $BYPASS
 run pause3 --modes streaming --staleness 3 $BYPASS --set rollout.max_batch_sequences=1024
 run beside2 --modes streaming_beside --staleness 2 $BYPASS
+run beside2keep --modes streaming_beside_keep --staleness 2 $BYPASS
+run pause3keep --modes streaming_keep --staleness 3 $BYPASS --set rollout.max_batch_sequences=1024
 run pause1 --modes streaming --staleness 1 $BYPASS
