@@ -16,7 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .whl/omegaconf*.whl .whl/antlr4*.whl
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-HT="--workload heavy_tail --shape 0.5b --steps 8 --prompts 32 --response 4096 --stop-tokens 125"
+# micro-batches of 8 full sequences (async_modes' default is 16): the update then leaves room for the
+# whole KV pool (512 x 4,608 tokens) beside it, as keeping the K/V across updates needs (`hybridflow plan
+# --gpu-memory-gib 140`: update_actor 94 GiB with the pool, against a pool capped to 0.9M tokens at 16);
+# every run gets the same, so that they differ in the mode alone
+HT="--workload heavy_tail --shape 0.5b --steps 8 --prompts 32 --response 4096 --stop-tokens 125
+    --set actor.max_tokens_per_microbatch=36864"
 BYPASS="--set algorithm.rollout_correction.bypass_mode=true"  # pi_old = the sampler's: nothing recomputed
 run() {
   name=$1; shift
