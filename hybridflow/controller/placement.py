@@ -51,6 +51,11 @@ class Placement:
             )
             self._join_weight_sync()
 
+    def ray_niceness(self) -> int | None:
+        """The niceness Ray runs this run's workers at (None: no Ray worker)."""
+        found = [g.niceness for g in (self.train, self.rollout) if g is not None and g.niceness is not None]
+        return max(found, default=None)
+
     @property
     def world_size(self) -> int:
         """Every worker of the run, training and rollout."""

@@ -29,6 +29,23 @@ STARTUP_TIMEOUT_S = 300.0
 """How long a group may wait for its placement, and the least it gets to start and build its workers."""
 
 
+WORKER_NICENESS = 0
+"""The niceness of the workers of a Ray instance a run starts itself. Ray's own default is 15 (its daemons
+stay responsive under load), which left a worker ~4% of a core beside the run's reward workers at 0 once
+they were busy: a CPU loop in a worker 23x slower beside two of them on two cores, 1.9x at 0 (the fair
+share). At 0 every process of the run is level (docs/benchmarks.md, "Ray workers' niceness")."""
+
+
+def start_ray(address: str | None = None, **options: Any) -> None:
+    """ray.init: a cluster at `address` (or RAY_ADDRESS) is joined as it is; a local one started here
+    runs its workers at WORKER_NICENESS."""
+    import ray
+
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        options["_system_config"] = {"worker_niceness": WORKER_NICENESS, **options.get("_system_config", {})}
+    ray.init(address=address, include_dashboard=False, **options)
+
+
 def _is_ray_worker(pid: int) -> bool:
     """Process `pid` is still a Ray worker (Ray titles them 'ray::...'): the id of one that died may
     belong to another process by now, which SIGUSR1 would end."""
@@ -68,6 +85,9 @@ class _Worker:
         import ray
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def niceness(self) -> int:
+        return os.nice(0)
 
     def address(self) -> tuple[str, int]:
         """This worker's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -130,7 +150,7 @@ class RayWorkerGroup:
         self.workers: list = []
         self.locations: list[tuple[str, int]] = []
         if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+            start_ray(ray_address, log_to_driver=True)
         kind = "GPU" if gpus else "CPU"
         have = ray.cluster_resources().get(kind, 0)
         if have < num_workers:  # a placement group that cannot be placed would wait forever
@@ -154,6 +174,7 @@ class RayWorkerGroup:
             self.workers = [self._start(i, num_workers) for i in range(num_workers)]
             # asked now, while every worker is idle: a worker stuck in a call answers nothing
             self.locations = self._starting("location")
+            self.niceness = max(self._starting("niceness"))  # the scheduler's view of them (Ray sets it)
             (master,) = self._starting("address", ranks=[0])
             self._starting("init_process_group", master, "nccl" if gpus else "gloo")
             self._starting("build", factory)

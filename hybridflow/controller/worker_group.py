@@ -18,6 +18,7 @@ def method_name(method: Method) -> str:
 
 class WorkerGroup(Protocol):
     world_size: int
+    niceness: int | None  # the CPU scheduler's niceness of its workers, where set apart from this process
 
     def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """`method(*args, **kwargs)` on every worker; results by rank."""
@@ -35,6 +36,7 @@ class InProcessWorkerGroup:
     """One worker, built here with `factory(rank=0, world_size=1)`: calls are direct method calls."""
 
     world_size = 1
+    niceness = None  # this process's: nothing set apart (RayWorkerGroup: what Ray runs its workers at)
 
     def __init__(self, factory: Callable[[int, int], Any]) -> None:
         self.worker = factory(0, 1)

@@ -226,6 +226,11 @@ class RewardExecutor:
     def score(self, items: list[Item]) -> list[Outcome]:
         return self.result(self.submit(items), len(items))
 
+    def run_at_niceness(self, niceness: int) -> None:
+        """The scoring workers at `niceness` at least (scoring in this process: left as it is)."""
+        if self.pool is not None:
+            self.pool.run_at_niceness(niceness)
+
     def close(self) -> None:
         self._collector.shutdown(wait=True)
         if self.pool is not None:

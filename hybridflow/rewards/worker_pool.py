@@ -22,8 +22,24 @@ from typing import Any
 _WORKER_FN: Callable | None = None
 
 
-def _worker_main(conn: Connection, loader: Callable[[], Callable], run: Callable) -> None:
+def raise_niceness(pid: int, niceness: int) -> None:
+    """Every thread of process `pid` at `niceness` at least (Linux keeps it per thread; an
+    unprivileged process may raise it, never lower it). A process that is gone is left alone."""
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def _worker_main(conn: Connection, loader: Callable[[], Callable], run: Callable, niceness: int) -> None:
     """A worker's life: load the function, say so, then score each chunk it is sent until EOF."""
+    raise_niceness(os.getpid(), niceness)  # before any thread or sandbox starts: they inherit it
     # Ctrl-C and SIGTERM reach the whole process group: the trainer decides (it finishes the step,
     # saves, and kills its workers); a worker whose parent is gone sees EOF and ends
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -43,9 +59,9 @@ def _worker_main(conn: Connection, loader: Callable[[], Callable], run: Callable
 
 
 class _Worker:
-    def __init__(self, context, loader: Callable, run: Callable) -> None:
+    def __init__(self, context, loader: Callable, run: Callable, niceness: int) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, loader, run), daemon=True)
+        self.process = context.Process(target=_worker_main, args=(child, loader, run, niceness), daemon=True)
         self.process.start()
         child.close()
         self.ready = False
@@ -70,11 +86,20 @@ class ScoringPool:
     ) -> None:
         self.context = mp.get_context("spawn")
         self.loader, self.run, self.start_timeout_s = loader, run, start_timeout_s
+        self.niceness = os.nice(0)  # the workers' (and their sandboxes'): this process's until raised
         self.workers = [self._spawn() for _ in range(size)]
         atexit.register(self.close)  # before multiprocessing's own exit handler joins its children
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.context, self.loader, self.run)
+        return _Worker(self.context, self.loader, self.run, self.niceness)
+
+    def run_at_niceness(self, niceness: int) -> None:
+        """Workers, their replacements and their sandboxes at `niceness` at least: never ahead of the
+        run's Ray workers in the CPU scheduler (a cluster's own, at its niceness)."""
+        self.niceness = max(self.niceness, niceness)
+        for worker in self.workers:
+            if worker.process.is_alive():
+                raise_niceness(worker.process.pid, self.niceness)
 
     def wait_ready(self) -> None:
         """Every worker has loaded the function, or WorkerPoolFailed with the first one's cause."""

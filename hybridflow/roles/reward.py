@@ -259,5 +259,8 @@ class Reward:
                 first.rstrip(),
             )
 
+    def run_at_niceness(self, niceness: int) -> None:
+        self.executor.run_at_niceness(niceness)
+
     def close(self) -> None:
         self.executor.close()

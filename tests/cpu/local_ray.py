@@ -5,13 +5,8 @@ The suite exports OMP_NUM_THREADS (conftest's `_fixed_threads`), which Ray worke
 place of the one thread a worker with `num_cpus=1` gets from Ray otherwise: two workers with two
 threads each on a 2-core machine wait on each other's OpenMP barriers, every phase 3-4x slower."""
 
-import ray
+from hybridflow.controller.ray_worker_group import start_ray
 
 
 def start_local_ray() -> None:
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
+    start_ray(num_cpus=4, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

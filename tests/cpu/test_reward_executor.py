@@ -112,6 +112,34 @@ def test_stuck_and_dead_workers_are_replaced_and_no_batch_waits_forever(reward_f
     assert not any(p.is_alive() for p in processes)  # close() leaves no worker behind
 
 
+def test_scoring_workers_run_no_ahead_of_the_runs_ray_workers(reward_file):
+    """run_at_niceness: every thread of the live workers, and a replacement from its start, at the
+    Ray workers' niceness (15, a cluster's default) at least; never lowered."""
+    executor = RewardExecutor(
+        functools.partial(load_custom_function, str(reward_file), "flaky"), num_workers=2, timeout_s=0.5
+    )
+
+    def niceness() -> list[int]:
+        return [
+            os.getpriority(os.PRIO_PROCESS, int(tid))
+            for w in executor.pool.workers
+            for tid in os.listdir(f"/proc/{w.process.pid}/task")
+        ]
+
+    try:
+        executor.pool.wait_ready()
+        assert set(niceness()) == {os.nice(0)}
+        executor.run_at_niceness(15)
+        assert set(niceness()) == {15}
+        executor.run_at_niceness(5)  # a raise only
+        out = executor.score(items("ok", "deaf", "ok"))  # the deaf one's worker is killed and replaced
+        assert [o.timeout for o in out] == [False, True, False]
+        executor.pool.wait_ready()
+        assert set(niceness()) == {15}
+    finally:
+        executor.close()
+
+
 def test_workers_that_cannot_start_stop_with_the_cause(reward_file, tmp_path):
     """Spawned workers re-import the main script: one that scores (or trains) at import kills every
     worker while it starts. The first batch stops with that cause instead of waiting forever."""
