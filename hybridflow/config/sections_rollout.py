@@ -127,7 +127,8 @@ class RolloutConfig:
     computed with the older weights, instead of prefilling each again (prompt and tokens so far) with
     the new ones: no recomputation after each update (async/recomputed_tokens), and the tokens
     sampled after it attend to older K/V (PipelineRL's in-flight updates; the sampler's log-probs
-    are still the ones the tokens were drawn with, so the off-policy corrections hold). An engine
+    are still the ones the tokens were drawn with, so the off-policy corrections hold, and
+    training/rollout_probs_diff_kept_kv_* measures how far they are from the trainer's). An engine
     that pauses for training then keeps its KV pool while paused (the memory plan holds it beside
     training). A resume recomputes the K/V of the sequences in flight (a checkpoint holds tokens,
     not K/V), so it is not the uninterrupted run token for token."""

@@ -144,16 +144,24 @@ def fresh_gap(
     """The rollout/trainer probability gap over the tokens the training policy itself sampled
     (training/rollout_probs_diff_fresh_*): the guard's numerics check, which older tokens' drift
     would trip. `kv_kept` (rollout.keep_kv_on_weight_update): only sequences sampled by that policy
-    alone, as a continued one's tokens attend to K/V of older weights. Nothing when none is left."""
+    alone, as a continued one's tokens attend to K/V of older weights; the gap over those tokens of a
+    continued sequence is training/rollout_probs_diff_kept_kv_* (what the kept K/V cost in
+    off-policyness). Nothing where no such token is left."""
     if batch.old_logprobs is None:
         return {}
     versions = pad_ragged(
         [[float(v) for v in row] for row in rollouts.policy_versions], batch.response_mask.shape[1]
     )
     own = versions == trained_by  # [B, T]
+    out = {}
     if kv_kept:
-        whole = [all(v == trained_by for v in row) for row in rollouts.policy_versions]
-        own &= torch.tensor(whole, device=own.device)[:, None]
+        whole = torch.tensor(
+            [all(v == trained_by for v in row) for row in rollouts.policy_versions], device=own.device
+        )[:, None]  # [B, 1]
+        continued = batch.response_mask * (own & ~whole).to(batch.response_mask.dtype)  # [B, T]
+        gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, continued)
+        out |= {k.replace("probs_diff_", "probs_diff_kept_kv_"): v for k, v in gap.items()}
+        own &= whole
     fresh = batch.response_mask * own.to(batch.response_mask.dtype)  # [B, T]
     gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, fresh)
-    return {k.replace("probs_diff_", "probs_diff_fresh_"): v for k, v in gap.items()}
+    return out | {k.replace("probs_diff_", "probs_diff_fresh_"): v for k, v in gap.items()}
