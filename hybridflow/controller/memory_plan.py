@@ -375,13 +375,11 @@ def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) 
         return None
     context = c.data.max_prompt_tokens + c.data.max_response_tokens
     if plan.kv_tokens < context:
-        why = (
-            "rollout.keep_kv_on_weight_update=true"
-            if c.rollout.keep_kv_on_weight_update
-            else "an asynchronous run"
-            if c.trainer.async_mode != "off"
-            else "rollout.free_cache_engine=false"
-        )
+        why = "rollout.free_cache_engine=false"
+        if c.rollout.keep_kv_on_weight_update:
+            why = "rollout.keep_kv_on_weight_update=true"
+        elif c.trainer.async_mode != "off":
+            why = "an asynchronous run"
         raise UserError(
             f"the KV pool stays beside training ({why}) and the memory plan leaves it {plan.kv_tokens:,} "
             f"tokens, less than one sequence of {context:,}: "

@@ -137,10 +137,9 @@ class RLTrainer:
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
         self.model_shape = model_shape(c) if self.peak_flops else None
         self.placement = Placement(c, self.device, total_steps=self.total_steps)
+        # a cluster's Ray workers may run niced: the scoring workers must not run ahead of them
         niceness = self.placement.ray_niceness()
-        if (
-            niceness is not None
-        ):  # a cluster's Ray workers run niced: scoring beside them must not starve them
+        if niceness is not None:
             self.reward.run_at_niceness(niceness)
         self.workers = self.placement.train  # the workers that hold actor, reference and critic
         self.roles = RoleCalls(c, self.placement)
