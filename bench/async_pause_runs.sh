@@ -11,6 +11,7 @@
 #   RUNS="beside2 beside2keep pause3keep pause1" timeout 585 bash bench/async_pause_runs.sh
 # Each run's report line is printed as it ends and its metrics.jsonl copied to $OUT/NAME/, so a run cut
 # by the call's limit still returns the ones before it. RUNS picks a subset (default: all, in order).
+# Figures of 2026-12-05 (pausing at staleness 3: 1.52x a steady step) in docs/benchmarks.md.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/omegaconf*.whl .whl/antlr4*.whl

@@ -6,6 +6,7 @@ Shapes use B = sequences, N = total tokens of a packed micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -204,6 +205,19 @@ def plan_grouped_microbatches(
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
+class GapScope(IntEnum):
+    """Which rollout/trainer probability-gap metric a response token counts in
+    (training/rollout_probs_diff{suffix}_*); 0 (not a member): none, the token was not sampled."""
+
+    COUNTED = 1  # the whole batch's gap only (a token of an older policy in an asynchronous run)
+    FRESH = 2  # also _fresh: sampled by the training policy over its own K/V (the numerics check)
+    KEPT_KV = 3  # also _kept_kv: the training policy's token over K/V kept from older weights
+
+    @property
+    def suffix(self) -> str:
+        return {GapScope.COUNTED: "", GapScope.FRESH: "_fresh", GapScope.KEPT_KV: "_kept_kv"}[self]
+
+
 @dataclass
 class TrainingBatch:
     """What the actor and critic train on: ragged token lists plus response-aligned scalars.
@@ -223,6 +237,9 @@ class TrainingBatch:
     old_values: torch.Tensor | None = None  # [B, T] (critic)
     importance_weights: torch.Tensor | None = None  # [B, T] truncated IS weights (rollout mismatch)
     routed_experts: list[torch.Tensor | None] | None = None  # per sequence [L - 1, MoE layers, k] (R3)
+    gap_scopes: torch.Tensor | None = None
+    """[B, T] int8 GapScope per token: the update measures the sampler's probabilities against its own
+    forward before the step's first optimizer step (the gap metrics, where pi_old is not recomputed)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -252,6 +269,7 @@ class TrainingBatch:
             old_values=pick(self.old_values),
             importance_weights=pick(self.importance_weights),
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
+            gap_scopes=pick(self.gap_scopes),
         )
 
 

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.batch import Rollouts, TrainingBatch, pad_ragged
+from hybridflow.batch import GapScope, Rollouts, pad_ragged
 from hybridflow.controller.async_checks import max_staleness, pauses_for_training
 from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.hybrid_worker import HybridWorker
-from hybridflow.controller.metrics import probs_diff
 from hybridflow.controller.remote_stream import RemoteGroupStream
 from hybridflow.roles.reward import RewardResult
 
@@ -138,30 +137,27 @@ def staleness_metrics(rollouts: Rollouts, *, trained_by: int) -> dict[str, float
     }
 
 
-def fresh_gap(
-    rollouts: Rollouts, batch: TrainingBatch, *, trained_by: int, kv_kept: bool = False
-) -> dict[str, float]:
-    """The rollout/trainer probability gap over the tokens the training policy itself sampled
-    (training/rollout_probs_diff_fresh_*): the guard's numerics check, which older tokens' drift
-    would trip. `kv_kept` (rollout.keep_kv_on_weight_update): only sequences sampled by that policy
-    alone, as a continued one's tokens attend to K/V of older weights; the gap over those tokens of a
-    continued sequence is training/rollout_probs_diff_kept_kv_* (what the kept K/V cost in
-    off-policyness). Nothing where no such token is left."""
-    if batch.old_logprobs is None:
-        return {}
-    versions = pad_ragged(
-        [[float(v) for v in row] for row in rollouts.policy_versions], batch.response_mask.shape[1]
-    )
-    own = versions == trained_by  # [B, T]
-    out = {}
+def gap_scopes(
+    rollouts: Rollouts, mask: torch.Tensor, *, trained_by: int | None, kv_kept: bool = False
+) -> torch.Tensor:
+    """[B, T] int8 GapScope of each response token (mask [B, T]) for the rollout/trainer gap metrics:
+    FRESH where the training policy (version `trained_by`) sampled it over K/V of its own weights,
+    the guard's numerics check, which older tokens' drift would trip; KEPT_KV where it sampled it over
+    K/V kept from older weights (`kv_kept`, rollout.keep_kv_on_weight_update: a sequence continued
+    across an update; what the kept K/V cost in off-policyness); COUNTED for older policies' tokens,
+    and everywhere in a synchronous step (`trained_by` None: the whole batch's gap alone)."""
+    counted = mask > 0  # [B, T]
+    scopes = counted.to(torch.int8) * int(GapScope.COUNTED)
+    if trained_by is None or rollouts.policy_versions is None:
+        return scopes
+    versions = pad_ragged([[float(v) for v in row] for row in rollouts.policy_versions], mask.shape[1])
+    own = (versions == trained_by) & counted  # [B, T]
     if kv_kept:
         whole = torch.tensor(
-            [all(v == trained_by for v in row) for row in rollouts.policy_versions], device=own.device
-        )[:, None]  # [B, 1]
-        continued = batch.response_mask * (own & ~whole).to(batch.response_mask.dtype)  # [B, T]
-        gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, continued)
-        out |= {k.replace("probs_diff_", "probs_diff_kept_kv_"): v for k, v in gap.items()}
+            [all(v == trained_by for v in row if v >= 0) for row in rollouts.policy_versions],
+            device=own.device,
+        )[:, None]  # [B, 1]: sampled by that policy alone (-1: a tool's or template's token)
+        scopes[own & ~whole] = int(GapScope.KEPT_KV)
         own &= whole
-    fresh = batch.response_mask * own.to(batch.response_mask.dtype)  # [B, T]
-    gap = probs_diff(batch.rollout_logprobs, batch.old_logprobs, fresh)
-    return out | {k.replace("probs_diff_", "probs_diff_fresh_"): v for k, v in gap.items()}
+    scopes[own] = int(GapScope.FRESH)
+    return scopes

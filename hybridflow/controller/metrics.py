@@ -8,7 +8,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from hybridflow.batch import Rollouts
+from hybridflow.batch import GapScope, Rollouts
 
 
 def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -59,16 +59,27 @@ def data_metrics(
     return out
 
 
-def probs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """training/rollout_probs_diff_*: |p_rollout - p_trainer| over response tokens."""
+def probs_diff(
+    logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor, suffix: str = ""
+) -> dict[str, float]:
+    """training/rollout_probs_diff{suffix}_*: |p_rollout - p_trainer| over response tokens."""
     diff = (logp_a.exp() - logp_b.exp()).abs()[mask > 0]
     if diff.numel() == 0:
         return {}
     return {
-        "training/rollout_probs_diff_max": diff.max().item(),
-        "training/rollout_probs_diff_mean": diff.mean().item(),
-        "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
+        f"training/rollout_probs_diff{suffix}_max": diff.max().item(),
+        f"training/rollout_probs_diff{suffix}_mean": diff.mean().item(),
+        f"training/rollout_probs_diff{suffix}_std": diff.std().item() if diff.numel() > 1 else 0.0,
     }
+
+
+def scoped_probs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, scopes: torch.Tensor) -> dict[str, float]:
+    """probs_diff over every token counted (scopes [B, T] of GapScope), and over each narrower scope
+    that has tokens (_fresh, _kept_kv)."""
+    out = probs_diff(logp_a, logp_b, scopes > 0)
+    for scope in (GapScope.FRESH, GapScope.KEPT_KV):
+        out |= probs_diff(logp_a, logp_b, scopes == scope, scope.suffix)
+    return out
 
 
 class Timer:

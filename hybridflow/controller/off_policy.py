@@ -10,7 +10,7 @@ import torch
 from hybridflow.algorithms.rollout_correction import importance_weights, rejection_mask
 from hybridflow.batch import TrainingBatch
 from hybridflow.config import Config
-from hybridflow.controller.metrics import probs_diff
+from hybridflow.controller.metrics import scoped_probs_diff
 
 
 def needs_old_logprobs(c: Config, batch_size: int, *, stale: bool) -> bool:
@@ -22,16 +22,18 @@ def needs_old_logprobs(c: Config, batch_size: int, *, stale: bool) -> bool:
 
 
 def set_old_logprobs(
-    c: Config, batch: TrainingBatch, recompute: Callable[[TrainingBatch], torch.Tensor]
+    c: Config, batch: TrainingBatch, recompute: Callable[[TrainingBatch], torch.Tensor], scopes: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Fills batch.old_logprobs (and importance_weights); returns the actor's loss mask [B, T] (the
-    response mask less rejected tokens) and the correction's metrics."""
+    response mask less rejected tokens) and the correction's metrics, with the rollout/trainer gap
+    over `scopes` ([B, T] GapScope) where pi_old is recomputed."""
     corr, mask = c.algorithm.rollout_correction, batch.response_mask
     if corr.bypass_mode:  # two policies: the PPO ratio is against the sampler itself
         batch.old_logprobs = batch.rollout_logprobs
+        batch.gap_scopes = scopes  # nothing recomputed: the update's first forward measures the gap
         return mask, {}
     batch.old_logprobs = recompute(batch)
-    metrics = probs_diff(batch.rollout_logprobs, batch.old_logprobs, mask)
+    metrics = scoped_probs_diff(batch.rollout_logprobs, batch.old_logprobs, scopes)
     if not corr.enabled:
         return mask, metrics
     log_ratio = (batch.old_logprobs - batch.rollout_logprobs) * mask  # [B, T]

@@ -18,7 +18,7 @@ from hybridflow.config import Config, to_yaml
 from hybridflow.config.sections_run import due
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
 from hybridflow.controller.async_checks import max_staleness
-from hybridflow.controller.async_steps import admit, fresh_gap, open_stream, take_step
+from hybridflow.controller.async_steps import admit, gap_scopes, open_stream, take_step
 from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
@@ -319,16 +319,22 @@ class RLTrainer:
                 routes = rollouts.routed_experts or [None] * len(rollouts)
                 metrics["router_replay/recorded_fraction"] = sum(r is not None for r in routes) / len(routes)
             actor_mask = mask  # less the tokens a rollout correction rejects
+            scopes = gap_scopes(  # [B, T]: which rollout/trainer gap metrics each token counts in
+                rollouts,
+                mask,
+                trained_by=self.step - 1 if max_staleness(c) > 0 else None,  # None: all of it fresh
+                kv_kept=c.rollout.keep_kv_on_weight_update,
+            )
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
                 with contextlib.nullcontext() if bypass else timer("old_log_prob"):
                     recompute = self._old_logprobs_recording_routes if c.actor.router_replay == "R2" else None
-                    actor_mask, corrections = set_old_logprobs(c, batch, recompute or self.roles.log_probs)
-                metrics |= corrections
-                if self.stream is not None:
-                    metrics |= fresh_gap(
-                        rollouts, batch, trained_by=self.step - 1, kv_kept=c.rollout.keep_kv_on_weight_update
+                    actor_mask, corrections = set_old_logprobs(
+                        c, batch, recompute or self.roles.log_probs, scopes
                     )
+                metrics |= corrections
+            else:  # on-policy: the update's own forward is pi_old's, and measures the gap
+                batch.gap_scopes = scopes
             if c.actor.router_replay == "R2":  # one update on-policy: its own pass is pi_old's, none replayed
                 metrics["router_replay/recorded_fraction"] = float(batch.routed_experts is not None)
             if self.needs_ref:

@@ -11,7 +11,7 @@ import torch
 from hybridflow.algorithms.aggregation import aggregate, count_sequences, count_tokens
 from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.policy_losses import policy_loss
-from hybridflow.batch import TrainingBatch
+from hybridflow.batch import GapScope, TrainingBatch
 from hybridflow.config.schema import ActorConfig, OptimConfig
 from hybridflow.devices import to_device
 from hybridflow.errors import UserError
@@ -90,6 +90,12 @@ def with_loss_scale_retries(update, minibatch):
             return update(minibatch)
         except GradientOverflow:
             continue
+
+
+def _measures_gap(mb: TrainingBatch) -> bool:
+    """Whether the update's forward measures the rollout/trainer gap of this mini-batch: pi_old is
+    not recomputed (the on-policy shortcut) or is the sampler's (gap_scopes set)."""
+    return mb.rollout_logprobs is not None and (mb.old_logprobs is None or mb.gap_scopes is not None)
 
 
 def _on_host(sums: dict) -> dict[str, float]:
@@ -216,11 +222,13 @@ class Actor:
     def update_minibatches(self, minibatches: list[TrainingBatch]) -> dict[str, float]:
         """PPO epochs over the given mini-batches (under data parallelism: this rank's share of each
         global mini-batch); returns averaged metrics (actor/*), the same on every rank. With the
-        on-policy shortcut (no old log-probs) it also reports the rollout-vs-trainer probability gap
-        (training/rollout_probs_diff_*)."""
+        on-policy shortcut (no old log-probs), or pi_old taken from the sampler (mini-batches with
+        gap_scopes), it also reports the rollout-vs-trainer probability gap
+        (training/rollout_probs_diff*_*), measured by the forwards before the first optimizer step:
+        the first mini-batch's tokens where there are several."""
         sums: dict[str, float] = defaultdict(float)
         updates = skipped = 0
-        self._rollout_gaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gaps, kept) per micro-batch
+        self._rollout_gaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gaps, scopes) per micro-batch
         self.model.train()
         cfg = self.config
         self._bar = bar(None, "update", enabled=self.progress, inner=True)
@@ -230,9 +238,12 @@ class Actor:
                      for mb in minibatches)  # fmt: skip
             self._bar.total = cfg.ppo_epochs * sum(len(plan) for plan in plans)
         first_kl = None  # the step's first mini-batch, before any update: ppo_kl ~0 (a guard's check)
-        for _ in range(self.config.ppo_epochs):
-            for mb in minibatches:
-                metrics = with_loss_scale_retries(self._update_minibatch, mb)
+        for epoch in range(self.config.ppo_epochs):
+            for i, mb in enumerate(minibatches):
+                before_any_update = epoch == 0 and i == 0
+                metrics = with_loss_scale_retries(
+                    functools.partial(self._update_minibatch, first=before_any_update), mb
+                )
                 if first_kl is None and mb.old_logprobs is not None:
                     first_kl = float("nan") if metrics is None else metrics.get("ppo_kl", 0.0)
                 if metrics is None:
@@ -249,29 +260,38 @@ class Actor:
         out["actor/skipped_updates"] = float(skipped)
         if first_kl is not None and first_kl == first_kl:  # not NaN: a skipped update says nothing
             out["training/first_minibatch_ppo_kl"] = first_kl
-        if any(mb.old_logprobs is None and mb.rollout_logprobs is not None for mb in minibatches):
+        if any(_measures_gap(mb) for mb in minibatches):
             out |= self._rollout_gap_metrics()
         return out
 
     def _rollout_gap_metrics(self) -> dict[str, float]:
-        """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens."""
-        gaps = torch.zeros(0, dtype=torch.float64)
+        """Max, mean and std of |p_rollout - p_trainer| over every rank's response tokens counted,
+        and over each narrower GapScope (_fresh, _kept_kv) that has tokens on some rank."""
+        values = scopes = torch.zeros(0)
         if self._rollout_gaps:
-            values, kept = (torch.cat(parts).cpu() for parts in zip(*self._rollout_gaps))
-            gaps = values[kept].double()
-        count, total, squares = sum_over_ranks([gaps.numel(), gaps.sum().item(), (gaps**2).sum().item()])
-        (top,) = max_values_over_ranks([gaps.max().item() if gaps.numel() else 0.0])
-        if not count:
-            return {}
-        mean = total / count
-        var = max(squares / count - mean**2, 0.0) * count / max(count - 1, 1)  # unbiased, as torch.std
-        return {
-            "training/rollout_probs_diff_max": top,
-            "training/rollout_probs_diff_mean": mean,
-            "training/rollout_probs_diff_std": var**0.5,
-        }
+            values, scopes = (torch.cat(parts).cpu() for parts in zip(*self._rollout_gaps))
+        picks = [scopes > 0, scopes == GapScope.FRESH, scopes == GapScope.KEPT_KV]
+        gaps = [values[p].double() for p in picks]
+        # one reduction for all scopes: every rank calls the same collectives whatever it holds
+        sums = sum_over_ranks([x for g in gaps for x in (g.numel(), g.sum().item(), (g**2).sum().item())])
+        tops = max_values_over_ranks([g.max().item() if g.numel() else 0.0 for g in gaps])
+        out = {}
+        for k, suffix in enumerate(("", GapScope.FRESH.suffix, GapScope.KEPT_KV.suffix)):
+            count, total, squares = sums[3 * k : 3 * k + 3]
+            if not count:
+                continue
+            mean = total / count
+            var = max(squares / count - mean**2, 0.0) * count / max(count - 1, 1)  # unbiased, as torch.std
+            out |= {
+                f"training/rollout_probs_diff{suffix}_max": tops[k],
+                f"training/rollout_probs_diff{suffix}_mean": mean,
+                f"training/rollout_probs_diff{suffix}_std": var**0.5,
+            }
+        return out
 
-    def _update_minibatch(self, mb: TrainingBatch) -> dict[str, float] | None:
+    def _update_minibatch(self, mb: TrainingBatch, first: bool = True) -> dict[str, float] | None:
+        """One optimizer step over `mb`; `first`: no step has been taken on this batch before it, so
+        its forward is the policy that the rollout's probabilities are measured against."""
         cfg = self.config
         mask = mb.response_mask
         # Under data parallelism `mb` is this rank's share: the denominators count the whole mini-batch
@@ -291,13 +311,16 @@ class Actor:
             share = count_tokens(micro.response_mask) / max(tokens, 1)  # token share, for metric averages
             logp, entropy = self._forward(micro, with_entropy=True, entropy_grad=bool(cfg.entropy_coeff))
             m = to_device(micro.response_mask, logp.device)
-            if micro.old_logprobs is not None:
-                old = to_device(micro.old_logprobs, logp.device)
-            else:  # on-policy shortcut: the policy before this update is the one computing logp
-                old = logp.detach()
-                if micro.rollout_logprobs is not None and not padding:
-                    gap = (old.exp() - to_device(micro.rollout_logprobs, old.device).exp()).abs()  # [b, T]
-                    gaps.append((gap.float().flatten(), m.flatten() > 0))  # to the host later
+            # on-policy shortcut: the policy before this update is the one computing logp
+            old = logp.detach() if micro.old_logprobs is None else to_device(micro.old_logprobs, logp.device)
+            if first and _measures_gap(micro) and not padding:
+                gap = (
+                    logp.detach().exp() - to_device(micro.rollout_logprobs, logp.device).exp()
+                ).abs()  # [b, T]
+                scopes = m.to(torch.int8) if micro.gap_scopes is None else micro.gap_scopes  # [b, T]
+                gaps.append(
+                    (gap.float().flatten(), to_device(scopes, logp.device).flatten())
+                )  # to the host later
             weights = (
                 to_device(micro.importance_weights, logp.device)
                 if micro.importance_weights is not None

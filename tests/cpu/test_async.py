@@ -10,7 +10,8 @@ import torch
 from rl_run import config, read_metrics
 from safetensors.torch import load_file
 
-from hybridflow.batch import Prompt
+from hybridflow.batch import GapScope, Prompt, Rollouts
+from hybridflow.controller.async_steps import gap_scopes
 from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
@@ -562,6 +563,22 @@ def test_the_probability_gap_guard_looks_only_at_tokens_of_the_training_policy(s
     assert all("training/rollout_probs_diff_fresh_mean" not in m for m in metrics[1:])  # none fresh
 
 
+def test_each_token_counts_in_the_gap_of_the_policy_and_kv_that_sampled_it():
+    """Versions per token (-1: not sampled), trained by policy 1: a sequence continued across the
+    update has older tokens (the whole batch's gap only) and tokens of policy 1 over kept K/V."""
+    versions = [[0, 0, 1], [1, 1, -1], [0, -1, 0]]
+    rollouts = Rollouts([[5]] * 3, [[7, 7, 7], [7, 7, 7], [7, 7, 7]], [[0.0] * 3] * 3, ["stop"] * 3,
+                        [0, 0, 1], [None] * 3, loss_masks=[[1, 1, 1], [1, 1, 0], [1, 0, 1]],
+                        policy_versions=versions)  # fmt: skip
+    mask = torch.tensor(rollouts.masks(), dtype=torch.float32)  # [3, 3]
+    C, F, K = GapScope.COUNTED, GapScope.FRESH, GapScope.KEPT_KV
+    kept = gap_scopes(rollouts, mask, trained_by=1, kv_kept=True)
+    assert kept.tolist() == [[C, C, K], [F, F, 0], [C, 0, C]]
+    redone = gap_scopes(rollouts, mask, trained_by=1)  # K/V recomputed: policy 1's tokens over its own
+    assert redone.tolist() == [[C, C, F], [F, F, 0], [C, 0, C]]
+    assert gap_scopes(rollouts, mask, trained_by=None).tolist() == [[C, C, C], [C, C, 0], [C, 0, C]]
+
+
 def test_bypass_mode_trains_against_the_samplers_own_log_probs(setup, tmp_path):
     metrics = run(
         setup,
@@ -575,3 +592,8 @@ def test_bypass_mode_trains_against_the_samplers_own_log_probs(setup, tmp_path):
     assert all("timing_s/old_log_prob" not in m for m in metrics)
     assert metrics[1]["training/first_minibatch_ppo_kl_to_rollout"] > 0.0
     assert all("training/first_minibatch_ppo_kl" not in m for m in metrics)
+    # the rollout/trainer gap is still measured, by the update's forward before its optimizer step,
+    # not read off pi_old (the sampler's own: zero by construction), as with it recomputed above
+    assert metrics[0]["training/rollout_probs_diff_fresh_mean"] < 1e-5  # step 1: every token fresh
+    assert min(m["training/rollout_probs_diff_mean"] for m in metrics[1:]) > 0.0002  # one update old
+    assert all("training/rollout_probs_diff_fresh_mean" not in m for m in metrics[1:])
