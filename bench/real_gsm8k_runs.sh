@@ -36,6 +36,11 @@ run dense_one_step $D --set trainer.async_mode=one_step $ASYNC
 # (streaming's engine pauses for the trainer since 2026-12-04; the fifth session's streaming figures were the
 # engine beside the trainer: rollout.pause_for_training=false)
 run dense_streaming $D --set trainer.async_mode=streaming --set rollout.max_staleness=1 $ASYNC
+# the pausing engine where it reached 1.5x on the long-tailed random workload (2026-12-05): four steps'
+# groups in one batch, K/V kept across updates; whether GSM8K's shorter tail leaves a gain, and what the
+# staleness costs in held-out accuracy
+run dense_streaming3 $D --set trainer.async_mode=streaming --set rollout.max_staleness=3 $ASYNC \
+  --set rollout.max_batch_sequences=1024 --set rollout.keep_kv_on_weight_update=true
 # #32: LoRA with the trainer on the engine's merged weights (the rollout gap grew 0.002 -> 0.054 without)
 run lora_merged --prompts 32 --steps 150 --test-freq 10 --lr 1e-5 --lora-rank 32 --set model.lora_alpha=64 \
   --set model.lora_merged_forward=true

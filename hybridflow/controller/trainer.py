@@ -17,7 +17,7 @@ from hybridflow.checkpoint import writes_checkpoints
 from hybridflow.config import Config, to_yaml
 from hybridflow.config.sections_run import due
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
-from hybridflow.controller.async_checks import max_staleness
+from hybridflow.controller.async_checks import engine_batch_note, max_staleness
 from hybridflow.controller.async_steps import admit, gap_scopes, open_stream, take_step
 from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
@@ -91,6 +91,8 @@ class RLTrainer:
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         if self.device.type == "cpu" and c.resources.num_workers == 1 and (note := use_free_cores()):
+            print(note, flush=True)
+        if note := engine_batch_note(c, on_gpu=self.device.type == "cuda"):
             print(note, flush=True)
         self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
         use_task_files(c)

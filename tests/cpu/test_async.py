@@ -597,3 +597,23 @@ def test_bypass_mode_trains_against_the_samplers_own_log_probs(setup, tmp_path):
     assert metrics[0]["training/rollout_probs_diff_fresh_mean"] < 1e-5  # step 1: every token fresh
     assert min(m["training/rollout_probs_diff_mean"] for m in metrics[1:]) > 0.0002  # one update old
     assert all("training/rollout_probs_diff_fresh_mean" not in m for m in metrics[1:])
+
+
+def test_a_pausing_engine_that_cannot_hold_what_admission_lets_in_says_what_to_raise():
+    """At staleness 3 a step's 256 sequences and the next three steps' are admitted together: an
+    engine batch of 256 would leave them waiting instead of beside the tail (the H200's 1.5x)."""
+    from hybridflow.config import load_config
+    from hybridflow.controller.async_checks import engine_batch_note
+
+    base = ["data.prompts_per_step=32", "rollout.samples_per_prompt=8", "trainer.async_mode=streaming"]
+    note = engine_batch_note(load_config(None, [*base, "rollout.max_staleness=3"]), on_gpu=True)
+    assert "rollout.max_batch_sequences=1024 lets" in note and "max_batch_sequences=256 of them" in note
+    half = engine_batch_note(load_config(None, [*base, "rollout.max_staleness=0.5"]), on_gpu=True)
+    assert "rollout.max_batch_sequences=384 lets" in half
+    for quiet, on_gpu in [
+        ([*base, "rollout.max_staleness=3", "rollout.max_batch_sequences=1024"], True),
+        ([*base, "rollout.max_staleness=3"], False),  # on a CPU decode is compute-bound: no gain to name
+        ([*base, "rollout.max_staleness=3", "rollout.pause_for_training=false"], True),
+        (["data.prompts_per_step=32", "rollout.samples_per_prompt=8"], True),  # synchronous
+    ]:
+        assert engine_batch_note(load_config(None, quiet), on_gpu=on_gpu) is None, quiet
