@@ -9,6 +9,7 @@
 # while the machine stays warm:
 #   RUNS="off pause2 pause2keep pause3" timeout 585 bash bench/async_pause_runs.sh
 #   RUNS="beside2 beside2keep pause3keep pause1" timeout 585 bash bench/async_pause_runs.sh
+# (and, owed: RUNS="off pause2b768 pause2keepb768" in a third)
 # Each run's report line is printed as it ends and its metrics.jsonl copied to $OUT/NAME/, so a run cut
 # by the call's limit still returns the ones before it. RUNS picks a subset (default: all, in order).
 # Figures of 2026-12-05 (pausing at staleness 3: 1.52x a steady step) in docs/benchmarks.md.
@@ -47,3 +48,7 @@ run beside2 --modes streaming_beside --staleness 2 $BYPASS
 run beside2keep --modes streaming_beside_keep --staleness 2 $BYPASS
 run pause3keep --modes streaming_keep --staleness 3 $BYPASS --set rollout.max_batch_sequences=1024
 run pause1 --modes streaming --staleness 1 $BYPASS
+# (2026-12-05: the staleness-2 runs above hold 512 of the 768 sequences their staleness admits, the
+# third step's groups waiting for room; these give the engine all of them)
+run pause2b768 --modes streaming --staleness 2 $BYPASS --set rollout.max_batch_sequences=768
+run pause2keepb768 --modes streaming_keep --staleness 2 $BYPASS --set rollout.max_batch_sequences=768
