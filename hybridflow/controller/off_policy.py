@@ -22,18 +22,18 @@ def needs_old_logprobs(c: Config, batch_size: int, *, stale: bool) -> bool:
 
 
 def set_old_logprobs(
-    c: Config, batch: TrainingBatch, recompute: Callable[[TrainingBatch], torch.Tensor], scopes: torch.Tensor
+    c: Config, batch: TrainingBatch, recompute: Callable[[TrainingBatch], torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Fills batch.old_logprobs (and importance_weights); returns the actor's loss mask [B, T] (the
     response mask less rejected tokens) and the correction's metrics, with the rollout/trainer gap
-    over `scopes` ([B, T] GapScope) where pi_old is recomputed."""
+    over batch.gap_scopes where pi_old is recomputed (in bypass mode the update's forward measures it)."""
     corr, mask = c.algorithm.rollout_correction, batch.response_mask
     if corr.bypass_mode:  # two policies: the PPO ratio is against the sampler itself
         batch.old_logprobs = batch.rollout_logprobs
-        batch.gap_scopes = scopes  # nothing recomputed: the update's first forward measures the gap
         return mask, {}
     batch.old_logprobs = recompute(batch)
-    metrics = scoped_probs_diff(batch.rollout_logprobs, batch.old_logprobs, scopes)
+    metrics = scoped_probs_diff(batch.rollout_logprobs, batch.old_logprobs, batch.gap_scopes)
+    batch.gap_scopes = None  # measured here: the update's forward need not again
     if not corr.enabled:
         return mask, metrics
     log_ratio = (batch.old_logprobs - batch.rollout_logprobs) * mask  # [B, T]

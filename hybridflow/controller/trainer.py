@@ -316,27 +316,23 @@ class RLTrainer:
                 mask,
                 rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
                 routed_experts=rollouts.routed_experts,
+                gap_scopes=gap_scopes(  # [B, T]: the gap metric each token counts in
+                    rollouts,
+                    mask,
+                    trained_by=self.step - 1 if max_staleness(c) > 0 else None,
+                    kv_kept=c.rollout.keep_kv_on_weight_update,
+                ),
             )
             if c.actor.router_replay == "R3":  # 1 unless the engine kept no routes for some samples
                 routes = rollouts.routed_experts or [None] * len(rollouts)
                 metrics["router_replay/recorded_fraction"] = sum(r is not None for r in routes) / len(routes)
             actor_mask = mask  # less the tokens a rollout correction rejects
-            scopes = gap_scopes(  # [B, T]: which rollout/trainer gap metrics each token counts in
-                rollouts,
-                mask,
-                trained_by=self.step - 1 if max_staleness(c) > 0 else None,  # None: all of it fresh
-                kv_kept=c.rollout.keep_kv_on_weight_update,
-            )
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
                 with contextlib.nullcontext() if bypass else timer("old_log_prob"):
                     recompute = self._old_logprobs_recording_routes if c.actor.router_replay == "R2" else None
-                    actor_mask, corrections = set_old_logprobs(
-                        c, batch, recompute or self.roles.log_probs, scopes
-                    )
+                    actor_mask, corrections = set_old_logprobs(c, batch, recompute or self.roles.log_probs)
                 metrics |= corrections
-            else:  # on-policy: the update's own forward is pi_old's, and measures the gap
-                batch.gap_scopes = scopes
             if c.actor.router_replay == "R2":  # one update on-policy: its own pass is pi_old's, none replayed
                 metrics["router_replay/recorded_fraction"] = float(batch.routed_experts is not None)
             if self.needs_ref:
