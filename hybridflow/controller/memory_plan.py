@@ -14,7 +14,8 @@ Per GPU, with W workers (FSDP2 shards the trained models W ways; the engine keep
              disaggregated (resources.rollout_workers), on a rollout GPU: the engine + its pool, and
              W counts the training GPUs only
   ref / old_log_prob   resident + a forward's logits chunks and one layer's temporaries
-  update_actor         resident + saved activations + the log-prob chunks' forward and backward
+  update_actor         resident + saved activations + the log-prob chunks' forward and backward + the
+                       LM head's backward (a bf16 copy of its weight, its fp32 gradient, a [V, H] product)
   update_weights       resident + one gathered layer
   (colocated with rollout.free_cache_engine=false, or an asynchronous run whose engine generates
   while the trainer works or keeps the K/V of its sequences in flight across updates: the KV pool
@@ -164,6 +165,12 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, tp: int = 
     return shape.layers * per_layer
 
 
+def head_backward_bytes(shape: ModelShape, tp: int = 1) -> float:
+    """The LM head's backward (models/native/logprobs.py) beside the saved activations: a bf16 copy
+    of the weight [V, H], its float32 gradient accumulator and one bf16 [V, H] product of a chunk."""
+    return (2 + 4 + 2) * shape.vocab * shape.hidden / tp
+
+
 def engine_bytes(shape: ModelShape) -> float:
     """The engine's whole copy: bf16 matmuls, an fp32 embedding, a bf16 LM head (a tied head gets a
     copy of its own; an untied one is a matmul)."""
@@ -255,6 +262,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         + max(
             _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing, tp)
             + logits
+            + head_backward_bytes(shape, tp)
             + (gathered + layer if c.actor.offload_params else 0.0),  # + a layer's gradients on their way out
             optimizer_for_update,
         ),

@@ -202,6 +202,6 @@ class _VocabParallel(torch.autograd.Function):
                 d_logits -= p * (z - mean_z[part, None]) * grad_entropy[part, None].float()
             d_logits = (d_logits * ctx.scale).to(h.dtype)
             grad_hidden[part] = d_logits @ w
-            grad_weight += (d_logits.T @ h).float()
+            grad_weight.add_(d_logits.T @ h)  # [V, H]: no float32 copy of the product
         dist.all_reduce(grad_hidden, group=ctx.group)  # every rank's columns add to d hidden
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None

@@ -13,6 +13,7 @@ from hybridflow.controller.memory_plan import (
     PLAN_SLACK,
     ModelShape,
     estimate,
+    head_backward_bytes,
     pool_tokens_beside_training,
 )
 from hybridflow.errors import UserError
@@ -208,10 +209,33 @@ def test_a_pool_beside_training_gets_what_training_leaves():
     assert apart_async.phases == apart_sync.phases and not apart_async.pool_capped
 
 
+# The real-model GSM8K run of bench/real_gsm8k_runs.sh on one H100 (2026-12-05): Qwen2.5-Coder-1.5B-Instruct
+# from its GGUF has an untied LM head (1.78B parameters). Synchronously its update peaked at 68.1 GiB
+# (torch.cuda.max_memory_allocated); streaming with the K/V kept beside the update, the pool the plan gave it
+# (365,397 tokens) ran the update out of memory: the plan had missed the LM head's backward (a bf16 copy of
+# the weight, its float32 gradient, a [V, H] product; a float32 copy of that product is gone since).
+GSM8K = ["data.prompts_per_step=32", "rollout.samples_per_prompt=8", "data.max_response_tokens=512",
+         "actor.sequences_per_update=256", "trainer.async_mode=streaming", "rollout.max_staleness=3",
+         "rollout.max_batch_sequences=1024", "rollout.keep_kv_on_weight_update=true",
+         "algorithm.rollout_correction.bypass_mode=true"]  # fmt: skip
+H100 = 81559 * 2**20  # nvidia-smi's total for one H100 80GB HBM3
+ALLOCATOR_SLACK = GIB  # the allocator's cached, unallocated blocks beside the context (0.27 GiB in that run)
+
+
+def test_the_pool_kept_beside_the_update_leaves_room_for_the_update_measured_on_an_h100():
+    shape = _shape(**dict(QWEN_15B, tie_word_embeddings=False))
+    plan = estimate(load_config("gsm8k_grpo", GSM8K), shape, gpu_bytes=H100, workers=1)
+    synchronous = estimate(load_config("gsm8k_grpo", GSM8K[:4]), shape, gpu_bytes=H100, workers=1)
+    assert (synchronous.phases["update_actor"] - CUDA_CONTEXT) / GIB == pytest.approx(68.1, rel=0.03)
+    pool = plan.kv_tokens * shape.kv_bytes_per_token()
+    assert plan.pool_capped and plan.kv_tokens < 365_397
+    assert 68.1 * GIB + pool + CUDA_CONTEXT + ALLOCATOR_SLACK <= H100
+
+
 def test_a_pool_beside_training_with_no_room_for_one_sequence_stops_the_run():
     shape = _shape(**QWEN_05B)
     config = load_config(
-        None, [*LONG, "trainer.async_mode=one_step", "actor.max_tokens_per_microbatch=85000"]
+        None, [*LONG, "trainer.async_mode=one_step", "actor.max_tokens_per_microbatch=84000"]
     )
     plan = estimate(config, shape, gpu_bytes=H200, workers=1)
     assert plan.kv_tokens == 0 and plan.fits()  # the update alone takes what the slack leaves
@@ -253,7 +277,7 @@ def test_moe_activations_count_the_active_experts():
 def test_tensor_parallelism_splits_the_channels_activations_and_the_logits():
     """Two GPUs either way: FSDP over both, or one tensor-parallel pair (FSDP over one group); the
     same resident shards, and in the update each rank keeps half the intermediate channels' saved
-    activations and half the vocabulary's logits."""
+    activations and half the vocabulary's logits and LM-head gradient."""
     shape = _shape(**QWEN_15B)
     fsdp = estimate(load_config(None, BENCH), shape, gpu_bytes=H200, workers=2)
     tp = estimate(
@@ -263,4 +287,5 @@ def test_tensor_parallelism_splits_the_channels_activations_and_the_logits():
     tokens = load_config(None, BENCH).actor.max_tokens_per_microbatch
     saved = shape.layers * ACTIVATION_BYTES * shape.intermediate / 2 * tokens
     logits = 2 * LOGPROB_CHUNK * shape.vocab / 2 * 2
-    assert tp.phases["update_actor"] == pytest.approx(fsdp.phases["update_actor"] - saved - logits)
+    head = head_backward_bytes(shape) / 2  # the LM head's backward over half the vocabulary
+    assert tp.phases["update_actor"] == pytest.approx(fsdp.phases["update_actor"] - saved - logits - head)

@@ -74,7 +74,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[s : s + ctx.chunk] = d_logits @ w
             if grad_weight is not None:
-                grad_weight += (d_logits.T @ h).float()
+                grad_weight.add_(d_logits.T @ h)  # [V, H]: no float32 copy of the product
         return (
             grad_hidden,
             (grad_weight.to(weight.dtype) if grad_weight is not None else None),
