@@ -41,6 +41,8 @@ run dense_streaming $D --set trainer.async_mode=streaming --set rollout.max_stal
 # staleness costs in held-out accuracy
 run dense_streaming3 $D --set trainer.async_mode=streaming --set rollout.max_staleness=3 $ASYNC \
   --set rollout.max_batch_sequences=1024 --set rollout.keep_kv_on_weight_update=true
+# (2026-12-05, one H100: without the K/V kept, which ran out of memory before the memory plan counted the LM head's
+# backward: 1.21x less training time over 20 steps than dense_off, the same held-out accuracy later; docs/benchmarks.md)
 # #32: LoRA with the trainer on the engine's merged weights (the rollout gap grew 0.002 -> 0.054 without)
 run lora_merged --prompts 32 --steps 150 --test-freq 10 --lr 1e-5 --lora-rank 32 --set model.lora_alpha=64 \
   --set model.lora_merged_forward=true
