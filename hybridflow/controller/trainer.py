@@ -25,6 +25,7 @@ from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics
 from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
+from hybridflow.controller.out_of_memory import RanOutOfMemory, out_of_memory_line
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
@@ -216,11 +217,14 @@ class RLTrainer:
                 else "no checkpoint was written yet: the same command starts over"
             )
             raise WorkerError(f"{e}\n{where}") from e
-        except BaseException:
+        except BaseException as e:
             self.run_lock.release()
             if self.stream is not None:  # its thread stops generating for a run that ended
                 with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
                     self.stream.close()
+            if isinstance(e, torch.OutOfMemoryError):
+                where, phase = self.watchdog.failed or (f"step {self.step}", None)
+                raise RanOutOfMemory(out_of_memory_line(c, where, phase, e)) from e
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()

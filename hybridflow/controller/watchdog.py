@@ -35,6 +35,7 @@ class Watchdog:
         self._phases: list[tuple[str, float]] = []  # the phases open now, outermost first
         self._lock = threading.Lock()
         self._fired: str | None = None
+        self.failed: tuple[str, str] | None = None  # where the first error left a phase, and its name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
@@ -64,6 +65,11 @@ class Watchdog:
             self._phases.append((name, time.monotonic()))
         try:
             yield
+        except BaseException:
+            with self._lock:
+                if self.failed is None:  # the innermost phase: the first to see the error
+                    self.failed = (self._describe(), name)
+            raise
         finally:
             with self._lock:
                 self._phases.pop()

@@ -1,0 +1,72 @@
+"""A GPU out of memory mid-run is one line naming the step, the phase, what the plan expected of it and
+what to change; the watchdog remembers the phase the error left."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from hybridflow.config import load_config
+from hybridflow.controller.memory_plan import GIB, plan_for
+from hybridflow.controller.out_of_memory import out_of_memory_line
+from hybridflow.controller.watchdog import Watchdog
+
+# torch's message in the H100 run of 2026-12-05 (docs/benchmarks.md: the pool kept beside the update)
+TORCH_SAID = (
+    "CUDA out of memory. Tried to allocate 892.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+    "800.19 MiB is free. Including non-PyTorch memory, this process has 78.39 GiB memory in use."
+)
+OOM = torch.OutOfMemoryError(TORCH_SAID)
+STREAMING = ["data.prompts_per_step=32", "rollout.samples_per_prompt=8", "data.max_response_tokens=512",
+             "trainer.async_mode=streaming", "rollout.max_staleness=3", "rollout.max_batch_sequences=1024",
+             "rollout.keep_kv_on_weight_update=true"]  # fmt: skip
+
+
+@pytest.fixture
+def untied_1_5b(tmp_path):
+    """Qwen2.5-Coder-1.5B-Instruct's shape as its GGUF converts (an untied LM head): a config alone."""
+    AutoConfig.for_model(
+        "qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=32768,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    return str(tmp_path)
+
+
+def test_the_watchdog_remembers_the_innermost_phase_an_error_left(tmp_path):
+    with Watchdog(0, tmp_path) as dog:
+        dog.step = 2
+        with pytest.raises(RuntimeError), dog.phase("step"), dog.phase("update_actor"):
+            raise RuntimeError("out of memory")
+        with pytest.raises(RuntimeError), dog.phase("gen"):
+            raise RuntimeError("a second error")
+    assert dog.failed == ("step 2: phase update_actor (in step)", "update_actor")
+
+
+def test_an_update_out_of_memory_beside_a_kept_pool_names_the_pool_and_the_micro_batch(untied_1_5b):
+    config = load_config("gsm8k_grpo", [f"model.path={untied_1_5b}", *STREAMING])
+    plan = plan_for(config)
+    line = out_of_memory_line(config, "step 2: phase update_actor (in step)", "update_actor", OOM)
+    assert "\n" not in line
+    assert line.startswith(
+        "step 2: phase update_actor (in step): the GPU ran out of memory (892.00 MiB asked with 800.19 MiB "
+        f"free of 79.18 GiB); the memory plan put update_actor at {plan.phases['update_actor'] / GIB:.1f} GiB "
+        f"of {plan.gpu_bytes / GIB:.1f} with the KV pool ({plan.kv_tokens:,} tokens) kept beside it: set "
+        f"rollout.kv_cache_tokens below {plan.kv_tokens:,} or actor.max_tokens_per_microbatch below 8192 or "
+        "model.enable_gradient_checkpointing=true"
+    ), line
+    assert line.endswith("(`hybridflow plan` shows each phase; --debug shows the traceback)")
+
+
+def test_generation_out_of_memory_names_the_engines_settings(untied_1_5b):
+    config = load_config("gsm8k_grpo", [f"model.path={untied_1_5b}", "rollout.gpu_memory_utilization=0.9"])
+    line = out_of_memory_line(config, "step 0: phase validation", "validation", OOM)
+    assert ": set rollout.gpu_memory_utilization below 0.9 or rollout.max_batch_sequences below 256 (" in line
+    assert "KV pool" not in line and "the memory plan put gen at" in line
+
+
+def test_a_model_without_a_plan_still_gets_where_and_what_to_lower(tmp_path):
+    config = load_config("gsm8k_grpo", [f"model.path={tmp_path / 'missing'}"])
+    line = out_of_memory_line(config, "step 5: phase ref (in step)", "ref", RuntimeError(TORCH_SAID))
+    assert "no memory plan for this model" in line
+    assert (
+        "set ref.max_tokens_per_microbatch below 16384 or actor.max_tokens_per_microbatch below 8192" in line
+    )
