@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from hybridflow.config.schema import Config
 from hybridflow.controller.memory_plan import plan_for, pool_beside_training
+from hybridflow.controller.ray_worker_group import WorkerError
+from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.errors import UserError
 
@@ -22,6 +26,20 @@ PLAN_PHASE = {
 
 class RanOutOfMemory(UserError):
     """The GPU ran out of memory in a phase of a step: one line, exit code 2."""
+
+
+def ran_out_of_memory(
+    config: Config, watchdog: Watchdog, step: int, error: BaseException
+) -> RanOutOfMemory | None:
+    """The one-line error for `error` if it is a GPU out of memory (here, or in a Ray worker, whose
+    WorkerError carries the worker's traceback: a restart would run out again), else None."""
+    remote = isinstance(error, WorkerError) and "OutOfMemoryError: CUDA out of memory" in str(error)
+    if not (isinstance(error, torch.OutOfMemoryError) or remote):
+        return None
+    where, phase = watchdog.failed or (f"step {step}", None)
+    if remote:
+        where += f", {str(error).split(chr(10))[0].removesuffix(':')}"  # 'worker rank 1 raised'
+    return RanOutOfMemory(out_of_memory_line(config, where, phase, error))
 
 
 def out_of_memory_line(config: Config, where: str, phase: str | None, error: BaseException) -> str:

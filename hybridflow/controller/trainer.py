@@ -25,7 +25,7 @@ from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics
 from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
-from hybridflow.controller.out_of_memory import RanOutOfMemory, out_of_memory_line
+from hybridflow.controller.out_of_memory import ran_out_of_memory
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
@@ -211,6 +211,8 @@ class RLTrainer:
             self.watchdog = Watchdog(0, self.run_dir)  # off between fits (evaluate, save)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
             self.run_lock.release()  # the same command (in this process too) must find it free
+            if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
+                raise oom from e
             where = (
                 f"the latest complete checkpoint is {self.last_checkpoint}; the same command resumes from it"
                 if self.last_checkpoint is not None
@@ -222,9 +224,8 @@ class RLTrainer:
             if self.stream is not None:  # its thread stops generating for a run that ended
                 with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
                     self.stream.close()
-            if isinstance(e, torch.OutOfMemoryError):
-                where, phase = self.watchdog.failed or (f"step {self.step}", None)
-                raise RanOutOfMemory(out_of_memory_line(c, where, phase, e)) from e
+            if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
+                raise oom from e
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()

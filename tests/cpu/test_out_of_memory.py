@@ -7,8 +7,10 @@ from transformers import AutoConfig
 
 from hybridflow.config import load_config
 from hybridflow.controller.memory_plan import GIB, plan_for
-from hybridflow.controller.out_of_memory import out_of_memory_line
+from hybridflow.controller.out_of_memory import out_of_memory_line, ran_out_of_memory
+from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.watchdog import Watchdog
+from hybridflow.errors import UserError
 
 # torch's message in the H100 run of 2026-12-05 (docs/benchmarks.md: the pool kept beside the update)
 TORCH_SAID = (
@@ -70,3 +72,26 @@ def test_a_model_without_a_plan_still_gets_where_and_what_to_lower(tmp_path):
     assert (
         "set ref.max_tokens_per_microbatch below 16384 or actor.max_tokens_per_microbatch below 8192" in line
     )
+
+
+def test_an_out_of_memory_here_or_in_a_ray_worker_becomes_the_line_and_other_errors_stay(
+    untied_1_5b, tmp_path
+):
+    config = load_config("gsm8k_grpo", [f"model.path={untied_1_5b}"])
+    with Watchdog(0, tmp_path) as dog:
+        dog.step = 3
+        with pytest.raises(torch.OutOfMemoryError), dog.phase("step"), dog.phase("ref"):
+            raise OOM
+    here = ran_out_of_memory(config, dog, 3, OOM)
+    assert isinstance(here, UserError) and str(here).startswith(
+        "step 3: phase ref (in step): the GPU ran out"
+    )
+    remote = WorkerError(
+        f"worker rank 1 raised:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: {TORCH_SAID}"
+    )
+    there = ran_out_of_memory(config, dog, 3, remote)
+    assert str(there).startswith(
+        "step 3: phase ref (in step), worker rank 1 raised: the GPU ran out of memory (892.00 MiB asked"
+    )
+    assert ran_out_of_memory(config, dog, 3, WorkerError("worker rank 1 raised:\nValueError: x")) is None
+    assert ran_out_of_memory(config, dog, 3, RuntimeError("CUDA error: an illegal memory access")) is None
