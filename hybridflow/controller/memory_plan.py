@@ -165,10 +165,11 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, tp: int = 
     return shape.layers * per_layer
 
 
-def head_backward_bytes(shape: ModelShape, tp: int = 1) -> float:
+def head_backward_bytes(shape: ModelShape, tp: int = 1, master: int = 4) -> float:
     """The LM head's backward (models/native/logprobs.py) beside the saved activations: a bf16 copy
-    of the weight [V, H], its float32 gradient accumulator and one bf16 [V, H] product of a chunk."""
-    return (2 + 4 + 2) * shape.vocab * shape.hidden / tp
+    of the weight [V, H] (none when the weights are bf16 already: `master` bytes a parameter), its
+    float32 gradient accumulator and one bf16 [V, H] product of a chunk."""
+    return ((2 if master != 2 else 0) + 4 + 2) * shape.vocab * shape.hidden / tp
 
 
 def engine_bytes(shape: ModelShape) -> float:
@@ -262,7 +263,7 @@ def estimate(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int)
         + max(
             _activations(shape, c.actor.max_tokens_per_microbatch, c.model.enable_gradient_checkpointing, tp)
             + logits
-            + head_backward_bytes(shape, tp)
+            + head_backward_bytes(shape, tp, master)
             + (gathered + layer if c.actor.offload_params else 0.0),  # + a layer's gradients on their way out
             optimizer_for_update,
         ),

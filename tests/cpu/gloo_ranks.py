@@ -4,8 +4,12 @@ Rank 0 hosts the TCPStore. Had it exited as soon as its own group was gone, a ra
 destroy_process_group could lose its peer's sockets and store mid-teardown (a rare SIGABRT, "terminate
 called without an active exception", of a test that had passed). Here every rank reports its
 teardown to the store, and rank 0 leaves only once all have: with a deadline, so a rank that died
-does not hold the test (mp.spawn reports that rank's error)."""
+does not hold the test (mp.spawn reports that rank's error). A rank whose body and teardown went
+through then exits at once (os._exit), so that no destructor at the interpreter's exit can abort it.
+Only spawned ranks use this."""
 
+import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,3 +38,9 @@ def gloo_group(rank: int, world: int, port: int, timeout_s: float = 300.0) -> It
         deadline = time.monotonic() + timeout_s
         while rank == 0 and store.add("torn_down", 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
+    # the body and the teardown went through: the rank leaves now. At the interpreter's exit C++
+    # destructors could still abort on a thread left joinable (the same SIGABRT, seen again on
+    # 2026-12-05 in test_sharded_load after its ranks had torn down); mp.spawn reads exit code 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

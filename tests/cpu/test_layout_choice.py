@@ -52,18 +52,24 @@ def test_the_micro_batch_shrinks_first_to_the_largest_that_fits():
 
 def test_tensor_parallelism_is_chosen_where_the_logits_overflow():
     """FSDP2 already shards weights, gradients and Adam over all 8 workers; what tensor parallelism
-    splits further is the logits (vocabulary / tp) and the MLP channels: splitting the engine alone
-    (its copy of a million-row vocabulary) is not enough on 12 GiB."""
+    splits further is the logits and the LM head's backward (vocabulary / tp) and the MLP channels:
+    splitting the engine alone (its copy of a million-row vocabulary) is not enough on 12 GiB, nor is
+    a split in two (the head's backward alone holds 8 x 10^6 x 896 bytes / 2 = 3.3 GiB)."""
     shape, gpu = _shape(**BIG_VOCAB), 12 * GIB
     choice = choose_layout(load_config(None, FP32), shape, gpu_bytes=gpu, workers=8)
-    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 2,
-                               "rollout.tensor_parallel_size": 2}  # fmt: skip
+    assert choice.settings == {"model.enable_gradient_checkpointing": True, "actor.tensor_parallel_size": 4,
+                               "rollout.tensor_parallel_size": 4}  # fmt: skip
+    assert "tried first: tensor parallel 2 (the engine too): update_actor 14.3 GiB" in choice.report()
     assert [t.split(":")[0] for t in choice.tried] == [
-        "as configured", "gradient checkpointing", "the engine split over 2", "the engine split over 4"]  # fmt: skip
+        "as configured", "gradient checkpointing", "the engine split over 2", "the engine split over 4",
+        "tensor parallel 2 (the engine too)"]  # fmt: skip
     checkpointed = load_config(None, [*FP32, "model.enable_gradient_checkpointing=true"])
     assert not _fits(checkpointed, shape, gpu, 8)
+    assert not _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
+                                        "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2"]), shape, gpu,
+                     8)  # fmt: skip
     assert _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
-                                    "actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2"]), shape, gpu,
+                                    "actor.tensor_parallel_size=4", "rollout.tensor_parallel_size=4"]), shape, gpu,
                  8)  # fmt: skip
     assert not _fits(load_config(None, [*FP32, "model.enable_gradient_checkpointing=true",
                                         "rollout.tensor_parallel_size=4"]), shape, gpu, 8)  # fmt: skip
@@ -135,11 +141,12 @@ def test_a_32b_model_loads_on_eight_h200s_from_safetensors_read_shard_by_shard(t
     """From a transformers directory in safetensors each rank reads only its shards of the policy, the
     reference and the critic (parallel/sharded_load.py): the load holds the engine's whole copy and
     shards — GRPO 78.7 GiB, PPO 86.2, against 185.5 loaded whole — and both fit with checkpointing and
-    the engine split."""
+    the engine split; PPO, its critic beside, also with a smaller micro-batch (room for the LM head's
+    backward: 6 x 152,064 x 5,120 bytes in bf16)."""
     tiny_model("qwen2", seed=0).save_pretrained(tmp_path / "m")  # the planner reads the format, not the shape
     shape = _shape(**QWEN_32B)
     base = ["model.dtype=bfloat16", f"model.path={tmp_path / 'm'}"]
-    for extra, load, split in (([], 78.7, 2), (["algorithm.adv_estimator=gae"], 86.2, 4)):
+    for extra, load, split, micro in (([], 78.7, 2, {}), (["algorithm.adv_estimator=gae"], 86.2, 4, 7168)):
         config = load_config("gsm8k_grpo", [*base, *extra])
         assert estimate(config, shape, gpu_bytes=H200, workers=8).phases["load"] / GIB == pytest.approx(
             load, abs=0.05
@@ -148,6 +155,7 @@ def test_a_32b_model_loads_on_eight_h200s_from_safetensors_read_shard_by_shard(t
         assert choice.settings == {
             "model.enable_gradient_checkpointing": True,
             "rollout.tensor_parallel_size": split,
+            **({"actor.max_tokens_per_microbatch": micro} if micro else {}),
         }
 
 
