@@ -55,6 +55,9 @@ def out_of_memory_line(config: Config, where: str, phase: str | None, error: Bas
         workers = max(plan.workers, 1)
         if planned in plan.phases:
             expected = f"; the memory plan put {planned} at {plan.phases[planned] / GIB:.1f} GiB of {plan.gpu_bytes / GIB:.1f}"
+            if plan.phases[planned] > plan.gpu_bytes and plan.suggestions:  # it said so at the start
+                settings = [s.split(" (")[0] for s in plan.suggestions if re.match(r"[\w.]+=\S", s)]
+                fixes = settings or fixes
         if pool_beside_training(config, WorkerLayout.of(config, workers)) and planned != "gen":
             expected += f" with the KV pool ({plan.kv_tokens:,} tokens) kept beside it"
             fixes.insert(0, f"rollout.kv_cache_tokens below {plan.kv_tokens:,}")

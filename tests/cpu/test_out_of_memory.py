@@ -95,3 +95,19 @@ def test_an_out_of_memory_here_or_in_a_ray_worker_becomes_the_line_and_other_err
     )
     assert ran_out_of_memory(config, dog, 3, WorkerError("worker rank 1 raised:\nValueError: x")) is None
     assert ran_out_of_memory(config, dog, 3, RuntimeError("CUDA error: an illegal memory access")) is None
+
+
+def test_a_phase_the_plan_knew_would_not_fit_gets_the_plans_own_settings(untied_1_5b):
+    """A run of 2026-12-05 on an H200: 512 x 2,048 tokens in one micro-batch ran the update out of memory;
+    the plan had said so at the start, with the micro-batch that fits."""
+    config = load_config(
+        "demo_arithmetic_grpo",
+        [f"model.path={untied_1_5b}", "data.max_response_tokens=2048", "data.prompts_per_step=64",
+         "rollout.samples_per_prompt=8", "actor.max_tokens_per_microbatch=1048576"],
+    )  # fmt: skip
+    plan = plan_for(config)
+    (micro,) = [
+        s.split(" (")[0] for s in plan.suggestions if s.startswith("actor.max_tokens_per_microbatch=")
+    ]
+    line = out_of_memory_line(config, "step 1: phase update_actor (in step)", "update_actor", OOM)
+    assert f"of {plan.gpu_bytes / GIB:.1f}: set {micro} or model.enable_gradient_checkpointing=true (" in line
