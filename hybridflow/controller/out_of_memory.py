@@ -36,7 +36,8 @@ def ran_out_of_memory(
     remote = isinstance(error, WorkerError) and "OutOfMemoryError: CUDA out of memory" in str(error)
     if not (isinstance(error, torch.OutOfMemoryError) or remote):
         return None
-    where, phase = watchdog.failed or (f"step {step}", None)
+    failed = watchdog.failed
+    where, phase = failed[:2] if failed and failed[2] == id(error) else (f"step {step}", None)
     if remote:
         where += f", {str(error).split(chr(10))[0].removesuffix(':')}"  # 'worker rank 1 raised'
     return RanOutOfMemory(out_of_memory_line(config, where, phase, error))

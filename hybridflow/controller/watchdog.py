@@ -35,7 +35,9 @@ class Watchdog:
         self._phases: list[tuple[str, float]] = []  # the phases open now, outermost first
         self._lock = threading.Lock()
         self._fired: str | None = None
-        self.failed: tuple[str, str] | None = None  # where the first error left a phase, and its name
+        # where the latest error left a phase, the phase's name and id(error) (not the error: its frames
+        # would keep their tensors alive in a run that goes on)
+        self.failed: tuple[str, str, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
@@ -65,10 +67,10 @@ class Watchdog:
             self._phases.append((name, time.monotonic()))
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             with self._lock:
-                if self.failed is None:  # the innermost phase: the first to see the error
-                    self.failed = (self._describe(), name)
+                if self.failed is None or self.failed[2] != id(e):  # the innermost phase sees it first
+                    self.failed = (self._describe(), name, id(e))
             raise
         finally:
             with self._lock:

@@ -36,11 +36,13 @@ def untied_1_5b(tmp_path):
 def test_the_watchdog_remembers_the_innermost_phase_an_error_left(tmp_path):
     with Watchdog(0, tmp_path) as dog:
         dog.step = 2
+        error = RuntimeError("out of memory")
         with pytest.raises(RuntimeError), dog.phase("step"), dog.phase("update_actor"):
-            raise RuntimeError("out of memory")
-        with pytest.raises(RuntimeError), dog.phase("gen"):
-            raise RuntimeError("a second error")
-    assert dog.failed == ("step 2: phase update_actor (in step)", "update_actor")
+            raise error
+        assert dog.failed == ("step 2: phase update_actor (in step)", "update_actor", id(error))
+        with pytest.raises(RuntimeError), dog.phase("validation"):
+            raise RuntimeError("a later error")
+    assert dog.failed[:2] == ("step 2: phase validation", "validation")
 
 
 def test_an_update_out_of_memory_beside_a_kept_pool_names_the_pool_and_the_micro_batch(untied_1_5b):
@@ -78,20 +80,25 @@ def test_an_out_of_memory_here_or_in_a_ray_worker_becomes_the_line_and_other_err
     untied_1_5b, tmp_path
 ):
     config = load_config("gsm8k_grpo", [f"model.path={untied_1_5b}"])
+    remote = WorkerError(
+        f"worker rank 1 raised:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: {TORCH_SAID}"
+    )
     with Watchdog(0, tmp_path) as dog:
         dog.step = 3
         with pytest.raises(torch.OutOfMemoryError), dog.phase("step"), dog.phase("ref"):
             raise OOM
-    here = ran_out_of_memory(config, dog, 3, OOM)
+        here = ran_out_of_memory(config, dog, 3, OOM)
+        # an error that left no phase (an earlier error's phase is not its own) is placed by its step alone
+        elsewhere = ran_out_of_memory(config, dog, 4, torch.OutOfMemoryError(TORCH_SAID))
+        with pytest.raises(WorkerError), dog.phase("step"), dog.phase("update_actor"):
+            raise remote
+        there = ran_out_of_memory(config, dog, 3, remote)
     assert isinstance(here, UserError) and str(here).startswith(
         "step 3: phase ref (in step): the GPU ran out"
     )
-    remote = WorkerError(
-        f"worker rank 1 raised:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: {TORCH_SAID}"
-    )
-    there = ran_out_of_memory(config, dog, 3, remote)
+    assert str(elsewhere).startswith("step 4: the GPU ran out of memory (892.00 MiB asked")
     assert str(there).startswith(
-        "step 3: phase ref (in step), worker rank 1 raised: the GPU ran out of memory (892.00 MiB asked"
+        "step 3: phase update_actor (in step), worker rank 1 raised: the GPU ran out of memory (892.00 MiB asked"
     )
     assert ran_out_of_memory(config, dog, 3, WorkerError("worker rank 1 raised:\nValueError: x")) is None
     assert ran_out_of_memory(config, dog, 3, RuntimeError("CUDA error: an illegal memory access")) is None
