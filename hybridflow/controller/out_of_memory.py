@@ -9,13 +9,12 @@ import re
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.memory_plan import plan_for, pool_beside_training
+from hybridflow.controller.memory_plan import GIB, plan_for, pool_beside_training
 from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.errors import UserError
 
-GIB = 2**30
 # the trainer's phase names -> the memory plan's
 PLAN_PHASE = {
     "gen": "gen", "validation": "gen", "old_log_prob": "ref/old_log_prob", "ref": "ref/old_log_prob",
@@ -51,6 +50,10 @@ def out_of_memory_line(config: Config, where: str, phase: str | None, error: Bas
     device = f"{said[1]} asked with {said[3]} free of {said[2]}" if said else str(error).split("\n")[0][:200]
     planned = PLAN_PHASE.get(phase or "")
     expected, fixes = "", _fixes(config, planned)
+    if phase == "reward":  # a reward model's forward: no phase of the plan
+        fixes = [
+            f"reward.model_max_tokens_per_microbatch below {config.reward.model_max_tokens_per_microbatch}"
+        ]
     try:
         plan = plan_for(config)
         workers = max(plan.workers, 1)

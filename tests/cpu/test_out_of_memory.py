@@ -118,3 +118,9 @@ def test_a_phase_the_plan_knew_would_not_fit_gets_the_plans_own_settings(untied_
     ]
     line = out_of_memory_line(config, "step 1: phase update_actor (in step)", "update_actor", OOM)
     assert f"of {plan.gpu_bytes / GIB:.1f}: set {micro} or model.enable_gradient_checkpointing=true (" in line
+
+
+def test_a_reward_models_forward_out_of_memory_names_its_micro_batch(untied_1_5b):
+    config = load_config("gsm8k_grpo", [f"model.path={untied_1_5b}"])
+    line = out_of_memory_line(config, "step 1: phase reward (in step > gen)", "reward", OOM)
+    assert ": set reward.model_max_tokens_per_microbatch below 8192 (" in line
