@@ -216,8 +216,16 @@ def cmd_offline(args: argparse.Namespace) -> None:
     from hybridflow.config.loader import resolve_config
 
     trainer = {"sft": offline.SFTTrainer, "dpo": offline.DPOTrainer, "kto": offline.KTOTrainer}[args.command]
+    recipe, overrides = _recipe_and_overrides(args)
+    if recipe is None and not overrides:
+        raise UserError(
+            f"hybridflow {args.command}: give a recipe (e.g. arithmetic_sft) or key=value settings "
+            "(at least data.train_files=...)"
+        )
     resolved = resolve_config(
-        args.recipe, [*args.overrides, *(("trainer.progress=false",) if args.quiet else ())]
+        recipe,
+        [*overrides, *(("trainer.progress=false",) if args.quiet else ())],
+        command=args.command,
     )
     _announce(resolved)
     trainer(resolved.config, overwrite=args.overwrite).fit()
@@ -342,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("kto", "KTO on completions labelled desirable or not (prompt/completion/label rows)"),
     ):
         offline = sub.add_parser(name, help=about)
-        offline.add_argument("recipe", help="recipe YAML (or built-in recipe name, e.g. arithmetic_sft)")
+        offline.add_argument(
+            "recipe", nargs="?", help="recipe YAML (or built-in recipe name, e.g. arithmetic_sft); or none"
+        )
         offline.add_argument(
             "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=10"
         )

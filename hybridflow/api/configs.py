@@ -132,11 +132,18 @@ class RLConfig(metaclass=_NamesChecked):
     notes: ClassVar[list[str]] = []
     KL_IN_REWARD: ClassVar[bool] = False
     """Where kl_coef goes: a KL penalty in the reward (PPO) or a KL loss on the actor (GRPO family)."""
+    TRL_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    """For the classes named as TRL's (GRPOConfig, RLOOConfig): TRL's defaults (trl 1.16) for what
+    the caller leaves unset, with no recipe given; see `trl_default_settings`."""
 
     def settings(self) -> dict[str, Any]:
-        """The nested settings: the preset, then the sections, then the flat fields."""
+        """The nested settings: the preset (and TRL's defaults), then the sections, then the flat fields."""
         tree: dict[str, Any] = {}
         _merge(tree, self.PRESET)
+        trl_default_notes = []
+        if self.TRL_DEFAULTS and self.recipe is None:
+            defaults, trl_default_notes = trl_default_settings(self)
+            _merge(tree, defaults)
         _merge(tree, {name: getattr(self, name) for name in SECTIONS if getattr(self, name)})
         flat = {
             "trainer.run_dir": self.output_dir,
@@ -163,7 +170,8 @@ class RLConfig(metaclass=_NamesChecked):
         samples = (
             _dig(tree, "rollout.samples_per_prompt") or _dig(self.PRESET, "rollout.samples_per_prompt") or 4
         )
-        trl, self.notes = trl_settings(self, samples)
+        trl, notes = trl_settings(self, samples)
+        self.notes = [*trl_default_notes, *notes]
         for key, value in trl.items():
             _merge(tree, _nest(key, value))
         return tree
@@ -184,6 +192,88 @@ class RLConfig(metaclass=_NamesChecked):
 
     def to_config(self) -> Config:
         return load_config(self.recipe, self.overrides, settings=self.settings())
+
+
+# TRL's fields and ours that say the same thing: a default of TRL's applies only when none is given
+_TWINS = {
+    "num_generations": ("samples_per_prompt",),
+    "per_device_train_batch_size": (
+        "prompts_per_step", "batch_size", "generation_batch_size", "steps_per_generation",
+        "gradient_accumulation_steps",
+    ),
+    "max_completion_length": ("max_response_tokens", "max_new_tokens"),
+    "beta": ("kl_coef",),
+}  # fmt: skip
+# how each TRL default reads in our keys (the KL term is the class's own: see trl_default_settings)
+_TRL_KEYS = {
+    "max_completion_length": "data.max_response_tokens",
+    "learning_rate": "actor.optim.lr",
+    "num_train_epochs": "trainer.total_epochs",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "weight_decay": "actor.optim.weight_decay",
+    "max_grad_norm": "actor.optim.grad_clip",
+    "warmup_ratio": "actor.optim.warmup_ratio",
+    "num_iterations": "actor.ppo_epochs",
+    "shuffle_dataset": "data.shuffle",
+}
+# where hybridflow keeps its own default on purpose (said at start)
+DELIBERATE = (
+    "bf16 (TRL: on where supported): hybridflow computes in actor.compute_dtype, the device's fast dtype "
+    "(float32 on CPU); gradient_checkpointing (TRL: on): off unless asked, it changes memory, not results; "
+    "logging_steps (TRL: 10): every step is logged"
+)
+
+
+def trl_default_settings(args: RLConfig) -> tuple[dict[str, Any], list[str]]:
+    """TRL's defaults as a settings tree, for every TRL field that `args` leaves unset (its sections
+    and flat fields, merged later, still win), and the note that says where hybridflow differs."""
+    d = args.TRL_DEFAULTS
+    unset = lambda name: (
+        getattr(args, name) is None
+        and all(  # noqa: E731
+            getattr(args, twin) is None for twin in _TWINS.get(name, ())
+        )
+    )
+    tree: dict[str, Any] = {}
+    for name, key in _TRL_KEYS.items():
+        if name in d and unset(name):
+            _merge(tree, _nest(key, d[name]))
+    if unset("num_generations"):
+        _merge(tree, _nest("rollout.samples_per_prompt", d["num_generations"]))
+    samples = (
+        args.num_generations
+        or args.samples_per_prompt
+        or _dig(args.rollout, "samples_per_prompt")
+        or d["num_generations"]
+    )
+    if unset("per_device_train_batch_size") and _dig(args.data, "prompts_per_step") is None:
+        # one optimizer update per generation of per_device_train_batch_size completions (one device)
+        _merge(tree, _nest("data.prompts_per_step", max(1, d["per_device_train_batch_size"] // samples)))
+    if unset("epsilon"):
+        _merge(tree, {"actor": {"clip_ratio_low": d["epsilon"], "clip_ratio_high": d["epsilon"]}})
+    if unset("top_k"):
+        _merge(tree, _nest("rollout.top_k", -1))  # TRL's 0: no top-k
+    if unset("lr_scheduler_type"):
+        _merge(tree, _nest("actor.optim.lr_scheduler", "linear"))  # transformers' default
+    if unset("adam_beta1") and unset("adam_beta2"):
+        _merge(tree, _nest("actor.optim.betas", [0.9, 0.999]))
+    if unset("loss_type") and "loss_agg_mode" in d:
+        _merge(tree, _nest("actor.loss_agg_mode", d["loss_agg_mode"]))
+    if unset("scale_rewards") and "scale_rewards" in d:
+        _merge(tree, _nest("algorithm.norm_adv_by_std_in_grpo", d["scale_rewards"] == "group"))
+    if unset("beta"):
+        beta = d["beta"]
+        if args.KL_IN_REWARD:
+            kl = {
+                "use_kl_in_reward": beta > 0,
+                "kl_penalty": "kl",
+                "kl_ctrl": {"type": "fixed", "kl_coef": beta},
+            }
+            _merge(tree, {"algorithm": kl})
+        else:
+            _merge(tree, {"actor": {"use_kl_loss": beta > 0, "kl_loss_coef": beta}})
+    return tree, [f"{type(args).__name__} starts from TRL's defaults, except {DELIBERATE}"]
 
 
 def _dig(tree: dict[str, Any], key: str) -> Any:
@@ -208,12 +298,23 @@ def _merge(into: dict[str, Any], tree: dict[str, Any]) -> None:
             into[k] = copy.deepcopy(v)
 
 
+_TRL_COMMON = {
+    "learning_rate": 1e-6, "max_completion_length": 512, "num_train_epochs": 3, "temperature": 1.0,
+    "top_p": 1.0, "per_device_train_batch_size": 8, "num_iterations": 1, "epsilon": 0.2,
+    "weight_decay": 0.0, "max_grad_norm": 1.0, "warmup_ratio": 0.0, "shuffle_dataset": True,
+}  # fmt: skip
+
+
 @dataclass
 class GRPOConfig(RLConfig):
-    """GRPO (Shao et al. 2024): group-normalised advantages, no critic; KL off unless kl_coef > 0
-    (as TRL's default)."""
+    """GRPO (Shao et al. 2024): group-normalised advantages, no critic. What is left unset takes TRL's
+    GRPOConfig defaults (8 generations, 8 completions a step, beta 0, loss_type dapo = token-mean,
+    3 epochs, 512 completion tokens), unless a recipe is given."""
 
     PRESET: ClassVar[dict[str, Any]] = {"algorithm": {"adv_estimator": "grpo"}}
+    TRL_DEFAULTS: ClassVar[dict[str, Any]] = {
+        **_TRL_COMMON, "num_generations": 8, "beta": 0.0, "loss_agg_mode": "token-mean", "scale_rewards": "group",
+    }  # fmt: skip
 
 
 @dataclass
@@ -249,9 +350,17 @@ class DAPOConfig(RLConfig):
 
 @dataclass
 class RLOOConfig(RLConfig):
-    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean of the others in its group."""
+    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean of the others in its group. As
+    in TRL's RLOOTrainer, `beta` (kl_coef) is a KL penalty subtracted from each sequence's reward
+    (k1, summed over its tokens) before the baseline, not a loss term; what is left unset takes TRL's
+    RLOOConfig defaults (2 generations, 8 completions a step, beta 0.05, 3 epochs), and the loss sums
+    each sequence's tokens (TRL's sequence-level ratio, equal on-policy), unless a recipe is given."""
 
     PRESET: ClassVar[dict[str, Any]] = {"algorithm": {"adv_estimator": "rloo"}}
+    KL_IN_REWARD: ClassVar[bool] = True
+    TRL_DEFAULTS: ClassVar[dict[str, Any]] = {
+        **_TRL_COMMON, "num_generations": 2, "beta": 0.05, "loss_agg_mode": "seq-mean-token-sum",
+    }  # fmt: skip
 
 
 @dataclass

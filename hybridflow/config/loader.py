@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from hybridflow.config import aliases, verl_async
+from hybridflow.config import aliases, verl_async, verl_sft
 from hybridflow.config.schema import Config
 from hybridflow.config.sections_model_data import DataConfig
 from hybridflow.errors import UserError, closest
@@ -151,9 +151,14 @@ def _as_list(key: str, value: Any, list_keys: set[str]) -> Any:
     return [value] if key in list_keys and isinstance(value, str) else value
 
 
-def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, list[str], dict[str, Any]]:
+def _translate(
+    items: list[tuple[str, Any]], known: set[str], command: str = "train"
+) -> tuple[list, list[str], dict[str, Any]]:
     """Map verl keys to ours and check every key. Every unknown or refused key is reported in one
-    error; returns (our items, notes on keys accepted without effect, deferred verl items)."""
+    error; returns (our items, notes on keys accepted without effect, deferred verl items). The
+    offline commands read verl's SFT keys first (config/verl_sft.py)."""
+    offline = command in verl_sft.OFFLINE_COMMANDS
+    table = {**aliases.VERL, **verl_sft.table(command)} if offline else aliases.VERL
     list_keys = list_valued_keys()
     out, notes, problems = [], [], []
     deferred: dict[str, Any] = {}
@@ -161,10 +166,10 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
     for key, value in items:
         if key in aliases.DEFERRED:
             deferred[key] = value
-        if key in aliases.VERL:
+        if key in table:
             verl_values[key] = value
             try:
-                t = aliases.VERL[key].rule(value)
+                t = table[key].rule(value)
             except (TypeError, ValueError) as e:
                 problems.append(f"{key}={value!r}: {e}")
                 continue
@@ -176,9 +181,13 @@ def _translate(items: list[tuple[str, Any]], known: set[str]) -> tuple[list, lis
         elif key in known:
             out.append((key, _as_list(key, value, list_keys)))
         elif key not in aliases.DEFERRED:
-            hint = closest(key, [*known, *aliases.all_alias_keys()])
+            hint = closest(key, [*known, *aliases.all_alias_keys(), *(table if offline else ())])
             problems.append(f"'{key}' is not a config key{hint}")
-    if "data.filter_overlong_prompts" in verl_values or "data.truncation" in verl_values:
+    if offline:
+        settings, offline_problems = verl_sft.offline_settings(command, verl_values)
+        out += list(settings.items())
+        problems += offline_problems
+    elif "data.filter_overlong_prompts" in verl_values or "data.truncation" in verl_values:
         settings, problem = aliases.overlong_setting(
             verl_values.get("data.filter_overlong_prompts", False),
             verl_values.get("data.truncation", "error"),
@@ -223,12 +232,14 @@ def resolve_config(
     *,
     settings: dict | None = None,
     bare_is_demo: bool = False,
+    command: str = "train",
 ) -> Resolved:
     """Defaults <- the base <- `settings` (a nested mapping like the YAML's, e.g. {"actor": {"optim":
     {"lr": 1e-6}}}) <- overrides (later wins). The base is the recipe when one is given; else, with
     nothing at all and `bare_is_demo`, the demo recipe; else verl's defaults when verl keys are given
-    (they mean verl's defaults for everything else), else hybridflow's. Raises UserError naming
-    every bad key/value at once."""
+    (they mean verl's defaults for everything else; `train` and `plan` only: verl's SFT has its own
+    keys, read by `command` sft/dpo/kto), else hybridflow's. Raises UserError naming every bad
+    key/value at once."""
     known = set(valid_keys())
     user_items = _flatten(settings) if settings else []
     for item in overrides:
@@ -237,7 +248,7 @@ def resolve_config(
         base = f"recipe {resolve_recipe(recipe)}"
     elif not user_items and bare_is_demo:
         recipe, base = DEMO_RECIPE, f"the demo recipe {DEMO_RECIPE} (no recipe and no overrides given)"
-    elif user_items and not _our_keys_only(user_items, known):
+    elif user_items and command not in verl_sft.OFFLINE_COMMANDS and not _our_keys_only(user_items, known):
         recipe, base = (
             VERL_BASE,
             (
@@ -248,7 +259,7 @@ def resolve_config(
     else:
         base = "hybridflow's defaults (no recipe given)"
     items = (_read_recipe(recipe) if recipe else []) + user_items
-    ours, notes, deferred = _translate(items, known)
+    ours, notes, deferred = _translate(items, known, command)
 
     base_config = OmegaConf.structured(Config)
     try:

@@ -52,7 +52,8 @@ class TrainerConfig:
     """Validate once before the first step (the step-0 numbers of the curves)."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (WANDB_MODE=offline works),
-    prometheus (the last step's metrics on http://prometheus_host:prometheus_port/metrics)."""
+    prometheus (the last step's metrics on http://prometheus_host:prometheus_port/metrics).
+    RUN_DIR/metrics.jsonl is written whatever this lists (the report and a resume read it)."""
     prometheus_host: str = "127.0.0.1"
     """Address of the prometheus logger's /metrics."""
     prometheus_port: int = 9400

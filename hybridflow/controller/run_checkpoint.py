@@ -90,6 +90,5 @@ def resume_run(trainer) -> None:
     trainer.last_checkpoint = path
     for name in ("metrics.jsonl", "samples.jsonl"):
         truncate_jsonl(trainer.run_dir / name, trainer.step)
-    if "jsonl" in trainer.config.trainer.logger:
-        restore_last_row(trainer.run_dir / "metrics.jsonl", trainer.step, state.get("metrics_row"))
+    restore_last_row(trainer.run_dir / "metrics.jsonl", trainer.step, state.get("metrics_row"))
     print(f"resumed from {path} (step {trainer.step})", flush=True)

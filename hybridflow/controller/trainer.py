@@ -288,8 +288,6 @@ class RLTrainer:
         return logprobs
 
     def _write_report(self) -> None:
-        if "jsonl" not in self.config.trainer.logger:
-            return  # the report reads metrics.jsonl
         try:
             from hybridflow.report import write_report
 

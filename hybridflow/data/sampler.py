@@ -16,12 +16,19 @@ class PromptSampler:
     """
 
     def __init__(
-        self, prompts: list[Prompt], prompts_per_step: int, *, seed: int, shuffle: bool = True
+        self,
+        prompts: list[Prompt],
+        prompts_per_step: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        setting: str = "data.prompts_per_step",
+        what: str = "prompts",
     ) -> None:
         if prompts_per_step > len(prompts):
             raise UserError(
-                f"data.prompts_per_step={prompts_per_step} (verl: data.train_batch_size) exceeds the "
-                f"{len(prompts)} training prompts"
+                f"{setting}={prompts_per_step} (verl: data.train_batch_size) exceeds the "
+                f"{len(prompts)} training {what}"
             )
         self.prompts = prompts
         self.prompts_per_step = prompts_per_step

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Iterable
@@ -26,6 +27,8 @@ from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
 from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
 from hybridflow.tracking.progress import bar
+
+STOP_SETS_KEPT = 64  # stop-id tensors kept for reuse (each distinct set of stop ids has one)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -133,8 +136,9 @@ class Engine:
         self.scheduler = self._new_scheduler()
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
         self._next_seq_id = 0
-        self._stops: dict[tuple, torch.Tensor] = {}
-        self._sampling_groups: dict[tuple, int] = {}  # params_key -> Sequence.sampling_group
+        # stop-id tensors of recent parameter sets, bounded: every distinct set a client sends would
+        # otherwise stay for the engine's life
+        self._stops: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -198,7 +202,7 @@ class Engine:
         c = self.config
         if request_id in self._requests:
             raise UserError(f"request {request_id!r} is already running")
-        self._check_prompt(request_id, prompt_token_ids)
+        self._check_prompt(request_id, prompt_token_ids, params)
         resume = resume if resume is not None else [None] * params.n
         if len(resume) != params.n or all(r is not None and r.finish_reason for r in resume):
             raise ValueError(
@@ -209,7 +213,7 @@ class Engine:
         seeds = step_keys(
             torch.full((params.n,), base, dtype=torch.int64), torch.arange(first, first + params.n)
         )
-        sampling_group = self._sampling_groups.setdefault(params_key(params), len(self._sampling_groups))
+        sampling_group = params_key(params)
         end = min(len(prompt_token_ids) + params.max_tokens, c.max_context_tokens)
         group = []
         for j, (seed, so_far) in enumerate(zip(seeds.tolist(), resume)):
@@ -239,12 +243,23 @@ class Engine:
             return self.tp.seed()
         return int(torch.randint(0, 2**31 - 1, ()))
 
-    def _check_prompt(self, name, prompt_token_ids: list[int]) -> None:
+    def _check_prompt(self, name, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A request the engine cannot run fails alone, here, before it can stop the engine's step."""
         limit = self.config.max_context_tokens
         if not prompt_token_ids or len(prompt_token_ids) >= limit:
             raise UserError(
                 f"prompt {name} has {len(prompt_token_ids)} tokens; the engine takes 1 to {limit - 1} "
                 f"(max_context_tokens={limit})"
+            )
+        vocab = self.model.config.vocab_size
+        for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise UserError(
+                    f"request {name}: {what} holds a token id outside the vocabulary (0 to {vocab - 1})"
+                )
+        if params.n < 1 or params.max_tokens < 1:
+            raise UserError(
+                f"request {name}: n={params.n} and max_tokens={params.max_tokens} must be at least 1"
             )
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -309,7 +324,7 @@ class Engine:
         base = params.seed if params.seed is not None else self._random_seed()
         ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
-            self._check_prompt(i, prompt)  # all before any is queued
+            self._check_prompt(i, prompt, params)  # all before any is queued
         for i, (request_id, prompt) in enumerate(zip(ids, prompt_token_ids)):
             first = params.first_sequence + i * params.n
             self.add_request(request_id, prompt, replace(params, seed=base, first_sequence=first))
@@ -381,8 +396,12 @@ class Engine:
     def _stops_for(self, params: SamplingParams) -> torch.Tensor:
         """The stop tokens of sequences sampled with `params`, on the device (made once per set)."""
         key = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
-        if key not in self._stops:
+        if key in self._stops:
+            self._stops.move_to_end(key)
+        else:
             self._stops[key] = torch.tensor(key, dtype=torch.int64).to(self.device)
+            while len(self._stops) > STOP_SETS_KEPT:
+                self._stops.popitem(last=False)
         return self._stops[key]
 
     def _prefill(self, jobs: list[PrefillJob]) -> list[Sequence]:

@@ -32,7 +32,7 @@ class Sequence:
     request_id: str = ""
     sample: int = 0  # which of its request's n samples
     params: SamplingParams = field(default_factory=SamplingParams)
-    sampling_group: int = 0  # sequences of equal sampling parameters share it (drawn together)
+    sampling_group: tuple = ()  # sampled.params_key: sequences of equal sampling parameters draw together
     end: int = 1 << 62  # token count at which it stops: prompt + max_tokens, or the context
     reported: int = 0  # generated tokens already handed out by Engine.step()
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages

@@ -61,6 +61,8 @@ def refuse_unsupported(c: Config, command: str) -> None:
 
 class OfflineTrainer:
     name = "offline"
+    batch_setting = ""
+    """The setting that holds `batch_size` (named when it does not fit the data)."""
 
     def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
         c = self.config = config
@@ -83,8 +85,9 @@ class OfflineTrainer:
         self.train_examples = self.load(c.data.train_files)
         self.val_examples = self.load(c.data.val_files) if c.data.val_files else []
         self.sampler = PromptSampler(
-            self.train_examples, batch_size, seed=c.trainer.seed, shuffle=c.data.shuffle
-        )
+            self.train_examples, batch_size, seed=c.trainer.seed, shuffle=c.data.shuffle,
+            setting=self.batch_setting, what="examples",
+        )  # fmt: skip
         self.total_steps = (
             c.trainer.total_training_steps or c.trainer.total_epochs * self.sampler.steps_per_epoch
         )
@@ -141,10 +144,9 @@ class OfflineTrainer:
                     stop_with_checkpoint(self, stop.requested, saves=True)
         finally:
             progress.close()
-            if "jsonl" in c.trainer.logger:
-                from hybridflow.report import write_report
+            from hybridflow.report import write_report
 
-                print(f"report: {write_report([self.run_dir])}", flush=True)
+            print(f"report: {write_report([self.run_dir])}", flush=True)
         for sink in self.sinks:
             sink.close()
         self.run_lock.release()  # the directory is free for the next run
@@ -231,6 +233,5 @@ class OfflineTrainer:
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
-        if "jsonl" in self.config.trainer.logger:
-            restore_last_row(self.run_dir / "metrics.jsonl", self.step, state.get("metrics_row"))
+        restore_last_row(self.run_dir / "metrics.jsonl", self.step, state.get("metrics_row"))
         print(f"resumed from {path} (step {self.step})", flush=True)

@@ -21,6 +21,7 @@ REFERENCE_FREE = ("simpo", "orpo")
 
 class DPOTrainer(OfflineTrainer):
     name = "dpo"
+    batch_setting = "preference.batch_size"
 
     def __init__(self, config: Config, *, overwrite: bool = False) -> None:
         super().__init__(config, batch_size=config.preference.batch_size, overwrite=overwrite)

@@ -19,6 +19,7 @@ from hybridflow.offline.preference_data import Completion, load_completions
 
 class KTOTrainer(OfflineTrainer):
     name = "kto"
+    batch_setting = "preference.batch_size"
 
     def __init__(self, config: Config, *, overwrite: bool = False) -> None:
         super().__init__(config, batch_size=config.preference.batch_size, overwrite=overwrite)

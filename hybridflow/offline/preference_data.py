@@ -88,10 +88,43 @@ def _load(files: list[str], make, max_tokens: int, what: str) -> list:
     return out
 
 
+def implicit_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a pair whose prompt is the start both responses share (TRL's
+    implicit-prompt format): the longest common run of messages, or of characters for strings."""
+    chosen, rejected = (v.tolist() if hasattr(v, "tolist") else v for v in (chosen, rejected))
+    if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+        raise UserError(f"{where}: 'chosen' and 'rejected' must both be strings or both messages")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if isinstance(chosen, str) and shared and chosen[shared - 1] == " ":
+        shared -= 1  # the space before the responses belongs to them (as TRL splits)
+    if shared == 0:
+        raise UserError(
+            f"{where}: no 'prompt' column, and 'chosen' and 'rejected' share no start to take as one"
+        )
+    prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if isinstance(prompt, list) and any(
+        len(r) != 1 or r[0].get("role") != "assistant" for r in (chosen, rejected)
+    ):
+        raise UserError(
+            f"{where}: after the shared turns, 'chosen' and 'rejected' must each be one assistant turn"
+        )
+    return prompt, chosen, rejected
+
+
 def load_pairs(files: list[str], tokenizer, config: Config) -> list[Pair]:
     p, t = config.preference, _Tokenize(tokenizer, config)
 
     def make(row: dict, where: str):
+        if (
+            p.prompt_key not in row
+            and p.prompt_key == "prompt"
+            and p.chosen_key in row
+            and p.rejected_key in row
+        ):
+            prompt, chosen, rejected = implicit_prompt(row[p.chosen_key], row[p.rejected_key], where)
+            row = {p.prompt_key: prompt, p.chosen_key: chosen, p.rejected_key: rejected}
         pair = Pair(t.prompt(row, p.prompt_key, where), t.response(row, p.chosen_key, where),
                     t.response(row, p.rejected_key, where))  # fmt: skip
         return pair, len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))

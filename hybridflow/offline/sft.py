@@ -18,6 +18,7 @@ class SFTTrainer(OfflineTrainer):
     (data.*, actor.optim, actor.max_tokens_per_microbatch, trainer.*) plus `sft.*`."""
 
     name = "sft"
+    batch_setting = "sft.batch_size"
 
     def __init__(self, config: Config, *, overwrite: bool = False) -> None:
         super().__init__(config, batch_size=config.sft.batch_size, overwrite=overwrite)

@@ -71,6 +71,31 @@ def prompt_response_example(
     return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 
 
+def text_example(text: Any, tokenizer, where: str) -> Example:
+    """A plain-text row (TRL's language-modeling format): every token after the first is a target."""
+    if not isinstance(text, str) or not text:
+        raise UserError(f"{where}: 'text' must be a non-empty string")
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+    return Example(ids, [0] + [1] * (len(ids) - 1))
+
+
+def row_format(row: dict, s) -> tuple[str, str]:
+    """How a row is read: ("messages", key), ("text", "text") or ("prompt", response key). With
+    sft.* left at its defaults, TRL's dataset formats are recognised by their columns: `messages`
+    (conversational), `prompt` + `completion` (prompt-completion) and `text` (language modeling)."""
+    if s.messages_key:
+        return "messages", s.messages_key
+    if (s.prompt_key, s.response_key) != ("prompt", "response"):
+        return "prompt", s.response_key
+    if "prompt" not in row and "messages" in row:
+        return "messages", "messages"
+    if "prompt" not in row and "text" in row:
+        return "text", "text"
+    if "response" not in row and "completion" in row:
+        return "prompt", "completion"
+    return "prompt", "response"
+
+
 def load_examples(files: list[str], tokenizer, config: Config) -> list[Example]:
     s, d = config.sft, config.data
     if not files:
@@ -79,15 +104,18 @@ def load_examples(files: list[str], tokenizer, config: Config) -> list[Example]:
     for path in files:
         for i, row in enumerate(read_rows(path)):
             where = f"{path}: row {i}"
-            if s.messages_key:
-                messages = check_prompt(field_at(row, s.messages_key, where), where, s.messages_key)
+            kind, key = row_format(row, s)
+            if kind == "messages":
+                messages = check_prompt(field_at(row, key, where), where, key)
                 if isinstance(messages, str):
-                    raise UserError(f"{where}: '{s.messages_key}' must be chat messages, got a string")
+                    raise UserError(f"{where}: '{key}' must be chat messages, got a string")
                 example = messages_example(messages, tokenizer, where)
+            elif kind == "text":
+                example = text_example(row["text"], tokenizer, where)
             else:
                 prompt = check_prompt(field_at(row, s.prompt_key, where), where, s.prompt_key)
                 example = prompt_response_example(
-                    prompt, field_at(row, s.response_key, where), tokenizer,
+                    prompt, field_at(row, key, where), tokenizer,
                     chat=d.apply_chat_template, system_prompt=d.system_prompt, where=where,
                 )  # fmt: skip
             if len(example.token_ids) > s.max_tokens:

@@ -31,11 +31,15 @@ def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
+                if number == len(lines) and not text.endswith("\n"):
+                    break  # a last line cut short (a kill or a full disk mid-write)
                 raise UserError(f"{path}: line {number} is not JSON ({e.msg})") from e
     return rows
 
@@ -43,9 +47,7 @@ def _jsonl(path: Path) -> list[dict]:
 def load_run(directory: str | Path) -> Run:
     path = Path(directory)
     if not (path / "metrics.jsonl").is_file():
-        raise UserError(
-            f"{path} has no metrics.jsonl: not a hybridflow run directory (or trainer.logger has no jsonl)"
-        )
+        raise UserError(f"{path} has no metrics.jsonl: not a hybridflow run directory")
     by_step = {row["step"]: row for row in _jsonl(path / "metrics.jsonl")}
     read = lambda name: (path / name).read_text(encoding="utf-8") if (path / name).is_file() else ""  # noqa: E731
     return Run(

@@ -11,6 +11,10 @@ class NonFiniteLogits(RuntimeError):
     """The model produced NaN/inf logits (typically: weights blown up by a too-high learning rate)."""
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily (vLLM's rule): dividing logits by it overflows."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -27,6 +31,12 @@ class SamplingParams:
     """Index of this call's first sequence in a larger request split over workers: the native engine
     draws sequence i from the stream (seed, first_sequence + i), so a split call samples exactly
     what the whole call would."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # NaN too
+            raise ValueError(f"temperature={self.temperature}: give 0 (greedy) or more")
+        if self.temperature < GREEDY_BELOW:  # 1 / t would overflow to inf and the draw to NaN
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

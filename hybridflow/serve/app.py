@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.errors import UserError
@@ -28,6 +29,7 @@ from hybridflow.serve.rendering import render_chat
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
 
 _ids = random.Random()
+MAX_SAMPLES_PER_REQUEST = 256  # prompts x n of one request (n alone is capped at 256 too, as vLLM's)
 DISCONNECT_POLL_S = 1.0  # each check costs the event loop (and the engine's thread, the GIL) a little
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
@@ -101,6 +103,15 @@ def create_app(
     async def _gone(request: Request, exc: ClientGone):
         return Response(status_code=499)  # nobody reads it: nginx's code for a client that left
 
+    @app.exception_handler(UserError)
+    async def _refused_by_engine(request: Request, exc: UserError):  # the request alone failed
+        metrics.requests.labels(request.url.path, "400").inc()
+        return _error(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method, ...
+        return _error(exc.status_code, str(exc.detail))
+
     @app.exception_handler(RuntimeError)
     async def _engine_failed(request: Request, exc: RuntimeError):
         metrics.requests.labels(request.url.path, "503").inc()
@@ -138,6 +149,10 @@ def create_app(
             body.check()
         except Unsupported as e:
             raise BadRequest(str(e), e.param) from None
+        if any(not 0 <= t < vocab for t in body.stop_token_ids):
+            raise BadRequest(
+                f"stop_token_ids: a token id is outside the vocabulary of {vocab}", "stop_token_ids"
+            )
         if not prompt_ids or len(prompt_ids) >= max_context:
             raise BadRequest(
                 f"the prompt has {len(prompt_ids)} tokens; this server takes 1 to {max_context - 1} (its context is {max_context})",
@@ -176,6 +191,12 @@ def create_app(
             ]
         except (TypeError, ValueError) as e:
             raise BadRequest(f"prompt: {e}", "prompt") from None
+        if len(prompts) * body.n > MAX_SAMPLES_PER_REQUEST:
+            raise BadRequest(
+                f"prompt: {len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} samples; one request "
+                f"takes at most {MAX_SAMPLES_PER_REQUEST} (send several requests: they are served side by side)",
+                "prompt",
+            )
         for ids in prompts:
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise BadRequest(f"prompt: a token id is outside the vocabulary of {vocab}", "prompt")

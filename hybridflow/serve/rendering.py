@@ -33,13 +33,23 @@ def _message(message: dict, i: int) -> dict:
     out = dict(message)
     out["content"] = _text(message.get("content"), i)
     calls = []
-    for call in message.get("tool_calls") or []:  # templates read arguments as a mapping
-        function = dict(call.get("function") or {})
+    given = message.get("tool_calls") or []
+    if not isinstance(given, list):
+        raise UserError(f"messages[{i}].tool_calls must be a list of tool calls")
+    for j, call in enumerate(given):  # templates read arguments as a mapping
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise UserError(f"{where} must be an object with a `function` object")
+        function = dict(call["function"])
+        if not isinstance(function.get("name"), str):
+            raise UserError(f"{where}.function.name must be a string")
+        if not isinstance(function.get("arguments", {}), (str, dict)):
+            raise UserError(f"{where}.function.arguments must be a JSON string or an object")
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])
             except json.JSONDecodeError:
-                raise UserError(f"messages[{i}].tool_calls: arguments are not JSON") from None
+                raise UserError(f"{where}.function.arguments are not JSON") from None
         calls.append({**call, "function": function, **function})
     if calls:
         out["tool_calls"] = calls
@@ -59,6 +69,7 @@ def render_chat(tokenizer, body) -> list[int]:
             tokenize=False,
             **(body.chat_template_kwargs or {}),
         )
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
-        raise UserError(f"the chat template refused the messages: {e}") from None
+    except Exception as e:  # the template is a program of the model's: whatever it raises is the request's
+        kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+        raise UserError(f"the chat template refused the messages: {kind}{e}") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]

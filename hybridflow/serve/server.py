@@ -82,14 +82,23 @@ def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, frame: caught.append(number))
     try:
-        while not caught:
-            if not server.thread.is_alive():
-                raise UserError(f"the HTTP server on {host}:{port} ended on its own: {server.failure!r}")
-            time.sleep(0.2)
+        watch(server, until=lambda: bool(caught))
     finally:
         server.stop()
     signal.signal(caught[0], signal.SIG_DFL)
     signal.raise_signal(caught[0])
+
+
+def watch(server: BackgroundServer, until, poll_s: float = 0.2) -> None:
+    """Return once `until()` holds; raise UserError when the server cannot go on: its HTTP side
+    ended, or its engine stopped (every later request would fail: the process ends, so that a
+    supervisor restarts it, rather than answer 503 for ever)."""
+    while not until():
+        if not server.thread.is_alive():
+            raise UserError(f"the HTTP server at {server.url} ended on its own: {server.failure!r}")
+        if server.front.error is not None:
+            raise UserError(f"the engine stopped ({server.front.error!r}); the server ends")
+        time.sleep(poll_s)
 
 
 def _exit_code(process: subprocess.Popen) -> int | None:

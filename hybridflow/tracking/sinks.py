@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Protocol
@@ -105,19 +106,20 @@ class JsonlSink:
 
 
 def make_sinks(names: list[str], run_dir: Path, config) -> list[Sink]:
-    """The sinks `names` lists; `config` (the resolved Config) goes to those that keep it."""
+    """The sinks `names` lists, and metrics.jsonl always (the run's record: the report, a resume and
+    `hybridflow report` read it); `config` (the resolved Config) goes to those that keep it."""
     from hybridflow.config.loader import to_dict, to_yaml
     from hybridflow.tracking.external import TensorBoardSink, WandbSink
 
     unknown = [n for n in names if n not in SINKS]
     if unknown:
         raise UserError(f"trainer.logger: unknown sink {unknown[0]!r} (available: {', '.join(SINKS)})")
-    sinks: list[Sink] = []
-    for name in names:
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    for name in dict.fromkeys(names):
         if name == "console":
             sinks.append(ConsoleSink())
         elif name == "jsonl":
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            pass  # always written
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(run_dir, to_yaml(config)))
         elif name == "prometheus":
@@ -136,22 +138,64 @@ def jsonl_row(metrics: dict[str, float], step: int) -> dict:
     return {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
 
 
+def _rows(path: Path):
+    """(byte offset, parsed row or None) of each line; a last line without its newline (a write a
+    kill or a full disk cut short) is torn and read as None."""
+    offset = 0
+    with path.open("rb") as f:
+        for raw in f:
+            row = None
+            if raw.endswith(b"\n") and raw.strip():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    row = None
+            yield offset, row if isinstance(row, dict) else None, raw
+            offset += len(raw)
+
+
 def restore_last_row(path: Path, step: int, row: dict | None) -> None:
     """After resuming from checkpoint `step`: a run killed after that checkpoint was written but
-    before the step's metrics reached `path` gets the row the checkpoint kept, so no step is missing."""
+    before the step's metrics reached `path` gets the row the checkpoint kept, so no step is missing.
+    Call after `truncate_jsonl`, which leaves no torn line at the end."""
     if row is None:
         return
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    if lines and json.loads(lines[-1]).get("step") == step:
+    last = None
+    if path.exists():
+        for _, parsed, _ in _rows(path):
+            last = parsed if parsed is not None else last
+    if last is not None and last.get("step") == step:
         return
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines past `last_step` (written after the checkpoint a run resumes from)."""
+    """Drop the lines past `last_step` (written after the checkpoint a run resumes from) and a torn
+    last line. When those lines are the file's tail (as a run appends them) the file is cut where they
+    start, in one truncate call; otherwise the kept lines are written to a new file that replaces it.
+    Either way a kill at any moment leaves the old file or the new one, never less history."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    cut, in_order = None, True
+    for offset, row, raw in _rows(path):
+        past = (row is None and not raw.endswith(b"\n")) or (
+            row is not None and row.get("step", 0) > last_step
+        )
+        if past and cut is None:
+            cut = offset
+        elif not past and cut is not None:
+            in_order = False
+    if cut is None:
+        return
+    if in_order:
+        os.truncate(path, cut)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        for _, row, raw in _rows(path):
+            if raw.endswith(b"\n") and (row is None or row.get("step", 0) <= last_step):
+                f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -38,7 +38,8 @@ def test_quick_start_with_live_objects_trains_evaluates_saves_and_goes_on(tmp_pa
 
     def reward(prompts, responses, target, **columns):  # TRL-style: the dataset's other columns by name
         seen.update(prompt=prompts[0], columns=sorted(columns), target=target[0])
-        return [float(r.count("a")) / max(len(r), 1) for r in responses]
+        # the first character's code varies within a group, so every step moves the policy
+        return [float(r.count("a")) / max(len(r), 1) + (ord(r[0]) % 5 if r else 0) for r in responses]
 
     trainer = GRPOTrainer(
         model,

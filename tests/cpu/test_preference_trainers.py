@@ -92,3 +92,28 @@ def test_a_row_without_its_column_is_named(data, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
     with pytest.raises(UserError, match=r"bad.jsonl: row 0 has no 'rejected' \(keys: chosen, prompt\)"):
         DPOTrainer(_config(data, tmp_path / "run", tmp_path / "bad.jsonl"))  # an absolute path stays one
+
+
+def test_pairs_with_an_implicit_prompt_take_the_start_they_share(tmp_path):
+    """TRL's implicit-prompt rows (no prompt column; chosen and rejected conversations, or texts,
+    that start alike): the shared start is the prompt, as TRL's extract_prompt splits them."""
+    from hybridflow.config import load_config
+    from hybridflow.models import byte_tokenizer
+    from hybridflow.offline.preference_data import implicit_prompt, load_pairs
+
+    user = {"role": "user", "content": "What color is the sky?"}
+    rows = [
+        {"chosen": [user, {"role": "assistant", "content": "blue"}],
+         "rejected": [user, {"role": "assistant", "content": "green"}]},
+        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+    ]  # fmt: skip
+    assert implicit_prompt(rows[1]["chosen"], rows[1]["rejected"], "row 1") == ("Q: 2+2? A:", " 4", " 5")
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = load_config(None, [f"data.train_files=[{tmp_path / 'pairs.jsonl'}]"])
+    tokenizer = byte_tokenizer()
+    chat, _ = load_pairs(config.data.train_files, tokenizer, config)
+    assert tokenizer.decode(chat.prompt).count("What color is the sky?") == 1
+    assert tokenizer.decode(chat.chosen) == "blue" + tokenizer.eos_token
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"chosen": "yes", "rejected": "no"}) + "\n")
+    with pytest.raises(UserError, match="share no start"):
+        load_pairs([str(tmp_path / "bad.jsonl")], tokenizer, config)

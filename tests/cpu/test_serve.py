@@ -514,3 +514,80 @@ def test_an_engine_that_fails_answers_503_and_health_says_so(api_process):
         assert httpx.post(f"{server.url}/completions", json=body, timeout=30).status_code == 503
     finally:
         server.stop()
+    # the foreground server (`hybridflow serve`) ends instead, so that a supervisor restarts it
+    from hybridflow.serve.server import watch
+
+    server = BackgroundServer(
+        make_engine(), byte_tokenizer(), model_name=NAME, api_process=api_process
+    ).start()
+    try:
+        server.call(lose_the_device)
+        httpx.post(f"{server.url}/completions", json=body, timeout=30)
+        with pytest.raises(UserError, match="the engine stopped .*illegal memory access.*the server ends"):
+            watch(server, until=lambda: False, poll_s=0.05)
+    finally:
+        server.stop()
+
+
+def test_hostile_requests_fail_alone_and_the_server_stays_fair_and_flat(server, tokenizer, reference):
+    """A loop of hostile requests between normal ones: each hostile one gets its own 4xx (never the
+    engine's stop), greedy completions stay what the engine gives in-process, the engine keeps no
+    state per distinct stop set, and a small request is not held behind a huge one."""
+    from hybridflow.engine.engine import STOP_SETS_KEPT
+
+    url = server.url
+    prompt = [5, 6, 7]
+    want = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].token_ids
+    hostile = [
+        ({"prompt": prompt, "stop_token_ids": [10**20]}, 400, "stop_token_ids"),
+        ({"prompt": prompt, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+        ({"prompt": [[5] * 3] * 300, "n": 64}, 400, "19200 samples"),
+        ({"prompt": [10**12]}, 400, "vocabulary"),
+    ]
+    chat_hostile = [
+        {"role": "assistant", "content": "x", "tool_calls": "zz"},
+        {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": ["a"]}}]},
+        {"role": "assistant", "content": "x", "tool_calls": [7]},
+        {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+    ]
+    with httpx.Client(timeout=60) as http:
+        for _ in range(3):
+            for extra, status, named in hostile:
+                r = http.post(f"{url}/completions", json={"model": NAME, "max_tokens": 4, **extra})
+                assert r.status_code == status and named in r.json()["error"]["message"], r.text
+            for message in chat_hostile:
+                r = http.post(f"{url}/chat/completions", json={"model": NAME, "messages": [message]})
+                assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
+            r = http.post(
+                f"{url}/completions", content=b"\xff{", headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
+            assert http.get(f"{url}/no/such/route").json()["error"]["code"] == 404  # OpenAI's shape
+            # a temperature inside the accepted range that 1/t would overflow: greedy, as vLLM's
+            for t in (1e-40, 0.0):
+                r = http.post(f"{url}/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 6,
+                                                          "temperature": t, "return_token_ids": True})  # fmt: skip
+                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
+        # distinct stop sets (allowed ones) leave no state behind in the engine
+        for i in range(2 * STOP_SETS_KEPT):
+            r = http.post(f"{url}/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
+                                                      "stop_token_ids": [i, i + 1, 200]})  # fmt: skip
+            assert r.status_code == 200
+        assert len(server.call(lambda engine: engine._stops)) <= STOP_SETS_KEPT
+        assert http.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+    async def fairness():
+        async with httpx.AsyncClient(timeout=120) as http:
+            big = asyncio.ensure_future(http.post(f"{url}/completions", json={
+                "model": NAME, "prompt": [[5, 6]] * 4, "n": 64, "max_tokens": 200, "temperature": 1.0}))  # fmt: skip
+            await asyncio.sleep(0.2)
+            start = time.perf_counter()
+            small = await http.post(
+                f"{url}/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 4}
+            )
+            small_s = time.perf_counter() - start
+            assert small.status_code == 200 and not big.done()  # served beside the big one, not after it
+            assert (await big).status_code == 200
+            return small_s
+
+    assert asyncio.run(fairness()) < 30

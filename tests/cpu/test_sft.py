@@ -198,3 +198,62 @@ def test_float16_sft_steps_as_float32_does(sft_setup, tmp_path):
     assert trainer.loss_scale.enabled and trainer.loss_scale.scale <= 2.0**16
     agree = ((deltas.sign() == reference.sign()) | (reference.abs() < 1e-7)).float().mean().item()
     assert agree > 0.99, agree
+
+
+def test_verls_sft_script_runs_as_written(sft_setup, tmp_path, capsys):
+    """verl's examples/sft/gsm8k script, keys as written (prompt and response inside extra_info,
+    `+data.response_dict_keys`, console logging only): 4 examples a step, the answer is the target,
+    and the run directory still holds metrics.jsonl and the report."""
+    from hybridflow.cli import main
+    from hybridflow.config.loader import resolve_config
+    from hybridflow.offline.sft_data import load_examples
+
+    rows = [{"extra_info": {"question": f"q{i}", "answer": f"A{i}"}} for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    argv = [
+        f"data.train_files={tmp_path / 'train.jsonl'}", "data.prompt_key=extra_info", "data.response_key=extra_info",
+        "optim.lr=1e-4", "data.prompt_dict_keys=['question']", "+data.response_dict_keys=['answer']",
+        "data.micro_batch_size_per_gpu=4", "data.train_batch_size=4", f"model.partial_pretrain={sft_setup / 'model'}",
+        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.project_name=gsm8k-sft", "trainer.logger=console",
+        "trainer.total_training_steps=2", "trainer.total_epochs=4", "ulysses_sequence_parallel_size=2",
+        "use_remove_padding=true",
+    ]  # fmt: skip
+    config = resolve_config(None, argv, command="sft").config
+    assert (config.sft.batch_size, config.sft.prompt_key, config.sft.response_key) == (
+        4, "extra_info.question", "extra_info.answer",
+    )  # fmt: skip
+    assert config.actor.optim.lr == 1e-4 and config.model.path == str(sft_setup / "model")
+    tokenizer = byte_tokenizer()
+    example = load_examples(config.data.train_files, tokenizer, config)[3]
+    assert _targets(example, tokenizer) == "A3" + tokenizer.eos_token
+    assert main(["sft", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "sft: 12 examples, 4 per step, 2 steps" in out
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]  # console only, and still the record
+    assert (tmp_path / "run" / "report.html").is_file()
+    # a batch the data cannot fill names the key that was given and the one it became
+    assert main(["sft", *argv, "data.train_batch_size=40", "--overwrite"]) == 2
+    assert (
+        "sft.batch_size=40 (verl: data.train_batch_size) exceeds the 12 training examples"
+        in capsys.readouterr().err
+    )
+
+
+def test_trls_dataset_formats_are_recognised(tmp_path):
+    """TRL's SFT formats by their columns, with sft.* at its defaults: conversational `messages`,
+    prompt-completion and plain `text` (every token a target)."""
+    tokenizer = byte_tokenizer()
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"prompt": "2+2?", "completion": "4"},
+        {"text": "abc"},
+    ]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = load_config(None, [f"data.train_files=[{tmp_path / 'mixed.jsonl'}]"])
+    from hybridflow.offline.sft_data import load_examples
+
+    chat, completion, text = load_examples(config.data.train_files, tokenizer, config)
+    assert _targets(chat, tokenizer) == "yo<|im_end|>\n"
+    assert _targets(completion, tokenizer) == "4" + tokenizer.eos_token
+    assert text.loss_mask == [0] + [1] * (len(text.token_ids) - 1)
+    assert tokenizer.decode(text.token_ids).endswith("abc" + tokenizer.eos_token)

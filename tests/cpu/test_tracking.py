@@ -162,3 +162,40 @@ def test_progress_bars_on_a_terminal_only(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", quiet)
     RLTrainer(config(setup, tmp_path / "b", "trainer.total_training_steps=1", "trainer.progress=false")).fit()
     assert "steps:" not in quiet.getvalue() and "generate:" not in quiet.getvalue()
+
+
+def test_a_torn_last_line_is_dropped_and_history_is_cut_in_place(tmp_path):
+    """A full disk or a kill mid-write leaves a last line without its end: a resume drops it (the
+    same command resumes once space is freed). Lines past the checkpoint are cut off where they
+    start, in one truncate call, so a kill during the resume cannot lose the history before them."""
+    import os
+
+    from hybridflow.tracking.sinks import restore_last_row, truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2, 3, 4)]
+    path.write_text("".join(rows) + '{"step": 5, "x"')
+    inode = os.stat(path).st_ino
+    truncate_jsonl(path, 3)
+    assert path.read_text() == "".join(rows[:3]) and os.stat(path).st_ino == inode  # cut, not rewritten
+    restore_last_row(path, 3, {"step": 3, "x": 3})  # already there: not doubled
+    assert path.read_text() == "".join(rows[:3])
+    path.write_text("".join(rows[:2]) + '{"step": 3, "x')  # torn before the checkpoint's row was out
+    truncate_jsonl(path, 3)
+    restore_last_row(path, 3, {"step": 3, "x": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    # lines out of order (not one run's appends): the kept ones go to a new file that replaces it
+    path.write_text("".join(rows[:2]) + rows[3] + json.dumps({"step": 0, "val": 1}) + "\n")
+    truncate_jsonl(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 0]
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_console_logging_alone_still_writes_the_runs_record(setup, tmp_path):
+    """trainer.logger=console (verl's scripts often say so): metrics.jsonl and the report are the
+    run directory's record, written whatever the logger list says."""
+    trainer = RLTrainer(config(setup, tmp_path / "run", "trainer.logger=[console]", "trainer.total_training_steps=1",
+                               "trainer.progress=false", "trainer.val_before_train=false"))  # fmt: skip
+    trainer.fit()
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
+    assert (tmp_path / "run" / "report.html").is_file()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow import GRPOConfig, PPOConfig
+from hybridflow import GRPOConfig, PPOConfig, RLOOConfig
 from hybridflow.errors import UserError
 
 
@@ -92,3 +92,59 @@ def test_building_a_config_never_changes_the_presets():
     PPOConfig(batch_size=4, samples_per_prompt=2).to_config()
     again = PPOConfig(batch_size=4).to_config()
     assert (again.rollout.samples_per_prompt, again.data.prompts_per_step) == (1, 4)
+
+
+def test_trl_class_names_resolve_what_is_left_unset_to_trls_defaults():
+    """GRPOConfig / RLOOConfig given a few fields (or none) resolve the rest as TRL 1.16's classes
+    do, not to hybridflow's defaults; the start note says where hybridflow keeps its own."""
+    g = GRPOConfig(output_dir="runs/x")
+    c = g.to_config()
+    # TRL: 8 generations, 8 completions a device step and one update per generation -> 1 prompt
+    assert (c.rollout.samples_per_prompt, c.data.prompts_per_step, c.trainer.total_epochs) == (8, 1, 3)
+    assert (c.actor.use_kl_loss, c.actor.loss_agg_mode, c.data.max_response_tokens) == (
+        False,
+        "token-mean",
+        512,
+    )
+    assert (c.actor.optim.lr, c.actor.optim.lr_scheduler, c.actor.optim.weight_decay) == (1e-6, "linear", 0.0)
+    assert any("TRL's defaults, except bf16" in n for n in g.notes)
+    r = RLOOConfig(output_dir="runs/x").to_config()
+    assert (r.rollout.samples_per_prompt, r.data.prompts_per_step, r.trainer.total_epochs) == (2, 4, 3)
+    assert (r.algorithm.use_kl_in_reward, r.algorithm.kl_ctrl.kl_coef, r.algorithm.kl_penalty) == (
+        True,
+        0.05,
+        "kl",
+    )
+    assert not r.actor.use_kl_loss
+    # what the caller gives wins, by either name; the section's value too
+    c = GRPOConfig(num_generations=4, prompts_per_step=3, rollout={"temperature": 0.7}).to_config()
+    assert (c.rollout.samples_per_prompt, c.data.prompts_per_step, c.rollout.temperature) == (4, 3, 0.7)
+    assert GRPOConfig(samples_per_prompt=2).to_config().data.prompts_per_step == 4  # 8 completions
+    assert GRPOConfig(rollout={"samples_per_prompt": 4}).to_config().data.prompts_per_step == 2
+    # a recipe is the base: TRL's defaults do not override it
+    d = GRPOConfig(recipe="demo_arithmetic_grpo").to_config()
+    assert (d.rollout.samples_per_prompt, d.data.prompts_per_step) == (8, 4)
+
+
+def test_rloo_beta_is_a_kl_penalty_in_the_reward_as_in_trl():
+    """TRL's RLOO subtracts beta x (the sequence's summed k1 KL) from its reward before the
+    leave-one-out baseline. Worked by hand: rewards 1 and 0, KL sums 0.5 and 0.1, beta 0.2 ->
+    penalised 0.9 and -0.02 -> advantages 0.92 and -0.92."""
+    import torch
+
+    from hybridflow.algorithms.kl import kl_penalty
+    from hybridflow.controller.advantage import compute_advantages, token_level_rewards
+
+    c = RLOOConfig(beta=0.2).to_config()
+    assert (c.algorithm.use_kl_in_reward, c.algorithm.kl_ctrl.kl_coef, c.actor.use_kl_loss) == (
+        True,
+        0.2,
+        False,
+    )
+    mask = torch.ones(2, 2)
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-1.25, -1.25], [-1.05, -1.05]])  # k1 per token 0.25 / 0.05: sums 0.5 / 0.1
+    kl = kl_penalty(old, ref, c.algorithm.kl_penalty) * mask
+    rewards = token_level_rewards(torch.tensor([1.0, 0.0]), mask) - c.algorithm.kl_ctrl.kl_coef * kl
+    adv, _ = compute_advantages(c.algorithm, token_rewards=rewards, mask=mask, group_ids=[0, 0])
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.92, -0.92]))
