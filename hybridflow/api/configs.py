@@ -229,12 +229,10 @@ def trl_default_settings(args: RLConfig) -> tuple[dict[str, Any], list[str]]:
     """TRL's defaults as a settings tree, for every TRL field that `args` leaves unset (its sections
     and flat fields, merged later, still win), and the note that says where hybridflow differs."""
     d = args.TRL_DEFAULTS
-    unset = lambda name: (
-        getattr(args, name) is None
-        and all(  # noqa: E731
-            getattr(args, twin) is None for twin in _TWINS.get(name, ())
-        )
-    )
+
+    def unset(name: str) -> bool:
+        return getattr(args, name) is None and all(getattr(args, t) is None for t in _TWINS.get(name, ()))
+
     tree: dict[str, Any] = {}
     for name, key in _TRL_KEYS.items():
         if name in d and unset(name):
