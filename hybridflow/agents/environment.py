@@ -4,16 +4,20 @@ the episode's step rewards."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from hybridflow.agents.conversation import Conversation
 from hybridflow.agents.tool_loop import prompt_messages
-from hybridflow.agents.tools import call_with_deadline
+from hybridflow.agents.tools import DaemonThreads, call_with_deadline
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.batch import Prompt
+
+REWARD_LIMIT = 1e30  # float32 holds ~3.4e38: sums and advantages need room above one reward
+log = logging.getLogger(__name__)
 
 
 class Environment(Protocol):
@@ -22,6 +26,20 @@ class Environment(Protocol):
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         """The model's turn (its text) -> (observation or None, reward, done). May be async."""
+
+
+def step_reward(value) -> float:
+    """An environment's reward as a float, or ValueError: a string ("1.0 points"), NaN, inf or a
+    value float32 cannot hold (1e39) would otherwise end the run later, blamed on the learning rate."""
+    try:
+        reward = float(value) if not isinstance(value, (str, bytes)) else None
+    except (TypeError, ValueError):
+        reward = None
+    if reward is None:
+        raise ValueError(f"the reward {value!r} is not a number")
+    if not math.isfinite(reward) or abs(reward) > REWARD_LIMIT:
+        raise ValueError(f"the reward {value!r} is not a finite number of at most {REWARD_LIMIT:g} in size")
+    return reward
 
 
 @dataclass
@@ -46,9 +64,7 @@ class EnvAgentLoop:
     loop's own pool (asyncio's default has a handful)."""
 
     def __post_init__(self) -> None:
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            self.max_concurrent_steps, thread_name_prefix="agent-env"
-        )
+        self._threads = DaemonThreads(self.max_concurrent_steps, thread_name_prefix="agent-env")
 
     async def run(self, sample: Prompt, model) -> list[Trajectory]:
         env = self.make_env()
@@ -73,10 +89,12 @@ class EnvAgentLoop:
                 observation, reward, done = await call_with_deadline(
                     env.step, text, timeout_s=self.step_timeout_s, executor=self._threads
                 )
-            except Exception:
+                reward = step_reward(reward)
+            except Exception as e:  # the environment's failure ends its episode (agent/finish/error)
+                log.warning("an environment step failed, its episode ends: %s: %s", type(e).__name__, e)
                 finish = "error"
                 break
-            conv.current.turn_rewards.append(float(reward))
+            conv.current.turn_rewards.append(reward)
             if done:
                 finish = "stop"
                 break

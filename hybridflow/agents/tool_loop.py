@@ -5,14 +5,13 @@ tool messages, until the model answers without a call or a limit is reached."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridflow.agents.conversation import Conversation
-from hybridflow.agents.tools import Tool, ToolResult, set_current_sample
+from hybridflow.agents.tools import DaemonThreads, Tool, ToolResult, set_current_sample
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.batch import Prompt
 from hybridflow.serve.tool_calls import parse_tool_calls, tool_format
@@ -91,9 +90,7 @@ class ToolAgentLoop:
         self._slots: tuple[object, asyncio.Semaphore] | None = None
         # plain-function tools run here: as many threads as calls may run at once (asyncio's default
         # pool has min(32, CPUs + 4)), so slow or hung calls do not queue the others behind them
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            self.max_concurrent_tools, thread_name_prefix="agent-tool"
-        )
+        self._threads = DaemonThreads(self.max_concurrent_tools, thread_name_prefix="agent-tool")
 
     def _semaphore(self) -> asyncio.Semaphore:
         """One per event loop (a semaphore belongs to the loop it first waited in)."""
@@ -104,7 +101,7 @@ class ToolAgentLoop:
 
     async def _call(self, call: dict) -> ToolResult:
         fn = call["function"]
-        tool = self.by_name.get(fn["name"])
+        tool = self.by_name.get(fn["name"]) if isinstance(fn.get("name"), str) else None
         if tool is None:
             return ToolResult(
                 f"error: no tool named {fn['name']!r}; tools: {', '.join(self.by_name)}", False, 0.0
@@ -122,7 +119,8 @@ class ToolAgentLoop:
                 continue
             if (
                 isinstance(obj, dict)
-                and obj.get("name") in self.by_name
+                and isinstance(obj.get("name"), str)
+                and obj["name"] in self.by_name
                 and isinstance(obj.get("arguments"), dict)
             ):
                 calls.append(

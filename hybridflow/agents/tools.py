@@ -5,23 +5,96 @@ deadline and its output capped, and a failure comes back as text for the model, 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
 import inspect
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 
+class DaemonThreads(concurrent.futures.Executor):
+    """Up to `max_workers` daemon threads for the user's plain functions (tools, environments). A
+    call that never returns is given up on at its deadline and cannot be stopped; in a daemon thread
+    it also does not hold the interpreter at exit, as ThreadPoolExecutor's workers (joined at exit)
+    would: a run that finished would hang there."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "hybridflow") -> None:
+        self._max, self._prefix = max_workers, thread_name_prefix
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit after shutdown")
+            self._work.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._prefix}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # SystemExit too: it is the call's outcome, not this thread's
+                    future.set_exception(e)
+            del item, future, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Idle threads end; a thread stuck in a call ends with the process (it is a daemon)."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._work.put(None)
+
+
+_DEFAULT_THREADS = DaemonThreads(32, "hybridflow-call")
+
+
+class CalledExit(RuntimeError):
+    """The user's function called exit(): the call failed, the run goes on."""
+
+
 async def call_with_deadline(fn: Callable, *args, timeout_s: float, executor=None, **kwargs):
     """`fn(*args, **kwargs)` awaited (a coroutine function, cancelled at the deadline) or run in a
-    thread of `executor` (asyncio's default when None, a handful of threads; given up on at the
-    deadline: Python cannot stop a thread). The caller's context variables go with it."""
+    thread of `executor` (DaemonThreads; a shared pool of them when None; given up on at the
+    deadline: Python cannot stop a thread). The caller's context variables go with it. A function
+    that calls exit() fails with CalledExit instead of ending the run."""
+    name = getattr(fn, "__qualname__", repr(fn))
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+
+        async def guarded():  # asyncio re-raises a task's SystemExit out of the event loop itself
+            try:
+                return await fn(*args, **kwargs)
+            except SystemExit as e:
+                raise CalledExit(f"{name} called exit({e.code!r})") from None
+
+        return await asyncio.wait_for(guarded(), timeout_s)
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, call), timeout_s)
+    future = asyncio.get_running_loop().run_in_executor(executor or _DEFAULT_THREADS, call)
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except SystemExit as e:
+        raise CalledExit(f"{name} called exit({e.code!r})") from None
 
 
 _SAMPLE: contextvars.ContextVar = contextvars.ContextVar("hybridflow_agent_sample")

@@ -94,3 +94,15 @@ def write_guess_game(tmp_path):
     ]  # fmt: skip
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return tmp_path / "model", tmp_path / "rows.jsonl"
+
+
+class HungEnvironment:
+    """An environment whose step never returns (a hung simulator)."""
+
+    def reset(self, sample):
+        return "Guess."
+
+    def step(self, action):
+        import threading
+
+        threading.Event().wait()

@@ -4,6 +4,7 @@ episodes at once on the engine with loss masks."""
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,74 @@ def test_training_on_environment_and_tool_episodes(tmp_path):
         if name == "env":  # a random model rarely guesses right in 3 turns: the turns go on
             assert any(m["agent/turns_mean"] > 1 for m in steps)
             assert all(0.0 <= m["critic/score/mean"] <= 1.0 for m in steps)
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    ["1.0 points", float("nan"), 1e39, float("inf"), "exit", "async-exit"],
+)
+def test_an_environment_that_misbehaves_ends_its_own_episode(outcome):
+    """A reward that is not a finite number, or exit() inside step (plain or async), is that
+    episode's error (agent/finish/error), not the run's end or a NaN blamed on the learning rate."""
+    import sys
+
+    tok = _tokenizer()
+
+    class Hostile(GuessTheNumber):
+        def step(self, action):
+            if outcome == "exit":
+                sys.exit(0)
+            return "again", outcome, False
+
+    class AsyncHostile(GuessTheNumber):
+        async def step(self, action):
+            sys.exit(0)
+
+    env = AsyncHostile if outcome == "async-exit" else Hostile
+    (episode,) = asyncio.run(EnvAgentLoop(tok, env, max_turns=3).run(_prompt(), Scripted(tok, ["3", "4"])))
+    assert episode.finish_reason == "error" and episode.turn_rewards == [] and episode.turns == 1
+
+
+def test_a_fenced_call_whose_name_is_not_a_string_is_not_a_call():
+    tok = _tokenizer()
+    turns = ['```json\n{"name": ["add"], "arguments": {"a": 1, "b": 2}}\n```', "3"]
+    (episode,) = asyncio.run(ToolAgentLoop(tok, [add]).run(_prompt(), Scripted(tok, turns)))
+    assert episode.finish_reason == "stop" and episode.tool_calls == 0
+
+
+def test_a_hung_tool_or_environment_does_not_hold_the_process_at_exit(tmp_path):
+    """A plain-function tool and an environment step that never return: their episodes time out,
+    and the process ends when its work is done (ThreadPoolExecutor's workers would be joined at
+    exit, for ever)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "hung.py"
+    script.write_text(
+        textwrap.dedent(f'''
+        import asyncio, sys, threading
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from agent_helpers import HungEnvironment, Scripted, _prompt, _tokenizer
+        from hybridflow.agents import EnvAgentLoop, ToolAgentLoop
+
+        def never(x: int) -> int:
+            """Never returns.
+
+            Args:
+                x: anything
+            """
+            threading.Event().wait()
+
+        tok = _tokenizer()
+        call = '<tool_call>{{"name": "never", "arguments": {{"x": 1}}}}</tool_call>'
+        loop = ToolAgentLoop(tok, [never], tool_timeout_s=0.5)
+        (tool,) = asyncio.run(loop.run(_prompt(), Scripted(tok, [call, "done"])))
+        env = EnvAgentLoop(tok, HungEnvironment, step_timeout_s=0.5)
+        (stuck,) = asyncio.run(env.run(_prompt(), Scripted(tok, ["3"])))
+        print("episodes", tool.tool_failures, stuck.finish_reason, flush=True)
+    ''')
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "episodes 1 error" in done.stdout
