@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hybridflow import run_manifest
+from hybridflow.disk_full import DiskFull, full_disk, size
 from hybridflow.errors import UserError
 from hybridflow.permissions import as_user_files
 
@@ -202,11 +203,13 @@ def save_checkpoint(
         shutil.rmtree(leftover, ignore_errors=True)
     run_manifest.forget(run_dir, stale)
     free = shutil.disk_usage(root).free
+    earlier = latest_checkpoint_name(run_dir)
+    intact = f"; {earlier} is intact" if earlier else ""
     if free < needed_bytes:  # a disk that fills up half-way leaves an obscure writer error
-        raise UserError(
-            f"checkpoint global_step_{step} needs about {needed_bytes / 1e9:.1f} GB in {root} but only "
-            f"{free / 1e9:.1f} GB are free; free some space, lower trainer.keep_last_checkpoints, or move "
-            "trainer.run_dir"
+        raise DiskFull(
+            f"checkpoint global_step_{step} needs about {size(needed_bytes)} in {root} but only "
+            f"{size(free)} are free{intact}; free some space (then run the same command), lower "
+            "trainer.keep_last_checkpoints, or move trainer.run_dir"
         )
     tmp = root / f".tmp-global_step_{step}-{secrets.token_hex(4)}"
     try:
@@ -228,15 +231,17 @@ def save_checkpoint(
         run_manifest.record(run_dir, target)
         os.replace(tmp, target)
         run_manifest.forget(run_dir, [tmp])
-    except OSError as e:  # disk full, quota, read-only or unwritable folder, ...
+    except Exception as e:  # disk full, quota, read-only or unwritable folder, ...
         shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(OSError):
             run_manifest.forget(run_dir, [tmp])
-        earlier = latest_checkpoint_name(run_dir)
-        raise UserError(
-            f"checkpoint global_step_{step} could not be written in {root}: {e.strerror or e} "
-            f"({e.filename or 'while writing'}); nothing of it was kept"
-            + (f", and {earlier} is intact" if earlier else "")
+        why = full_disk(e) or (e.strerror if isinstance(e, OSError) else None)
+        if why is None:
+            raise
+        raise (DiskFull if full_disk(e) else UserError)(
+            f"checkpoint global_step_{step} could not be written in {root}: {why} "
+            f"({getattr(e, 'filename', None) or 'while writing'}); nothing of it was kept{intact}"
+            + ("; free space and run the same command to go on from it" if earlier and full_disk(e) else "")
         ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

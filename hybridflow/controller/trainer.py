@@ -48,6 +48,7 @@ from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import expandable_cuda_segments, resolve_device, use_free_cores
+from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
@@ -226,6 +227,8 @@ class RLTrainer:
                     self.stream.close()
             if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
                 raise oom from e
+            if (full := disk_full_error(e, self.run_dir, self.last_checkpoint)) is not None:
+                raise full from e
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
             self.progress.close()

@@ -27,6 +27,7 @@ from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import resolve_device
+from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
@@ -94,6 +95,7 @@ class OfflineTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, c.actor.optim, self.total_steps)
         self.loss_scale = LossScale(c.actor.compute_dtype)  # float16's; 1 otherwise
         self.step = 0
+        self.last_checkpoint: Path | None = None
         self.setup()
         self._resume()
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
@@ -142,11 +144,18 @@ class OfflineTrainer:
                     progress.update()
                 if stop.requested:
                     stop_with_checkpoint(self, stop.requested, saves=True)
+        except Exception as e:
+            if (full := disk_full_error(e, self.run_dir, self.last_checkpoint)) is not None:
+                raise full from e
+            raise
         finally:
             progress.close()
-            from hybridflow.report import write_report
+            try:
+                from hybridflow.report import write_report
 
-            print(f"report: {write_report([self.run_dir])}", flush=True)
+                print(f"report: {write_report([self.run_dir])}", flush=True)
+            except Exception as e:  # a report must never hide how the run ended (a full disk, ...)
+                print(f"report not written ({type(e).__name__}: {e})", flush=True)
         for sink in self.sinks:
             sink.close()
         self.run_lock.release()  # the directory is free for the next run

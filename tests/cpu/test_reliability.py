@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 
@@ -263,7 +265,10 @@ def test_planted_pickles_in_sharded_state_are_refused_not_run(tmp_path, monkeypa
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_a_save_that_fails_half_way_says_why_and_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("writer", ["os", "safetensors", "torch.save"])
+def test_a_save_that_fails_half_way_says_why_and_keeps_the_previous_checkpoint(tmp_path, writer):
+    """Each writer says a full disk its own way (an OSError; safetensors' SafetensorError; torch.save's
+    RuntimeError over the OSError): one line, the previous checkpoint named intact."""
     import errno
 
     first = _save(tmp_path, 1)
@@ -271,7 +276,12 @@ def test_a_save_that_fails_half_way_says_why_and_keeps_the_previous_checkpoint(t
     def disk_fills(directory):
         (directory / "actor_state").mkdir()
         (directory / "actor_state" / "part").write_bytes(b"x" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "actor_state" / "part"))
+        full = OSError(errno.ENOSPC, "No space left on device", str(directory / "actor_state" / "part"))
+        if writer == "os":
+            raise full
+        if writer == "safetensors":
+            raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0") from full
 
     with pytest.raises(
         UserError,
@@ -452,3 +462,48 @@ def test_a_kill_while_the_written_list_is_rewritten_does_not_block_the_resume(tm
     check_run_dir(tmp_path, resume="auto", overwrite=False)  # resumable, not "files it did not write"
     _save(tmp_path, 2)
     assert not (tmp_path / ".hybridflow-written.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_stops_in_one_line_and_the_same_command_resumes(setup, tmp_path):
+    """A real small disk (a tmpfs in a mount namespace of the test's own): the run stops at the save
+    that does not fit with one line naming the intact checkpoint (exit 2); once there is room, the
+    same command resumes from it and finishes."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train = [
+        sys.executable, "-m", "hybridflow.cli", "train", f"model.path={setup / 'model'}",
+        f"data.train_files=[{setup / 'prompts.jsonl'}]", "data.max_response_tokens=8", "data.prompts_per_step=8",
+        "rollout.samples_per_prompt=2", "actor.compute_dtype=float32", f"reward.custom_function_path={setup / 'reward.py'}",
+        "reward.num_workers=0", f"trainer.run_dir={disk / 'run'}", "trainer.total_training_steps=3",
+        "trainer.save_freq=1", "trainer.progress=false", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+    ]  # fmt: skip
+    command = " ".join(f"'{a}'" for a in train)
+    script = f"""
+        set -u
+        mount -t tmpfs -o size=2600k tmpfs {disk}
+        {command} > {tmp_path}/first.out 2> {tmp_path}/first.err; echo $? > {tmp_path}/first.rc
+        mount -o remount,size=64m {disk}
+        {command} > {tmp_path}/second.out 2> {tmp_path}/second.err; echo $? > {tmp_path}/second.rc
+        ls {disk}/run/checkpoints > {tmp_path}/kept
+    """
+    userns = [] if os.geteuid() == 0 else ["--map-root-user"]
+    done = subprocess.run(["unshare", "--mount", *userns, "sh", "-c", script], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # fmt: skip
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+    first_err = (tmp_path / "first.err").read_text().strip().splitlines()
+    assert (tmp_path / "first.rc").read_text().strip() == "2", first_err[-5:]
+    assert re.search(
+        r"hybridflow: error: .*(No space left on device|are free).*global_step_1 is intact", first_err[-1]
+    )
+    assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-2000:]
+    assert "resumed from" in (tmp_path / "second.out").read_text()
+    assert (tmp_path / "kept").read_text().split() == ["global_step_3"]
