@@ -47,14 +47,31 @@ mount -t tmpfs -o size=${HF_SANDBOX_DISK},mode=1777 tmpfs /tmp
 mkdir -m 1777 /tmp/.var-tmp /tmp/.shm
 [ -d /var/tmp ] && [ ! -L /var/tmp ] && mount --bind /tmp/.var-tmp /var/tmp
 [ -d /dev/shm ] && [ ! -L /dev/shm ] && mount --bind /tmp/.shm /dev/shm
-for d in /run /var/run /dev/mqueue $HF_SANDBOX_HIDE; do
+# one path a line (a name with spaces stays one path); the caller refuses names with a newline
+printf '/run\n/var/run\n/dev/mqueue\n%s\n' "$HF_SANDBOX_HIDE" | while IFS= read -r d; do
+  [ -n "$d" ] || continue
   if [ -d "$d" ] && [ ! -L "$d" ]; then mount -t tmpfs -o size=1k,mode=0555 tmpfs "$d"
   elif [ -f "$d" ]; then mount --bind /dev/null "$d"; fi
 done
-awk '{print $5}' /proc/self/mountinfo | while read -r m; do
-  case "$m" in /proc|/proc/*|/dev|/dev/pts|/tmp|/var/tmp|/dev/shm) ;;
-    *) mount -o remount,bind,ro "$m" 2>/dev/null || true ;; esac
+# every other mount read-only; mountinfo escapes a space in a mount point as \040 (octal)
+mounts() { awk '{ m = $5; out = "";
+  while (match(m, /\\[0-7][0-7][0-7]/)) {
+    c = substr(m, RSTART + 1, 3); v = (substr(c, 1, 1) * 64) + (substr(c, 2, 1) * 8) + substr(c, 3, 1)
+    out = out substr(m, 1, RSTART - 1) sprintf("%c", v); m = substr(m, RSTART + 4) }
+  print $6 " " out m }' /proc/self/mountinfo; }
+writable() { case "$1" in /proc|/proc/*|/dev|/dev/pts|/tmp|/var/tmp|/dev/shm) return 0;; esac; return 1; }
+mounts | while IFS= read -r line; do
+  m="${line#* }"; writable "$m" || mount -o remount,bind,ro "$m" 2>/dev/null || :
 done
+# fail closed: a mount that is still writable means no program runs (the kernel's own files under
+# /sys are the host root's, which the program's user cannot write)
+mounts | while IFS= read -r line; do
+  options="${line%% *}"; m="${line#* }"
+  case ",$options," in *,ro,*) continue;; esac
+  case "$m" in /sys|/sys/*) continue;; esac
+  writable "$m" && continue
+  echo "sandbox: $m could not be made read-only; the program was not run" >&2; exit 125
+done || exit 125
 cd /tmp
 set +e
 # not exec'd: this shell stays the namespace's init, so killing it (or its parent dying) kills all.
@@ -91,8 +108,39 @@ class SandboxResult:
         return self.returncode == 0 and not self.timed_out and not self.output_truncated
 
 
-def _child_setup(limits: SandboxLimits, cgroup_procs: list[str]) -> None:
-    """preexec: die with the scorer, join the program's cgroup, set the limits everything inherits."""
+def hidden_paths(hide) -> list[str]:
+    """What the program must not see: `hide`, and for an ordinary user the home directory (its
+    ~/.netrc, ~/.ssh, tokens and data copies). Where the interpreter lives in the home, the home's
+    other entries instead. A name with a newline is refused (the inner shell reads one a line)."""
+    paths = [Path(h).resolve() for h in hide]
+    home = Path(os.path.expanduser("~")).resolve()
+    if os.geteuid() != 0 and home != Path("/") and home.is_dir():
+        python = Path(sandbox_python()).resolve()
+        if home in python.parents:
+            paths += [e for e in home.iterdir() if not (e == python or e in python.parents)]
+        else:
+            paths.append(home)
+    for p in paths:
+        if "\n" in str(p):
+            raise ValueError(f"cannot hide {str(p)!r} in the sandbox: its name holds a newline")
+    return [str(p) for p in paths]
+
+
+def user_tasks() -> int:
+    """Processes and threads of this user now: what RLIMIT_NPROC counts (its threads too)."""
+    uid, count = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                count += len(os.listdir(f"/proc/{pid}/task"))
+    return count
+
+
+def _child_setup(limits: SandboxLimits, cgroup_procs: list[str], used: int) -> None:
+    """preexec: die with the scorer, join the program's cgroup, set the limits everything inherits.
+    `used`: this user's tasks when the program starts (an ordinary user's limit counts them all)."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     for path in cgroup_procs:
         with open(path, "w") as f:
@@ -102,8 +150,7 @@ def _child_setup(limits: SandboxLimits, cgroup_procs: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.geteuid() != 0:  # counts all this user's processes: leave room for those running now
-        used = len([p for p in os.listdir("/proc") if p.isdigit()])
+    if os.geteuid() != 0:  # counts all this user's processes and threads: leave room for those running now
         resource.setrlimit(resource.RLIMIT_NPROC, (used + limits.processes, used + limits.processes))
     elif not cgroup_procs:  # as root the limit applies once setpriv has made the program `nobody`
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
@@ -170,6 +217,7 @@ def run_python(
             open(base / "stderr.txt", "wb") as ferr,
         ):
             root = os.geteuid() == 0
+            used = 0 if root else user_tasks()
             env = {
                 "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
                 "LANG": "C.UTF-8",
@@ -180,7 +228,7 @@ def run_python(
                 "HF_SANDBOX_FILTER": f"/dev/fd/{seccomp_filter.fileno()}",
                 "HF_SANDBOX_PROGRAM": f"/dev/fd/{program.fileno()}",
                 "HF_SANDBOX_DISK": f"{limits.disk_mb}m",
-                "HF_SANDBOX_HIDE": " ".join(str(Path(h).resolve()) for h in hide),
+                "HF_SANDBOX_HIDE": "\n".join(hidden_paths(hide)),
                 "HF_SANDBOX_DROP": f"--reuid={NOBODY} --regid={NOBODY} --clear-groups" if root else "",
             }
             namespaces = [
@@ -204,7 +252,7 @@ def run_python(
             proc = subprocess.Popen(
                 command, stdin=fin, stdout=fout, stderr=ferr, env=env, start_new_session=True,
                 pass_fds=(program.fileno(), lockdown.fileno(), seccomp_filter.fileno()),
-                preexec_fn=lambda: _child_setup(limits, cgroup.join_paths if cgroup else []),  # noqa: PLW1509
+                preexec_fn=lambda: _child_setup(limits, cgroup.join_paths if cgroup else [], used),  # noqa: PLW1509
             )  # fmt: skip
             timed_out = False
             try:

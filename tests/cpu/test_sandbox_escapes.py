@@ -284,3 +284,72 @@ def test_the_cgroup_v1_layout_caps_memory_and_processes(tmp_path):
         pids / "pids.max"
     ).read_text() == "16"
     assert not (memory / "memory.memsw.limit_in_bytes").exists()  # swap accounting off: not made up
+
+
+def test_paths_with_spaces_are_hidden_and_mounts_with_spaces_made_read_only():
+    """The hide list is one path a line (a shell split 'my data' into two names, neither hidden),
+    and a host mount point with a space is made read-only too (mountinfo writes it as \\040)."""
+    base = "/var/lib" if os.access("/var/lib", os.W_OK) else str(Path.home())
+    hidden = Path(tempfile.mkdtemp(prefix="hybridflow secret ", dir=base))
+    (hidden / "token").write_text("secret")
+    mount_point = Path(tempfile.mkdtemp(prefix="hybridflow mount ", dir=base))
+    mounted = ROOT and subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount_point)]).returncode == 0
+    try:
+        os.chmod(mount_point, 0o777)
+        program = (
+            "import os\n"
+            f"print(sorted(os.listdir({str(hidden)!r})))\n"
+            f"try:\n    open({str(mount_point / 'x')!r}, 'w').write('x'); print('wrote')\n"
+            "except OSError as e:\n    print('refused', e.strerror)\n"
+        )
+        r = sandbox.run_python(program, hide=[str(hidden)])
+        assert r.ok, r.stderr
+        assert r.stdout.splitlines() == ["[]", "refused Read-only file system"], r.stdout
+        assert not (mount_point / "x").exists()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mount_point)])
+        shutil.rmtree(hidden, ignore_errors=True)
+        shutil.rmtree(mount_point, ignore_errors=True)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to become an ordinary user")
+def test_an_ordinary_users_threads_elsewhere_leave_the_program_its_processes():
+    """RLIMIT_NPROC counts a user's threads, not only the processes /proc lists: with 300 threads
+    held by another of the user's processes, the sandboxed program can still start a child, and
+    the user's home (~/.netrc) is hidden from it."""
+    home = Path(
+        tempfile.mkdtemp(prefix="hybridflow-user-", dir="/var/lib")
+    )  # not /tmp: the sandbox has its own
+    os.chmod(home, 0o755)
+    try:
+        python = _user_copy(home)
+        (home / ".netrc").write_text("machine example.com password hunter2\n")
+        subprocess.run(["chown", "-R", "65534:65534", str(home / ".netrc")], check=True)
+        user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home)}
+        holder = subprocess.Popen(
+            [*user, str(python), "-c", "import threading, time\n"
+             "[threading.Thread(target=time.sleep, args=(120,), daemon=True).start() for _ in range(300)]\n"
+             "print('ready', flush=True); time.sleep(120)"],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            program = (
+                "import os, subprocess, sys\n"
+                "print(subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True).stdout.strip())\n"
+                f"print(os.path.exists({str(home / '.netrc')!r}))\n"
+            )
+            run = subprocess.run(
+                [*user, str(python), "-c", "import sys\nfrom hybridflow.rewards import sandbox\n"
+                 "r = sandbox.run_python(sys.argv[1])\nprint(repr(r.stdout), r.ok, repr(r.stderr[-300:]))", program],
+                capture_output=True, text=True, timeout=120, env=env, cwd=home,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert run.stdout.startswith("'7\\nFalse\\n' True"), run.stdout
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
