@@ -41,6 +41,16 @@ OURS_INSIDE = {
 
 
 def check_run_dir(run_dir: Path, *, resume: str, overwrite: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(
+            f"trainer.run_dir {run_dir} is a file, not a directory; choose another trainer.run_dir"
+        )
+    writable_parent = next((p for p in (run_dir, *run_dir.absolute().parents) if p.exists()), None)
+    if writable_parent is not None and not os.access(writable_parent, os.W_OK | os.X_OK):
+        raise UserError(
+            f"trainer.run_dir {run_dir} cannot be written: {writable_parent} is not writable by this user; "
+            "choose another trainer.run_dir"
+        )
     if not run_dir.exists():
         return
     names = {p.name for p in run_dir.iterdir()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,10 +20,26 @@ from hybridflow.config.schema import DataConfig
 from hybridflow.data.files import json_default
 from hybridflow.errors import UserError
 
-FORMAT = 2  # bump when the layout, the rendering or the row checks change (2: nesting depth)
+FORMAT = 3  # bump when the layout, the rendering or the row checks change (2: nesting depth, 3: digests)
+CACHED_FILES = ("tokens.npy", "offsets.npy", "prompts.jsonl")
 # the data.* fields a cached prompt depends on
 PROMPT_FIELDS = ("prompt_key", "answer_key", "data_source", "max_prompt_tokens", "overlong_prompts",
                  "on_bad_row", "apply_chat_template", "chat_template_kwargs", "system_prompt")  # fmt: skip
+
+
+log = logging.getLogger(__name__)
+
+
+class Damaged(Exception):
+    """A cache folder that cannot be used as it is."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -57,14 +74,25 @@ class PackedDataset:
     reads them from the cache, tokenizing (and caching) on the first use."""
 
     def __init__(self, directory: Path) -> None:
+        """Raises Damaged when a file is missing, unreadable, or not what was written (its sha256)."""
         self.directory = directory
-        header = json.loads((directory / "header.json").read_text(encoding="utf-8"))
-        self.rows, self.overlong = header["rows"], header["overlong"]
-        self.bad, self.unreadable = header.get("bad", []), header.get("unreadable_lines", 0)
-        self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")  # [total tokens] int32
-        self.offsets = np.load(directory / "offsets.npy")  # [prompts + 1] int64
-        with (directory / "prompts.jsonl").open(encoding="utf-8") as f:
-            self.meta = [json.loads(line) for line in f]
+        try:
+            header = json.loads((directory / "header.json").read_text(encoding="utf-8"))
+            for name in CACHED_FILES:
+                if _sha256(directory / name) != header["sha256"][name]:
+                    raise Damaged(f"{name} is not the file that was written")
+            self.rows, self.overlong = header["rows"], header["overlong"]
+            self.bad, self.unreadable = header.get("bad", []), header.get("unreadable_lines", 0)
+            self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")  # [total tokens] int32
+            self.offsets = np.load(directory / "offsets.npy")  # [prompts + 1] int64
+            with (directory / "prompts.jsonl").open(encoding="utf-8") as f:
+                self.meta = [json.loads(line) for line in f]
+            if len(self.offsets) != len(self.meta) + 1 or self.offsets[-1] != len(self.tokens):
+                raise Damaged("its token offsets do not match its prompts")
+        except Damaged:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:  # (json's errors are ValueErrors)
+            raise Damaged(f"{type(e).__name__}: {e}") from e
 
     @classmethod
     def load(
@@ -88,7 +116,19 @@ class PackedDataset:
             cls._build(
                 path, tokenizer, config, directory, truth_sources
             )  # rows_to_prompts logs overlong ones
-        packed = cls(directory)
+        try:
+            packed = cls(directory)
+        except Damaged as e:  # ours and derived: made again, never trusted
+            if built:
+                raise UserError(
+                    f"the tokenized prompts of {path} written to {directory} read back wrong: {e}"
+                ) from e
+            log.warning(
+                "the tokenized prompts cached in %s are damaged (%s): tokenizing %s again", directory, e, path
+            )
+            shutil.rmtree(directory, ignore_errors=True)
+            cls._build(path, tokenizer, config, directory, truth_sources)
+            packed, built = cls(directory), True
         if not built:
             warn_overlong(path, packed.overlong, packed.rows, config.max_prompt_tokens)
         warn_bad_rows(path, packed.bad, packed.rows + packed.unreadable)
@@ -118,7 +158,8 @@ class PackedDataset:
                         "extra_info": p.extra_info, "text": p.text, "messages": p.messages}  # fmt: skip
                 f.write(json.dumps(meta, ensure_ascii=False, default=json_default) + "\n")
         overlong = len(rows) - len(prompts) - (len(bad) - unreadable)
-        header = {"rows": len(rows), "overlong": overlong, "bad": bad, "unreadable_lines": unreadable}
+        header = {"rows": len(rows), "overlong": overlong, "bad": bad, "unreadable_lines": unreadable,
+                  "sha256": {name: _sha256(tmp / name) for name in CACHED_FILES}}  # fmt: skip
         (tmp / "header.json").write_text(json.dumps(header), encoding="utf-8")
         if (directory / "header.json").is_file():  # another process built it meanwhile: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)

@@ -73,6 +73,8 @@ def load_tokenizer(
     """The tokenizer of `path` alone (with a pad token), as `load_causal_lm` would return it."""
     p = _model_path(path, cache_dir)
     if p.is_file():
+        if p.suffix != ".gguf":
+            raise UserError(f"model file {path} is not a .gguf file; pass an HF model directory or a .gguf")
         tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)

@@ -70,6 +70,29 @@ def test_a_half_written_cache_folder_is_not_used(files, tmp_path):
     assert load_prompts(files[:1], tok, CONFIG, cache_root=cache) == load_prompts(files[:1], tok, CONFIG)
 
 
+@pytest.mark.parametrize("damage", ["token", "header", "offsets", "missing"])
+def test_a_damaged_cache_folder_is_tokenized_again_not_trusted(files, tmp_path, damage):
+    """A changed token id (one flipped number in tokens.npy), a torn header, offsets that do not
+    match, a missing file: each is seen (digests and shapes), said, and the prompts tokenized again."""
+    import numpy as np
+
+    tok, cache = byte_tokenizer(), tmp_path / "cache"
+    fresh = load_prompts(files[:1], tok, CONFIG)
+    load_prompts(files[:1], tok, CONFIG, cache_root=cache)
+    (folder,) = (cache / "prompts").iterdir()
+    if damage == "token":
+        tokens = np.load(folder / "tokens.npy")
+        tokens[3] += 1
+        np.save(folder / "tokens.npy", tokens)
+    elif damage == "header":
+        (folder / "header.json").write_text('{"rows": 5, "over')
+    elif damage == "offsets":
+        np.save(folder / "offsets.npy", np.array([0, 1], dtype=np.int64))
+    else:
+        (folder / "prompts.jsonl").unlink()
+    assert load_prompts(files[:1], tok, CONFIG, cache_root=cache) == fresh
+
+
 def test_errors_name_the_file(tmp_path):
     with pytest.raises(UserError, match="data file not found: .*missing.jsonl"):
         load_prompts([str(tmp_path / "missing.jsonl")], byte_tokenizer(), CONFIG, cache_root=tmp_path)
