@@ -270,3 +270,14 @@ def test_log_val_generations_writes_each_validations_first_responses(setup, tmp_
     assert all(f"q{i}" in r["prompt"] for r, i in zip(rows, [0, 1, 2] * 2, strict=True))  # prompt order
     assert all(set(r) == {"step", "data_source", "prompt", "response", "score", "pred"} for r in rows)
     assert all(isinstance(r["response"], str) and isinstance(r["score"], float) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "truth, answer",
+    [(r"\frac{3}{4}", "0.75"), ("11", "11.0"), ("1024", "1,024"), (r"2\sqrt{2}", r"2\sqrt2"), ("3/4", r"\frac34")],
+)
+def test_the_math_scorer_compares_values_where_verls_compares_strings(truth, answer):
+    """docs/config.md's deliberate difference: each form scores 1 here (verl's math_reward: 0)."""
+    from hybridflow.rewards.scorers import compute_score
+
+    assert compute_score("lighteval/MATH", rf"The answer is \boxed{{{answer}}}.", truth)["acc"] == 1.0
