@@ -274,7 +274,13 @@ def test_log_val_generations_writes_each_validations_first_responses(setup, tmp_
 
 @pytest.mark.parametrize(
     "truth, answer",
-    [(r"\frac{3}{4}", "0.75"), ("11", "11.0"), ("1024", "1,024"), (r"2\sqrt{2}", r"2\sqrt2"), ("3/4", r"\frac34")],
+    [
+        (r"\frac{3}{4}", "0.75"),
+        ("11", "11.0"),
+        ("1024", "1,024"),
+        (r"2\sqrt{2}", r"2\sqrt2"),
+        ("3/4", r"\frac34"),
+    ],
 )
 def test_the_math_scorer_compares_values_where_verls_compares_strings(truth, answer):
     """docs/config.md's deliberate difference: each form scores 1 here (verl's math_reward: 0)."""
