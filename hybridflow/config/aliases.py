@@ -497,6 +497,10 @@ DEFERRED_DOCS = {
 }
 
 
+# verl keys of a free-form mapping: each entry of theirs is an entry of ours
+MAPPING_PREFIXES = {"custom_reward_function.reward_kwargs": "reward.custom_function_kwargs"}
+
+
 def all_alias_keys() -> list[str]:
     return [*VERL, *DEFERRED]
 

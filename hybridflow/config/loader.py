@@ -164,6 +164,9 @@ def _translate(
     deferred: dict[str, Any] = {}
     verl_values: dict[str, Any] = {}
     for key, value in items:
+        for prefix, ours in aliases.MAPPING_PREFIXES.items():  # verl's free-form mappings
+            if key.startswith(prefix + "."):
+                key, value = ours, {key[len(prefix) + 1 :]: value}
         if key in aliases.DEFERRED:
             deferred[key] = value
         if key in table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridflow.config.checks import check_choice
 
@@ -24,6 +25,9 @@ class RewardConfig:
     """A Python file defining the reward function (verl's custom_reward_function.path)."""
     custom_function_name: str = "compute_score"
     """The function's name in that file (verl's custom_reward_function.name)."""
+    custom_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the function is called with, besides the sample's (verl's
+    custom_reward_function.reward_kwargs): reward.custom_function_kwargs.scale=2."""
     max_abs: float = 1e6
     """A score whose magnitude exceeds this is an error (counted in reward/errors, scored 0): 1e39
     is a finite float64 and an infinite float32."""

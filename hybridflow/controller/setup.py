@@ -11,6 +11,7 @@ from hybridflow.checkpoint import NO_CHECKPOINTS, writes_checkpoints
 from hybridflow.config.schema import Config
 from hybridflow.controller.async_checks import check_async
 from hybridflow.errors import UserError, closest
+from hybridflow.models.lora import lora_reference
 
 
 def sequences_per_step(config: Config) -> int:
@@ -127,6 +128,12 @@ def step_plan(config: Config, total_steps: int, num_prompts: int, steps_per_epoc
             else ""
         )
         + ("" if writes_checkpoints(c.trainer.save_freq) else f" | {NO_CHECKPOINTS}")
+        + (
+            " | ref.offload_params has nothing to offload: with LoRA the reference is the policy's base "
+            "with the adapters off"
+            if c.ref.offload_params and lora_reference(c)
+            else ""
+        )
     )
 
 

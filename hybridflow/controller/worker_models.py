@@ -19,7 +19,7 @@ from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
 from hybridflow.models.loading import load_tokenizer
-from hybridflow.models.lora import has_adapters
+from hybridflow.models.lora import has_adapters, lora_reference
 from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
 
@@ -43,11 +43,14 @@ class WorkerLayout:
     @classmethod
     def of(cls, c: Config, world_size: int) -> WorkerLayout:
         needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        # with LoRA in one worker the reference is the policy's base with the adapters off: no copy
+        # of its own to offload (ref.offload_params, in verl's LoRA scripts, has nothing to act on)
+        base_is_ref = lora_reference(c) and world_size == 1
         return cls(
             needs_ref=needs_ref,
             needs_critic=estimator(c.algorithm.adv_estimator).needs_critic,
             shard_actor=world_size > 1 or c.actor.offload_params,
-            shard_ref=needs_ref and (world_size > 1 or c.ref.offload_params),
+            shard_ref=needs_ref and not base_is_ref and (world_size > 1 or c.ref.offload_params),
             colocated=c.resources.rollout_workers == 0,
         )
 
@@ -110,8 +113,19 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     model = lora_policy(c, model)
     lora = has_adapters(model)
     if lora and (layout.sharded or c.resources.rollout_workers):
+        causes = [
+            *([f"{world_size} workers"] if world_size > 1 else []),
+            *(["actor.offload_params=true"] if c.actor.offload_params else []),
+            *(["ref.offload_params=true"] if layout.shard_ref and c.ref.offload_params else []),
+            *(
+                [f"resources.rollout_workers={c.resources.rollout_workers}"]
+                if c.resources.rollout_workers
+                else []
+            ),
+        ]
         raise UserError(
-            "model.lora_rank runs in one worker, without offload_params and rollout workers, for now"
+            f"model.lora_rank runs in one worker, without offload_params and rollout workers, for now; "
+            f"here: {', '.join(causes)}"
         )
     ref_model, ref_path = None, sharded_reference_path(c, layout)  # with a path: read in _shard
     if ref_path is None and layout.needs_ref and c.ref.model_path:

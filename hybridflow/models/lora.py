@@ -239,3 +239,8 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         raise UserError(
             f"{file} adapts layers this model does not ({sorted(extra)[0]}, ...): check model.lora_target_modules"
         )
+
+
+def lora_reference(config) -> bool:
+    """The run's reference is the policy's base with its LoRA adapters off (no model of its own)."""
+    return bool(config.model.lora_rank or config.model.lora_adapter_path) and not config.ref.model_path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ def load_custom_function(
     *,
     key: str = "reward.custom_function_path",
     name_key: str = "reward.custom_function_name",
+    kwargs: dict | None = None,
 ) -> Callable:
     """Import `name` from the Python file at `path` (only the path the user configured); errors name
     the config keys `key` (the file) and `name_key` (the name)."""
@@ -32,7 +34,7 @@ def load_custom_function(
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"{name_key}: {file} defines no function {name!r}")
-    return fn
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def builtin_function() -> Callable:

@@ -103,8 +103,9 @@ class Reward:
             loader, options, num_workers = (lambda: function), {}, 0
         elif self.custom:
             loader = functools.partial(
-                load_custom_function, config.custom_function_path, config.custom_function_name
-            )
+                load_custom_function, config.custom_function_path, config.custom_function_name,
+                kwargs=dict(config.custom_function_kwargs),
+            )  # fmt: skip
             options: dict = {}
         else:
             loader = builtin_function

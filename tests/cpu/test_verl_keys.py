@@ -517,3 +517,36 @@ def test_a_malformed_async_value_stops_naming_its_key(extra, message):
     ]
     with pytest.raises(UserError, match=re.escape(message)):
         resolve_config(None, [*base, extra])
+
+
+def test_verls_reward_kwargs_reach_the_function(tmp_path):
+    """`+custom_reward_function.reward_kwargs.*` (verl passes them to compute_score): each entry is a
+    keyword the function is called with, not a refused key with a hint at another."""
+    from hybridflow.rewards.loading import load_custom_function
+
+    (tmp_path / "r.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1, mode='loose'):\n"
+        "    return {'score': scale * len(solution_str), 'mode': mode}\n"
+    )
+    c = resolve_config(None, [f"custom_reward_function.path={tmp_path / 'r.py'}",
+                              "+custom_reward_function.reward_kwargs.scale=2",
+                              "custom_reward_function.reward_kwargs.mode=strict"]).config  # fmt: skip
+    assert c.reward.custom_function_kwargs == {"scale": 2, "mode": "strict"}
+    fn = load_custom_function(
+        c.reward.custom_function_path, "compute_score", kwargs=c.reward.custom_function_kwargs
+    )
+    assert fn("x", "abc", "") == {"score": 6, "mode": "strict"}
+
+
+def test_verls_grpo_lora_script_keeps_its_reference_offload_key():
+    """verl's GRPO-LoRA scripts set ref.fsdp_config.param_offload=True; with LoRA the reference is the
+    base with the adapters off, so there is nothing to offload: no sharded reference (which LoRA in one
+    worker refuses, naming model.lora_rank), and the step plan says why the key does nothing."""
+    from hybridflow.controller.setup import step_plan
+    from hybridflow.controller.worker_models import WorkerLayout
+
+    c = resolve_config(None, ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.actor.use_kl_loss=True",
+                              "actor_rollout_ref.ref.fsdp_config.param_offload=True"]).config  # fmt: skip
+    layout = WorkerLayout.of(c, 1)
+    assert layout.needs_ref and not layout.shard_ref and not layout.sharded
+    assert "ref.offload_params has nothing to offload" in step_plan(c, 10, 100, 10)
