@@ -25,6 +25,9 @@ class RewardConfig:
     """A Python file defining the reward function (verl's custom_reward_function.path)."""
     custom_function_name: str = "compute_score"
     """The function's name in that file (verl's custom_reward_function.name)."""
+    import_timeout_s: float = 120.0
+    """The reward file is imported once in a child process at start: an import that hangs past this,
+    or exits, stops the run with one line before anything else imports it."""
     custom_function_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments the function is called with, besides the sample's (verl's
     custom_reward_function.reward_kwargs): reward.custom_function_kwargs.scale=2."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +37,36 @@ def load_custom_function(
     if not callable(fn):
         raise UserError(f"{name_key}: {file} defines no function {name!r}")
     return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+_PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("hybridflow_reward_probe", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print("imported", flush=True)
+"""
+
+
+def check_import(path: str, *, timeout_s: float, key: str = "reward.custom_function_path") -> None:
+    """Import the file once in a child process first: an import that hangs, exits (os._exit(0)
+    would end this process with code 0, having trained nothing) or crashes the interpreter is one
+    line here, before anything imports it in-process."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"{key}: file not found: {file}")
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(file)], capture_output=True, text=True,
+                              timeout=timeout_s, cwd=file.parent)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"{key}: importing {file} did not finish within {timeout_s:.0f} s (it hangs at import; raise reward.import_timeout_s if it is only slow)"
+        ) from None
+    if done.returncode == 0 and done.stdout.rstrip().endswith("imported"):
+        return
+    last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+    if done.returncode == 0:
+        raise UserError(f"{key}: importing {file} ended the process (exit code 0) before the import finished")
+    raise UserError(f"{key}: importing {file} failed (exit code {done.returncode}): {last}")
 
 
 def builtin_function() -> Callable:

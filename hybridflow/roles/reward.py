@@ -19,7 +19,7 @@ from hybridflow.batch import Rollouts
 from hybridflow.config.schema import RewardConfig
 from hybridflow.errors import UserError
 from hybridflow.rewards.executor import Outcome, RewardExecutor
-from hybridflow.rewards.loading import builtin_function, load_custom_function
+from hybridflow.rewards.loading import builtin_function, check_import, load_custom_function
 from hybridflow.rewards.sandbox import SandboxLimits
 from hybridflow.rewards.scorers import SCORERS
 
@@ -102,6 +102,9 @@ class Reward:
         if function is not None:
             loader, options, num_workers = (lambda: function), {}, 0
         elif self.custom:
+            check_import(
+                config.custom_function_path, timeout_s=config.import_timeout_s
+            )  # hang, exit: one line
             loader = functools.partial(
                 load_custom_function, config.custom_function_path, config.custom_function_name,
                 kwargs=dict(config.custom_function_kwargs),

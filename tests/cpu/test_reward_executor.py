@@ -300,3 +300,24 @@ def test_reward_model_packed_scores_equal_transformers_padded(tmp_path):
     scores = packed.score(prompts, responses)
     assert scores.std() > 0
     torch.testing.assert_close(scores, padded.score(prompts, responses), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("import os\nos._exit(0)\n", "ended the process \\(exit code 0\\) before the import finished"),
+        ("import time\ntime.sleep(600)\n", "did not finish within 2 s"),
+        ("raise SystemExit(3)\n", "failed \\(exit code 3\\)"),
+    ],
+)
+def test_a_reward_file_that_exits_or_hangs_at_import_is_one_line(tmp_path, body, message):
+    """Imported first in a child process, with a deadline: os._exit(0) at import would otherwise end
+    the run with exit code 0 having trained nothing, and a hang sit outside every watchdog."""
+    from hybridflow.errors import UserError
+    from hybridflow.rewards.loading import check_import
+
+    (tmp_path / "reward.py").write_text(body)
+    with pytest.raises(UserError, match="reward.custom_function_path: importing .*reward.py " + message):
+        check_import(str(tmp_path / "reward.py"), timeout_s=2)
+    (tmp_path / "fine.py").write_text("def compute_score(*a):\n    return 1.0\n")
+    check_import(str(tmp_path / "fine.py"), timeout_s=30)
