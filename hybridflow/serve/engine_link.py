@@ -295,6 +295,7 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
     import uvicorn
 
     from hybridflow.serve.app import create_app
+    from hybridflow.serve.http_protocol import with_read_timeout
 
     front = RemoteFront(conn, settings["max_context_tokens"], settings["id_prefix"])
     app = create_app(front, tokenizer, model_name=settings["model_name"], api_key=settings["api_key"])
@@ -305,6 +306,7 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
         log_level=settings["log_level"],
         timeout_graceful_shutdown=5,
         access_log=False,
+        http=with_read_timeout(settings["read_timeout_s"]),  # a request that arrives too slowly is cut off
     )
     server = uvicorn.Server(config)
 

@@ -23,6 +23,7 @@ from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.errors import UserError
 from hybridflow.serve.app import create_app
 from hybridflow.serve.engine_link import EngineLink, start_api_process
+from hybridflow.serve.http_protocol import REQUEST_READ_TIMEOUT_S, with_read_timeout
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,13 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
+def _config(
+    app, host: str, port: int, log_level: str, read_timeout_s: float = REQUEST_READ_TIMEOUT_S
+) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
-    )
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
+        http=with_read_timeout(read_timeout_s),  # a request that arrives too slowly is cut off (slow loris)
+    )  # fmt: skip
 
 
 def serve(
@@ -129,18 +133,23 @@ class BackgroundServer:
         api_process: bool = True,
         api_processes: int = 1,
         log_level: str = "warning",
+        request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S,
     ) -> None:
+        """`request_read_timeout_s`: a request must arrive whole within it (slow loris)."""
         if api_processes < 1:
             raise UserError(f"api_processes={api_processes}: give at least 1")
         self.front = AsyncEngine(engine)
         self.tokenizer, self.model_name, self.api_key = tokenizer, model_name, api_key
         self.host, self.port = host, port or _free_port(host)
         self.api_process, self.log_level = api_process, log_level
+        self.request_read_timeout_s = request_read_timeout_s
         self.api_processes = api_processes if api_process else 0
         self.server: uvicorn.Server | None = None
         if not api_process:
             app = create_app(self.front, tokenizer, model_name=model_name, api_key=api_key)
-            self.server = uvicorn.Server(_config(app, self.host, self.port, log_level))
+            self.server = uvicorn.Server(
+                _config(app, self.host, self.port, log_level, request_read_timeout_s)
+            )
         self.links: list[EngineLink] = []
         self.processes: list[subprocess.Popen] = []
         self._listener: socket.socket | None = None
@@ -186,7 +195,8 @@ class BackgroundServer:
         for i in range(self.api_processes):
             settings = {"model_name": self.model_name, "host": self.host, "port": self.port,
                         "api_key": self.api_key, "log_level": self.log_level, "id_prefix": f"http{i}-",
-                        "max_context_tokens": self.front.max_context_tokens}  # fmt: skip
+                        "max_context_tokens": self.front.max_context_tokens,
+                        "read_timeout_s": self.request_read_timeout_s}  # fmt: skip
             process, conn = start_api_process(self.tokenizer, settings, self._listener, env)
             link = EngineLink(self.front, conn, loop)
             link.start()

@@ -591,3 +591,38 @@ def test_hostile_requests_fail_alone_and_the_server_stays_fair_and_flat(server, 
             return small_s
 
     assert asyncio.run(fairness()) < 30
+
+
+@pytest.mark.parametrize("api_process", [True, False])
+def test_a_slow_loris_connection_is_cut_off_and_others_are_served(api_process):
+    """A client that sends its request a byte at a time is disconnected once the request has not
+    arrived whole within the deadline; a normal request beside it is answered."""
+    import socket
+
+    server = BackgroundServer(make_engine(), byte_tokenizer(), model_name=NAME, api_process=api_process,
+                              request_read_timeout_s=1.5).start()  # fmt: skip
+    try:
+        slow = socket.create_connection((server.host, server.port), timeout=10)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        r = httpx.post(
+            f"{server.url}/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 200
+        closed = False
+        while time.monotonic() - start < 8:
+            try:
+                slow.sendall(b"X-Pad: 1\r\n")  # a header line now and then: never the blank line
+                if slow.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:  # reset: closed
+                closed = True
+                break
+            time.sleep(0.3)
+        assert closed and time.monotonic() - start < 6
+        slow.close()
+    finally:
+        server.stop()
