@@ -190,9 +190,9 @@ class RewardExecutor:
         except WorkerPoolFailed as e:
             self.close()
             raise UserError(
-                f"the reward workers did not start ({str(e).strip().splitlines()[-1]}). A script that starts "
-                "training when imported makes them fail: put that code under "
-                '`if __name__ == "__main__":`, or score in this process with reward.num_workers=0'
+                f"the reward workers did not start ({str(e).strip().splitlines()[-1]}); the reward "
+                "function's module must import in a fresh process, or score in this process with "
+                "reward.num_workers=0"
             ) from None
         self._workers_started = True
 

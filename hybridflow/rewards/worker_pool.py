@@ -10,7 +10,6 @@ a killed idle worker could hang it the same way (seen on a loaded machine).
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,6 +17,8 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from hybridflow.child_process import ChildProcess, child_link, start_child
 
 _WORKER_FN: Callable | None = None
 
@@ -59,11 +60,10 @@ def _worker_main(conn: Connection, loader: Callable[[], Callable], run: Callable
 
 
 class _Worker:
-    def __init__(self, context, loader: Callable, run: Callable, niceness: int) -> None:
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, loader, run, niceness), daemon=True)
-        self.process.start()
-        child.close()
+    def __init__(self, loader: Callable, run: Callable, niceness: int) -> None:
+        # a child of its own (not multiprocessing's spawn: the user's script is not imported again)
+        popen, self.conn = start_child("hybridflow.rewards.worker_pool", (loader, run, niceness))
+        self.process = ChildProcess(popen)
         self.ready = False
 
     def kill(self) -> None:
@@ -84,14 +84,13 @@ class ScoringPool:
     def __init__(
         self, size: int, loader: Callable[[], Callable], run: Callable, *, start_timeout_s: float
     ) -> None:
-        self.context = mp.get_context("spawn")
         self.loader, self.run, self.start_timeout_s = loader, run, start_timeout_s
         self.niceness = os.nice(0)  # the workers' (and their sandboxes'): this process's until raised
         self.workers = [self._spawn() for _ in range(size)]
         atexit.register(self.close)  # before multiprocessing's own exit handler joins its children
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.context, self.loader, self.run, self.niceness)
+        return _Worker(self.loader, self.run, self.niceness)
 
     def run_at_niceness(self, niceness: int) -> None:
         """Workers, their replacements and their sandboxes at `niceness` at least: never ahead of the
@@ -185,3 +184,8 @@ class ScoringPool:
             worker.kill()
         self.workers = []
         atexit.unregister(self.close)
+
+
+if __name__ == "__main__":  # a scoring worker: python -m hybridflow.rewards.worker_pool FD
+    link = child_link()
+    _worker_main(link, *link.recv())

@@ -15,17 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import pickle
 import queue
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 
+from hybridflow.child_process import child_link, start_child
 from hybridflow.engine.requests import RequestOutput
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -264,29 +262,15 @@ class EngineLink:
 def start_api_process(
     tokenizer, settings: dict, listener: socket.socket | None, env_extra: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, Connection]:
-    """The HTTP front as `python -m hybridflow.serve.engine_link FD`, linked by a socket pair (not
-    multiprocessing's spawn, which would import the caller's main script again in the child: a script
-    without an `if __name__ == "__main__"` guard would start over there). The tokenizer and the
-    settings are the link's first message; `listener`, a socket bound here, is accepted on by every
-    front process (the kernel spreads the connections), else the child binds host:port itself."""
-    ours, theirs = socket.socketpair()
-    package_root = str(Path(__file__).resolve().parents[2])  # where `hybridflow` imports from here
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    env |= env_extra or {}
-    fds = [theirs.fileno()] + ([listener.fileno()] if listener is not None else [])
+    """The HTTP front as `python -m hybridflow.serve.engine_link FD` (child_process.start_child: the
+    caller's main script is not imported again there). The tokenizer and the settings are the link's
+    first message; `listener`, a socket bound here, is accepted on by every front process (the kernel
+    spreads the connections), else the child binds host:port itself."""
     settings = settings | {"listener_fd": listener.fileno() if listener is not None else None}
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "hybridflow.serve.engine_link", str(theirs.fileno())],
-            pass_fds=fds,
-            env=env,
-        )
-    finally:
-        theirs.close()
-    conn = Connection(ours.detach())
-    conn.send((tokenizer, settings))
-    return child, conn
+    return start_child(
+        "hybridflow.serve.engine_link", (tokenizer, settings), env_extra=env_extra,
+        pass_fds=(listener.fileno(),) if listener is not None else (),
+    )  # fmt: skip
 
 
 def api_process_main(conn, tokenizer, settings: dict) -> None:
@@ -340,5 +324,5 @@ def api_process_main(conn, tokenizer, settings: dict) -> None:
 
 
 if __name__ == "__main__":
-    link = Connection(int(sys.argv[1]))
+    link = child_link()
     api_process_main(link, *link.recv())

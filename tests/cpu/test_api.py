@@ -140,3 +140,27 @@ def test_misplaced_models_and_missing_tokenizer_are_named(tmp_path):
     with pytest.raises(UserError, match="row 1 is a str"):
         GRPOTrainer(model, tokenizer=byte_tokenizer(), train_dataset=[{"prompt": "a"}, "b"],
                     reward_fn=lambda p, r: [0.0] * len(r), args=args)  # fmt: skip
+
+
+def test_a_script_without_a_main_guard_runs_once_with_scoring_workers(setup, tmp_path):
+    """TRL's quick starts have no `if __name__ == "__main__":`. The scoring workers are children
+    started by module name, so the script is not run again in each of them (multiprocessing's spawn
+    re-imported it: a second run, a stray run directory, two tracebacks)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "quick_start.py"
+    script.write_text(
+        "from hybridflow import GRPOConfig, GRPOTrainer\n"
+        "print('SCRIPT RUNS', flush=True)\n"
+        f"trainer = GRPOTrainer(model={str(setup / 'model')!r}, reward_funcs={str(setup / 'reward.py')!r},\n"
+        f"    train_dataset={str(setup / 'prompts.jsonl')!r}, args=GRPOConfig(output_dir='run', max_steps=1,\n"
+        "    num_generations=2, max_completion_length=6, per_device_train_batch_size=4, reward={'num_workers': 2}))\n"
+        "trainer.train()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("SCRIPT RUNS") == 1 and "[step 1]" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick_start.py", "run"]

@@ -141,22 +141,29 @@ def test_scoring_workers_run_no_ahead_of_the_runs_ray_workers(reward_file):
 
 
 def test_workers_that_cannot_start_stop_with_the_cause(reward_file, tmp_path):
-    """Spawned workers re-import the main script: one that scores (or trains) at import kills every
-    worker while it starts. The first batch stops with that cause instead of waiting forever."""
+    """A module that imports here but kills the worker that loads it (exit at import in a child):
+    the first batch stops with that cause instead of waiting forever."""
+    (tmp_path / "exits_in_workers.py").write_text(
+        "import os\n"
+        "if os.environ.get('SCORING_PARENT') != str(os.getpid()):\n"
+        "    os._exit(3)\n"
+        "def flaky(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0\n"
+    )
     script = tmp_path / "unguarded.py"
     script.write_text(
-        "import functools\n"
+        "import functools, os\n"
+        "os.environ['SCORING_PARENT'] = str(os.getpid())\n"
         "from hybridflow.rewards.executor import RewardExecutor\n"
         "from hybridflow.rewards.loading import load_custom_function\n"
-        f"loader = functools.partial(load_custom_function, {str(reward_file)!r}, 'flaky')\n"
+        f"loader = functools.partial(load_custom_function, {str(tmp_path / 'exits_in_workers.py')!r}, 'flaky')\n"
         "RewardExecutor(loader, num_workers=1, timeout_s=1.0, start_timeout_s=10).score([('x', 'ok', 'ok', {})])\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     start = time.monotonic()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
-    assert "the reward workers did not start (worker 0 exited with code 1 while starting)" in done.stderr
-    assert 'if __name__ == "__main__":' in done.stderr
+    assert "the reward workers did not start (worker 0 exited with code 3 while starting)" in done.stderr
     assert time.monotonic() - start < 30  # the worker's death is seen at once, not at the start deadline
 
 
