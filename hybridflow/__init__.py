@@ -11,6 +11,7 @@ API = (
     "RLOOTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
 )  # fmt: skip
 OFFLINE = ("SFTTrainer", "DPOTrainer", "KTOTrainer")
+OFFLINE_CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig")
 
 if TYPE_CHECKING:
     from hybridflow.api import (
@@ -26,14 +27,16 @@ if TYPE_CHECKING:
         RLOOConfig,
         RLOOTrainer,
     )
+    from hybridflow.api.offline import DPOConfig, KTOConfig, SFTConfig
     from hybridflow.config import Config, load_config
     from hybridflow.controller.trainer import RLTrainer
     from hybridflow.offline import DPOTrainer, KTOTrainer, SFTTrainer
 
 __all__ = [
-    "Config", "DAPOConfig", "DAPOTrainer", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOTrainer", "PPOConfig",
-    "PPOTrainer", "RLConfig", "RLOOConfig", "RLOOTrainer", "RLTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
-    "SFTTrainer", "__version__", "load_config",
+    "Config", "DAPOConfig", "DAPOTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer",
+    "KTOConfig", "KTOTrainer", "PPOConfig", "PPOTrainer", "RLConfig", "RLOOConfig", "RLOOTrainer",
+    "RLTrainer", "ReinforcePPConfig", "ReinforcePPTrainer", "SFTConfig", "SFTTrainer", "load_config",
+    "__version__",
 ]  # fmt: skip
 
 
@@ -51,6 +54,10 @@ def __getattr__(name: str) -> Any:
         from hybridflow import api
 
         return getattr(api, name)
+    if name in OFFLINE_CONFIGS:
+        from hybridflow.api import offline as offline_configs
+
+        return getattr(offline_configs, name)
     if name in OFFLINE:
         from hybridflow import offline
 

@@ -53,6 +53,9 @@ class Trainer:
         dataset: Any = None,
         config: RLConfig | Config | None = None,
         peft_config: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
     ) -> None:
         """`actor_model`: an `AutoModelForCausalLM`, an HF directory, a .gguf file or "default".
         `train_dataset`/`eval_dataset`: a `datasets.Dataset`, a list of row dicts, or data file
@@ -66,7 +69,13 @@ class Trainer:
         TRL's names are accepted for the same things: `model` (actor_model), `reward_funcs` (a
         function, a list of them weighted by the config's `reward_weights`, or a reward model
         directory), `processing_class` (tokenizer), and the tutorials' `dataset` (train_dataset) and
-        `config` (args). `peft_config` (a peft.LoraConfig) sets model.lora_rank/alpha/target_modules."""
+        `config` (args). `peft_config` (a peft.LoraConfig) sets model.lora_rank/alpha/target_modules.
+        TRL's `reward_processing_classes` are accepted (a reward model renders its inputs with the
+        tokenizer saved in its directory: said at start); `callbacks` and `optimizers` are refused
+        with what to use instead."""
+        from hybridflow.offline.base import refuse_their_arguments
+
+        refuse_their_arguments(type(self).__name__, {"callbacks": callbacks, "optimizers": optimizers})
         actor_model = _one_of("actor_model", actor_model, "model", model, default="default")
         reward_fn = _one_of("reward_fn", reward_fn, "reward_funcs", reward_funcs)
         tokenizer = _one_of("tokenizer", tokenizer, "processing_class", processing_class)
@@ -78,6 +87,14 @@ class Trainer:
         self.config = c = args.to_config() if isinstance(args, RLConfig) else copy.deepcopy(args)
         for note in getattr(args, "notes", []):
             print(f"note: {note}", flush=True)
+        given = (
+            reward_processing_classes
+            if isinstance(reward_processing_classes, (list, tuple))
+            else [reward_processing_classes]
+        )
+        if any(p is not None for p in given):
+            print("note: reward_processing_classes: a reward model renders its inputs with the tokenizer and "
+                  "chat template saved in its own directory; the given ones are not used", flush=True)  # fmt: skip
         if peft_config is not None:
             _apply_peft_config(c, peft_config)
         self.overwrite = overwrite

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from hybridflow import run_manifest
 from hybridflow.checkpoint import (
     check_resumable,
     latest_checkpoint,
@@ -36,6 +38,31 @@ from hybridflow.roles.forward import policy_logprobs
 from hybridflow.roles.loss_scale import LossScale
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.sinks import jsonl_row, make_sinks, restore_last_row, truncate_jsonl
+
+# TRL Trainer arguments with no counterpart here, each with what to do instead
+THEIR_ARGUMENTS = {
+    "callbacks": "transformers' TrainerCallback hooks run inside transformers' Trainer loop, which this "
+    "trainer does not use: read RUN_DIR/metrics.jsonl, or call train() with trainer.total_training_steps in a loop",
+    "data_collator": "examples are packed by this trainer (sft.max_tokens, actor.max_tokens_per_microbatch)",
+    "compute_metrics": "validation reports the loss (val/loss) on eval_dataset",
+    "optimizers": "AdamW with args' learning_rate, weight_decay and lr_scheduler_type",
+    "formatting_func": "format the rows first (a list of dicts or datasets.Dataset.map)",
+    "ref_model": "the reference is the starting policy",
+}
+
+
+def refuse_their_arguments(name: str, given: dict[str, Any]) -> None:
+    unknown = {k: v for k, v in given.items() if v not in (None, [], (), (None, None))}
+    if unknown:
+        parts = [f"{k}: {THEIR_ARGUMENTS.get(k, 'not an argument of this trainer')}" for k in unknown]
+        raise UserError(f"{name} does not take " + "; ".join(parts))
+
+
+def _dig(config: Config, key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def refuse_unsupported(c: Config, command: str) -> None:
@@ -65,10 +92,50 @@ class OfflineTrainer:
     batch_setting = ""
     """The setting that holds `batch_size` (named when it does not fit the data)."""
 
-    def __init__(self, config: Config, *, batch_size: int, overwrite: bool = False) -> None:
+    TRL_CONFIG: type | None = None
+    """The config class with TRL's names for this trainer (api/offline.py)."""
+
+    def __init__(
+        self,
+        config: Config | Any = None,
+        *,
+        overwrite: bool = False,
+        model: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        **theirs: Any,
+    ) -> None:
+        """`Trainer(config)` (a resolved Config), or TRL's way: `Trainer(model, args=XConfig(...),
+        train_dataset=..., eval_dataset=..., processing_class=..., peft_config=...)` with live objects
+        or paths (written under the run's inputs/), then `train()` and `save_model(dir)`."""
+        writes: list = []
+        if not isinstance(config, Config) or any(
+            v is not None for v in (model, args, train_dataset, eval_dataset, processing_class, peft_config)
+        ):
+            from hybridflow.api.offline import trl_offline_config
+
+            refuse_their_arguments(type(self).__name__, theirs)
+            if isinstance(config, Config):
+                raise UserError(f"{type(self).__name__}: give a Config, or TRL's model=/args=..., not both")
+            config, writes, notes = trl_offline_config(
+                self.TRL_CONFIG, model=model if model is not None else config, args=args,
+                train_dataset=train_dataset, eval_dataset=eval_dataset,
+                processing_class=processing_class, peft_config=peft_config,
+            )  # fmt: skip
+            for note in notes:
+                print(f"note: {note}", flush=True)
+        elif theirs:
+            refuse_their_arguments(type(self).__name__, theirs)
         c = self.config = config
+        batch_size = _dig(c, self.batch_setting)
         refuse_unsupported(c, self.name)
         self.run_dir, self.run_lock = prepare_run_dir(c, overwrite=overwrite)
+        for target, write in writes:  # the live inputs, once the directory is this run's
+            run_manifest.record(self.run_dir, target)
+            write()
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_causal_lm(
@@ -160,6 +227,20 @@ class OfflineTrainer:
             sink.close()
         self.run_lock.release()  # the directory is free for the next run
         return metrics
+
+    def train(self) -> dict[str, float]:
+        """TRL's name for `fit`."""
+        return self.fit()
+
+    def save_model(self, output_dir: str | Path, *, overwrite: bool = False) -> Path:
+        """The current policy as a transformers directory (TRL's save_model), checked by a reload."""
+        from hybridflow.models.checkpoint_export import export_checkpoint
+
+        latest = self.last_checkpoint
+        if latest is None or latest.name != f"global_step_{self.step}":
+            latest = self.save()
+        print(export_checkpoint(latest, output_dir, overwrite=overwrite), flush=True)
+        return Path(output_dir)
 
     def _step(self) -> dict[str, float]:
         c, last = self.config, self.step == self.total_steps

@@ -11,8 +11,8 @@ from collections import defaultdict
 import torch
 
 from hybridflow.algorithms.preference import dpo_loss, orpo_loss, simpo_loss
+from hybridflow.api.offline import DPOConfig
 from hybridflow.batch import plan_microbatches
-from hybridflow.config import Config
 from hybridflow.offline.base import OfflineTrainer
 from hybridflow.offline.preference_data import Pair, load_pairs
 
@@ -21,10 +21,8 @@ REFERENCE_FREE = ("simpo", "orpo")
 
 class DPOTrainer(OfflineTrainer):
     name = "dpo"
+    TRL_CONFIG = DPOConfig
     batch_setting = "preference.batch_size"
-
-    def __init__(self, config: Config, *, overwrite: bool = False) -> None:
-        super().__init__(config, batch_size=config.preference.batch_size, overwrite=overwrite)
 
     def setup(self) -> None:
         """The reference is the starting policy (a checkpoint is loaded after this)."""

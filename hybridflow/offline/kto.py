@@ -11,18 +11,16 @@ from collections import defaultdict
 import torch
 
 from hybridflow.algorithms.preference import kto_loss
+from hybridflow.api.offline import KTOConfig
 from hybridflow.batch import plan_microbatches
-from hybridflow.config import Config
 from hybridflow.offline.base import OfflineTrainer
 from hybridflow.offline.preference_data import Completion, load_completions
 
 
 class KTOTrainer(OfflineTrainer):
     name = "kto"
+    TRL_CONFIG = KTOConfig
     batch_setting = "preference.batch_size"
-
-    def __init__(self, config: Config, *, overwrite: bool = False) -> None:
-        super().__init__(config, batch_size=config.preference.batch_size, overwrite=overwrite)
 
     def setup(self) -> None:
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.api.offline import SFTConfig
 from hybridflow.batch import pad_ragged, plan_microbatches
-from hybridflow.config import Config
 from hybridflow.offline.base import OfflineTrainer
 from hybridflow.offline.sft_data import Example, load_examples
 
@@ -18,10 +18,8 @@ class SFTTrainer(OfflineTrainer):
     (data.*, actor.optim, actor.max_tokens_per_microbatch, trainer.*) plus `sft.*`."""
 
     name = "sft"
+    TRL_CONFIG = SFTConfig
     batch_setting = "sft.batch_size"
-
-    def __init__(self, config: Config, *, overwrite: bool = False) -> None:
-        super().__init__(config, batch_size=config.sft.batch_size, overwrite=overwrite)
 
     def load(self, files: list[str]) -> list[Example]:
         return load_examples(files, self.tokenizer, self.config)

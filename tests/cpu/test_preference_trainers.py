@@ -117,3 +117,53 @@ def test_pairs_with_an_implicit_prompt_take_the_start_they_share(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"chosen": "yes", "rejected": "no"}) + "\n")
     with pytest.raises(UserError, match="share no start"):
         load_pairs([str(tmp_path / "bad.jsonl")], tokenizer, config)
+
+
+def test_trls_dpo_and_sft_quick_starts_run_as_written(setup, tmp_path, monkeypatch, capsys):
+    """TRL's documented calls: `DPOTrainer(model=model, args=DPOConfig(...), processing_class=tokenizer,
+    train_dataset=dataset)` with live objects, `SFTTrainer(model=path, train_dataset=dataset)` with TRL's
+    defaults (2e-5, 8 examples a step), then train() and save_model()."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow import DPOConfig, SFTConfig, SFTTrainer
+
+    monkeypatch.chdir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(setup / "model")
+    tokenizer = AutoTokenizer.from_pretrained(setup / "model")
+    user = lambda i: {"role": "user", "content": f"q{i}"}  # noqa: E731
+    pairs = datasets.Dataset.from_list(
+        [{"chosen": [user(i), {"role": "assistant", "content": "aaa"}],
+          "rejected": [user(i), {"role": "assistant", "content": "bbb"}]} for i in range(16)]
+    )  # fmt: skip
+    dpo = DPOTrainer(model=model, args=DPOConfig(output_dir="dpo", logging_steps=10, max_steps=2),
+                     processing_class=tokenizer, train_dataset=pairs)  # fmt: skip
+    assert (dpo.config.preference.beta, dpo.config.preference.loss_type, dpo.config.actor.optim.lr) == (
+        0.1,
+        "sigmoid",
+        1e-6,
+    )
+    assert dpo.config.preference.batch_size == 8
+    dpo.train()
+    assert [m["step"] for m in read_metrics(tmp_path / "dpo")] == [1, 2]
+    assert (tmp_path / "dpo" / "inputs" / "actor" / "model.safetensors").is_file()
+    chats = datasets.Dataset.from_list(
+        [{"messages": [user(i), {"role": "assistant", "content": "a" * (1 + i % 3)}]} for i in range(16)]
+    )
+    sft = SFTTrainer(
+        model=str(setup / "model"), train_dataset=chats, args=SFTConfig(output_dir="sft", max_steps=2)
+    )
+    assert (sft.config.sft.batch_size, sft.config.actor.optim.lr, sft.config.sft.max_tokens) == (
+        8,
+        2e-5,
+        1024,
+    )
+    assert (
+        "SFTConfig starts from TRL's defaults, except a conversation's loss is on its assistant turns"
+        in capsys.readouterr().out
+    )
+    sft.train()
+    saved = sft.save_model(tmp_path / "sft_model")
+    assert (saved / "config.json").is_file()
+    with pytest.raises(UserError, match="SFTTrainer does not take callbacks: transformers' TrainerCallback"):
+        SFTTrainer(model=str(setup / "model"), train_dataset=chats, callbacks=[object()])
