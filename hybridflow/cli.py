@@ -44,9 +44,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     impl = {"native": "native", "hf": "hf"}.get(args.backend, "auto")
     model, tok = load_causal_lm(args.model, dtype=args.dtype, impl=impl)
-    from hybridflow.devices import resolve_device
+    from hybridflow.devices import follow_free_cores, resolve_device
 
     device = resolve_device(args.device)
+    if device.type == "cpu" and (note := follow_free_cores(start=True)):
+        print(note, flush=True)
     model.to(device)
     texts = [render_prompt(p, tok, chat=args.chat, system_prompt=args.system_prompt) for p in checked]
     prompt_ids = [tok(t, add_special_tokens=not args.chat)["input_ids"] for t in texts]

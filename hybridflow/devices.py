@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -29,27 +30,74 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def use_free_cores() -> str | None:
-    """On the CPU, give torch as many threads as there are cores not already busy: a core shared
-    with another busy process makes every one of torch's threads wait for the slowest (25-45x slower
-    steps were seen on a loaded 2-core machine). Busy is measured now, over a quarter second (a load
-    average lags by minutes). OMP_NUM_THREADS, when set, decides instead. Returns a line saying what
-    was chosen when it is fewer than the cores, else None."""
-    import os
+class FreeCores:
+    """torch's CPU threads follow the cores that other processes leave free, measured again at most
+    every `every_s` between two engine steps or training phases. A core shared with another busy
+    process makes every one of torch's threads wait for the slowest at each barrier: on a 2-core
+    machine a busy loop on one core made generation 5x slower with 2 threads, 1.03x with 1.
+    Others' load is the system's busy CPU time less this process's own (its threads are not others).
+    OMP_NUM_THREADS, when set, decides instead (and nothing moves)."""
 
-    import psutil
+    def __init__(self, every_s: float = 2.0) -> None:
+        import psutil
 
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_core = psutil.cpu_percent(interval=0.25, percpu=True)  # this process sleeps meanwhile
-    busy = sum(1 for load in per_core if load > 60)
-    threads = max(1, min(cores, len(per_core) - busy))
-    torch.set_num_threads(threads)
-    if threads < cores:
+        self.every_s = every_s
+        self.fixed = bool(os.environ.get("OMP_NUM_THREADS"))
+        self.cores = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        )
+        self._process = psutil.Process()
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        import psutil
+
+        system = psutil.cpu_times()
+        own = self._process.cpu_times()
+        busy = sum(system) - system.idle - getattr(system, "iowait", 0.0) - getattr(system, "guest", 0.0)
+        return time.monotonic(), busy, own.user + own.system
+
+    def others_busy(self, since: tuple[float, float, float]) -> float:
+        """Cores' worth of CPU other processes used since `since` (a sample)."""
+        now = self._sample()
+        wall = max(now[0] - since[0], 1e-6)
+        return max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / wall
+
+    def adjust(self, *, force: bool = False) -> int | None:
+        """Set torch's thread count to the free cores (a core counts as taken when others use more
+        than 60% of one); the new count when it changed, else None."""
+        if self.fixed or (not force and time.monotonic() - self._last[0] < self.every_s):
+            return None
+        taken = int(self.others_busy(self._last) + 0.4)  # 0.6 of a core or more: taken
+        self._last = self._sample()
+        threads = max(1, self.cores - taken)
+        if threads == torch.get_num_threads():
+            return None
+        torch.set_num_threads(threads)
+        return threads
+
+
+_FREE_CORES: FreeCores | None = None
+
+
+def follow_free_cores(*, start: bool = False) -> str | None:
+    """Call between two pieces of CPU work: torch's threads follow the free cores (FreeCores). With
+    `start`, others' load is first measured over a quarter second (this process sleeps meanwhile);
+    returns a line saying what was chosen when it is fewer threads than cores."""
+    global _FREE_CORES
+    if _FREE_CORES is None:
+        _FREE_CORES = FreeCores()
+        start = True
+    if start:
+        if _FREE_CORES.fixed:
+            return None
+        time.sleep(0.25)
+    _FREE_CORES.adjust(force=start)
+    cores, count = _FREE_CORES.cores, torch.get_num_threads()
+    if start and count < cores:
         return (
-            f"{cores - threads} of {cores} CPU cores are busy with other work: torch uses {threads} "
-            "thread(s) (set OMP_NUM_THREADS to choose)"
+            f"{cores - count} of {cores} CPU cores are busy with other work: torch uses {count} thread(s), "
+            "and follows the free cores as the run goes (set OMP_NUM_THREADS to fix the count)"
         )
     return None
 

@@ -47,7 +47,7 @@ from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
-from hybridflow.devices import expandable_cuda_segments, resolve_device, use_free_cores
+from hybridflow.devices import expandable_cuda_segments, follow_free_cores, resolve_device
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
@@ -92,7 +92,11 @@ class RLTrainer:
             write_inputs(self.run_dir)
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
-        if self.device.type == "cpu" and c.resources.num_workers == 1 and (note := use_free_cores()):
+        if (
+            self.device.type == "cpu"
+            and c.resources.num_workers == 1
+            and (note := follow_free_cores(start=True))
+        ):
             print(note, flush=True)
         if note := engine_batch_note(c, on_gpu=self.device.type == "cuda"):
             print(note, flush=True)
@@ -203,6 +207,8 @@ class RLTrainer:
                 while self.step < self.stop_at and not stop.requested:
                     self.step += 1
                     self.watchdog.step = self.step
+                    if self.device.type == "cpu":
+                        follow_free_cores()  # other work on the machine may have come or gone
                     self.reward.set_step(self.step, self.stop_at)
                     metrics = self.train_step()
                     self._after_step(metrics)

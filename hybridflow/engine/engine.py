@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
@@ -285,6 +286,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step: a prefill of newly admitted prompts, else a run of decode steps.
         Returns each sample that advanced: its new tokens, and its finish reason on the last."""
+        if self.device.type == "cpu":
+            follow_free_cores()  # torch's threads on the cores other work leaves free
         outputs = []
         for s in self._step():
             done, s.reported = s.reported, s.num_generated

@@ -28,7 +28,7 @@ from hybridflow.controller.role_models import lora_policy, policy_model
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
-from hybridflow.devices import resolve_device
+from hybridflow.devices import follow_free_cores, resolve_device
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models import load_causal_lm, native
@@ -246,6 +246,8 @@ class OfflineTrainer:
         c, last = self.config, self.step == self.total_steps
         start = time.perf_counter()
         self.model.train()
+        if self.device.type == "cpu":
+            follow_free_cores()  # torch's threads on the cores other work leaves free
         metrics = with_loss_scale_retries(self.train_step, self.sampler.next())
         metrics["timing_s/step"] = time.perf_counter() - start
         if "train/tokens" in metrics:  # tokens through the policy's forward

@@ -5,7 +5,17 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from hybridflow.devices import follow_free_cores
 from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams, warp_logits
+
+
+class _FollowFreeCores(LogitsProcessor):
+    """Between two of generate's steps, torch's CPU threads follow the cores other work leaves free
+    (devices.follow_free_cores); the scores pass unchanged."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        follow_free_cores()
+        return scores
 
 
 class _WarpAndRecord(LogitsProcessor):
@@ -105,7 +115,9 @@ class HFBackend:
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([recorder]),
+            logits_processor=LogitsProcessorList(
+                [recorder, *([_FollowFreeCores()] if device.type == "cpu" else [])]
+            ),
         )
         new_tokens = sequences[:, width:].cpu()  # [B, T]
         if new_tokens.shape[1] > len(recorder.logprobs):

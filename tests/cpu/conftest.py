@@ -23,7 +23,7 @@ def pytest_report_header(config):
 @pytest.fixture(autouse=True, scope="session")
 def _fixed_threads():
     """Every run of the suite with torch's thread count as it started: the start's busy-core check
-    (devices.use_free_cores) would give a run fewer threads while another test process loads the
+    (devices.follow_free_cores) would give a run fewer threads while another test process loads the
     machine, and two runs that must agree to the last bit would not."""
     import os
 

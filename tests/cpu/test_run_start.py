@@ -166,3 +166,43 @@ def test_a_run_directory_from_before_the_written_list_is_trusted_by_name_once(se
     RLTrainer(config(setup, run, "trainer.total_training_steps=1"), overwrite=True).close()
     assert not (run / "checkpoints" / "global_step_1").exists()
     assert (run / "checkpoints" / "notes.txt").read_text() == "mine"
+
+
+def test_torchs_threads_follow_the_cores_other_work_leaves_free(monkeypatch):
+    """A busy loop on one core takes one of torch's threads (not all of them waiting at every
+    barrier); when it ends, the thread comes back. This process's own work is not counted as others'."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from hybridflow.devices import FreeCores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    watcher = FreeCores(every_s=0.0)
+    if watcher.cores < 2:
+        pytest.skip("needs 2 cores")
+    before = torch.get_num_threads()
+    try:
+        time.sleep(0.5)
+        watcher.adjust(force=True)
+        assert torch.get_num_threads() == watcher.cores  # a quiet machine (the suite runs one test at a time)
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(1.0)
+            watcher.adjust(force=True)
+            assert torch.get_num_threads() == watcher.cores - 1
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:  # our own threads busy: still not others' load
+                torch.ones(256, 256) @ torch.ones(256, 256)
+            watcher.adjust(force=True)
+            assert torch.get_num_threads() == watcher.cores - 1
+        finally:
+            busy.kill()
+            busy.wait()
+        time.sleep(1.0)
+        watcher.adjust(force=True)
+        assert torch.get_num_threads() == watcher.cores
+    finally:
+        torch.set_num_threads(before)
