@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.losses import entropy_from_logits
 from hybridflow.batch import pack_sequences, plan_grouped_microbatches, plan_microbatches
-from hybridflow.devices import DTYPES, to_device
+from hybridflow.devices import DTYPES, follow_free_cores, to_device
 from hybridflow.errors import UserError
 from hybridflow.parallel.collectives import max_over_ranks
 
@@ -180,6 +180,8 @@ def packed_response_logprobs(
     from hybridflow.models.native import chunked_token_logprobs
     from hybridflow.models.native.shared_prefix import has_shared_prompts, pack_shared_prompts
 
+    if device.type == "cpu":
+        follow_free_cores()  # a micro-batch at a time: torch's threads on the cores left free
     if routes is None and shares_prompts(model) and has_shared_prompts(prompt_ids):
         packing = pack_shared_prompts(prompt_ids, response_ids, device)  # each prompt once per group
         inputs = (packing.input_ids, packing.position_ids, packing.cu_seqlens, packing.shared)
