@@ -26,11 +26,28 @@ def written(run_dir: Path) -> set[str]:
         return set()
 
 
+def tmp_name(name: str) -> str:
+    """The hidden name a file is written under before it replaces `name`."""
+    return f"{name}.tmp" if name.startswith(".") else f".{name}.tmp"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before: written beside it, flushed to the disk,
+    then renamed over it (a kill or a full disk mid-write never leaves half a file)."""
+    tmp = path.with_name(tmp_name(path.name))
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _store(run_dir: Path, entries: set[str]) -> None:
-    path = _file(run_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{e}\n" for e in sorted(entries)), encoding="utf-8")
-    os.replace(tmp, path)  # a kill mid-write leaves the old list, never half of one
+    write_text_atomic(_file(run_dir), "".join(f"{e}\n" for e in sorted(entries)))
 
 
 def relative(run_dir: Path, path: Path) -> str:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from hybridflow.errors import UserError
-from hybridflow.run_manifest import WRITTEN, adopt_by_name, is_ours
+from hybridflow.run_manifest import WRITTEN, adopt_by_name, is_ours, tmp_name
 
 LOCK = ".hybridflow.lock"
 RUN_FILES = (
@@ -27,8 +27,10 @@ RUN_FILES = (
     "policy_server.json",
     LOCK,
     WRITTEN,
-    WRITTEN + ".tmp",  # what a kill in the middle of rewriting that list leaves (replaced by the next)
 )
+# what a kill in the middle of an atomic rewrite leaves beside a file (run_manifest.write_text_atomic;
+# replaced by the next rewrite)
+RUN_FILES = (*RUN_FILES, *(tmp_name(name) for name in RUN_FILES))
 RUN_FOLDERS = ("checkpoints", "rollout_start_policy", "tensorboard", "wandb", "inputs")
 
 

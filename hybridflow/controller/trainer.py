@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow import run_manifest
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from hybridflow.batch import TrainingBatch, pad_ragged
@@ -50,8 +51,8 @@ from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import expandable_cuda_segments, follow_free_cores, resolve_device
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
-from hybridflow.models import load_tokenizer
 from hybridflow.models.default import cache_root
+from hybridflow.models.loading import load_model_tokenizer
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.reward import Reward
 from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
@@ -100,7 +101,7 @@ class RLTrainer:
             print(note, flush=True)
         if note := engine_batch_note(c, on_gpu=self.device.type == "cuda"):
             print(note, flush=True)
-        self.tokenizer = load_tokenizer(c.model.path, cache_dir=c.model.cache_dir)
+        self.tokenizer = load_model_tokenizer(c.model)
         use_task_files(c)
         cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
         truth = graded_sources(c, reward_function)  # a row of theirs without a ground truth is malformed
@@ -183,8 +184,8 @@ class RLTrainer:
         plan = step_plan(c, self.stop_at, len(self.train_prompts), self.sampler.steps_per_epoch)
         print(plan, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(c), encoding="utf-8")  # for the report
-        (self.run_dir / "step_plan.txt").write_text(plan + "\n", encoding="utf-8")
+        run_manifest.write_text_atomic(self.run_dir / "config.yaml", to_yaml(c))  # for the report
+        run_manifest.write_text_atomic(self.run_dir / "step_plan.txt", plan + "\n")
         metrics: dict[str, float] = {}
         if self.step >= self.stop_at:
             print(

@@ -31,7 +31,8 @@ from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import follow_free_cores, resolve_device
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
-from hybridflow.models import load_causal_lm, native
+from hybridflow.models import native
+from hybridflow.models.loading import load_model
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.roles.actor import build_optimizer, optimizer_step, with_loss_scale_retries
 from hybridflow.roles.forward import policy_logprobs
@@ -138,9 +139,7 @@ class OfflineTrainer:
             write()
         torch.manual_seed(c.trainer.seed)
         self.device = resolve_device(c.resources.device)
-        hf_model, self.tokenizer = load_causal_lm(
-            c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir
-        )
+        hf_model, self.tokenizer = load_model(c.model)
         self.hf_config = hf_model.config
         # LoRA as in the RL trainer: adapters on the frozen policy; exports merge them
         self.model = lora_policy(c, policy_model(c, hf_model).to(self.device))
@@ -197,7 +196,7 @@ class OfflineTrainer:
             flush=True,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(c), encoding="utf-8")  # for the report
+        run_manifest.write_text_atomic(self.run_dir / "config.yaml", to_yaml(c))  # for the report
         metrics: dict[str, float] = {}
         if self.step == 0 and self.val_examples and c.trainer.val_before_train:
             self._log(self.validate(), 0)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hybridflow.report.figures import FIGURES
 from hybridflow.report.runs import Run, load_run
+from hybridflow.run_manifest import write_text_atomic
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1280px; color: #1d232a; }
@@ -109,5 +110,5 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     """Render the runs into `out` (default: the first run's report.html)."""
     runs = [load_run(d) for d in run_dirs]
     path = Path(out) if out is not None else Path(run_dirs[0]) / "report.html"
-    path.write_text(render(runs), encoding="utf-8")
+    write_text_atomic(path, render(runs))  # a kill mid-write leaves the previous report
     return path

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from hybridflow.errors import UserError
+from hybridflow.run_manifest import write_text_atomic
 from hybridflow.serve.server import BackgroundServer
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,6 @@ def serve_policy(backend, tokenizer, config, world_size: int, run_dir: Path) -> 
         api_processes=r.server_api_processes,
     ).start()  # fmt: skip
     record = {"url": server.url, "model": name, "pid": os.getpid()}
-    (run_dir / SERVER_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
+    write_text_atomic(run_dir / SERVER_FILE, json.dumps(record) + "\n")
     log.info("the policy being trained is served at %s (model %r)", server.url, name)
     return ServedEngine(server)

@@ -14,6 +14,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from hybridflow.errors import UserError
+from hybridflow.run_manifest import tmp_name
 
 
 class Sink(Protocol):
@@ -191,7 +192,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     if in_order:
         os.truncate(path, cut)
         return
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(tmp_name(path.name))
     with tmp.open("wb") as f:
         for _, row, raw in _rows(path):
             if raw.endswith(b"\n") and (row is None or row.get("step", 0) <= last_step):

@@ -507,3 +507,26 @@ def test_a_disk_that_fills_mid_run_stops_in_one_line_and_the_same_command_resume
     assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-2000:]
     assert "resumed from" in (tmp_path / "second.out").read_text()
     assert (tmp_path / "kept").read_text().split() == ["global_step_3"]
+
+
+def test_files_a_run_rewrites_are_whole_or_as_they_were(tmp_path, monkeypatch):
+    """config.yaml, step_plan.txt, report.html, the written list: rewritten beside the file and renamed
+    over it. A failure (a kill, a full disk) before the rename leaves the old file whole, and what it
+    leaves beside it does not make the run directory look like someone else's."""
+    from hybridflow.controller.run_dir import LOCK, check_run_dir
+    from hybridflow.run_manifest import write_text_atomic
+
+    path = tmp_path / "config.yaml"
+    write_text_atomic(path, "lr: 1\n")
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hybridflow.run_manifest.os.replace", full_disk)
+    with pytest.raises(OSError):
+        write_text_atomic(path, "lr: 2\n")
+    assert path.read_text() == "lr: 1\n" and not (tmp_path / ".config.yaml.tmp").exists()
+    monkeypatch.undo()
+    (tmp_path / LOCK).write_text("")
+    (tmp_path / ".config.yaml.tmp").write_text("lr: ")  # what a kill between write and rename leaves
+    check_run_dir(tmp_path, resume="auto", overwrite=False)
