@@ -66,15 +66,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
     elif hasattr(model, "hidden_states"):  # our model: the built-in engine
         from hybridflow.engine import Engine, EngineConfig
-        from hybridflow.engine.config import pool_tokens_for
+        from hybridflow.engine.config import page_size_for, pool_tokens_for
 
         context = max(map(len, prompt_ids)) + args.max_tokens + 1
         sequences = min(len(prompt_ids) * args.n, 256)
-        page_size = 64 if device.type == "cuda" else 16
+        cpu_pool = pool_tokens_for(sequences, context, page_size_for(device))
         config = EngineConfig(
-            max_context_tokens=context,
-            page_size=page_size,
-            kv_cache_tokens=None if device.type == "cuda" else pool_tokens_for(sequences, context, page_size),
+            max_context_tokens=context, kv_cache_tokens=None if device.type == "cuda" else cpu_pool
         )
         backend = Engine(model, eos_token_ids=eos, config=config, device=device)
     else:
@@ -193,16 +191,20 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from hybridflow.controller.layout_choice import choose_layout
     from hybridflow.controller.memory_plan import GIB, estimate, model_hf_config, plan_inputs
-    from hybridflow.controller.worker_models import check_parallel_sizes
+    from hybridflow.controller.setup import check_config
+    from hybridflow.controller.worker_models import check_layout
 
     resolved = _resolve(args)
     _announce(resolved)
+    # what training refuses is said here, not planned: its config checks, then the workers' layout
+    check_config(resolved.config)
     gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
     shape, gpu_bytes, workers = plan_inputs(resolved.config, gpu_bytes=gpu)
-    # a layout the workers would refuse is said here, not planned (train says the same at its start)
-    check_parallel_sizes(resolved.config, workers, model_hf_config(resolved.config))
+    hf_config = model_hf_config(resolved.config)
+    check_layout(resolved.config, workers, hf_config)
     print(estimate(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
-    print(choose_layout(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
+    choice = choose_layout(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers, hf_config=hf_config)
+    print(choice.report())
 
 
 def cmd_train(args: argparse.Namespace) -> None:

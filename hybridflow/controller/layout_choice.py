@@ -31,6 +31,7 @@ from hybridflow.controller.memory_plan import (
     estimate,
 )
 from hybridflow.controller.worker_models import WorkerLayout
+from hybridflow.errors import UserError
 
 MICRO_STEP = 1024
 
@@ -58,12 +59,19 @@ class LayoutChoice:
         return [f"  tried first: {t}" for t in self.tried]
 
 
-def choose_layout(config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int) -> LayoutChoice:
+def choose_layout(
+    config: Config, shape: ModelShape, *, gpu_bytes: int, workers: int, hf_config=None
+) -> LayoutChoice:
+    """The cheapest rung of the ladder that fits; a rung training would refuse (its config checks,
+    and with `hf_config` the workers' layout checks) is passed over and said so."""
     limit = gpu_bytes * (1 - PLAN_SLACK)
     tried: list[str] = []
     last: MemoryPlan | None = None
     for label, settings in _ladder(config, shape, workers):
         candidate = _with(config, settings)
+        if settings and (refusal := _refused(candidate, workers, hf_config)):
+            tried.append(f"{label}: refused ({refusal})")
+            continue
         plan = estimate(candidate, shape, gpu_bytes=gpu_bytes, workers=workers)
         if not _fits(plan, limit):
             micro = _largest_micro_batch(candidate, shape, gpu_bytes, workers, limit)
@@ -178,6 +186,22 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
         "over all of them), GPUs with more memory, or a shorter context (data.max_prompt_tokens + "
         "data.max_response_tokens)"
     )
+
+
+def _refused(c: Config, workers: int, hf_config) -> str | None:
+    """Why training would refuse `c` (None: it would not)."""
+    from hybridflow.controller.setup import check_config
+    from hybridflow.controller.worker_models import check_layout, check_lora_layout
+
+    try:
+        check_config(c)
+        if hf_config is not None:
+            check_layout(c, workers, hf_config)
+        else:
+            check_lora_layout(c, workers)
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def _fits(plan: MemoryPlan, limit: float) -> bool:

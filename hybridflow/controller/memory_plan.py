@@ -27,7 +27,6 @@ measured on one H200 (docs/benchmarks.md), which the estimate reproduces within 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -344,15 +343,9 @@ def model_shape(config: Config) -> ModelShape:
 
 def model_hf_config(config: Config):
     """`config`'s model's transformers config (its config file alone)."""
-    from transformers import AutoConfig
+    from hybridflow.models.loading import load_model_config
 
-    from hybridflow.models.default import default_model_dir
-
-    default = config.model.path == "default"
-    path = Path(default_model_dir(config.model.cache_dir) if default else config.model.path)
-    if path.is_file():  # a .gguf file
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoConfig.from_pretrained(path)
+    return load_model_config(config.model)
 
 
 def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:

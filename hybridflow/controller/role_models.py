@@ -120,7 +120,7 @@ def rollout_backend(
     transformers' generate on the transformers model (for a native actor, a copy synced by name
     after each update), or vLLM."""
     from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.config import pool_tokens_for
+    from hybridflow.engine.config import page_size_for, pool_tokens_for
 
     c, r = config, config.rollout
     backend = r.backend
@@ -175,13 +175,14 @@ def rollout_backend(
             "has none (or model.impl=hf); use rollout.backend=hf"
         )
     kv_tokens = r.kv_cache_tokens
-    page_size = 64 if device.type == "cuda" else 16
     if kv_tokens is None and device.type == "cuda":  # a pool kept beside training gets what it leaves
         from hybridflow.controller.memory_plan import pool_tokens_beside_training  # (it imports this module)
 
         kv_tokens = pool_tokens_beside_training(c)
     if kv_tokens is None and device.type != "cuda":
-        kv_tokens = pool_tokens_for(min(sequences_per_step(c), r.max_batch_sequences), context, page_size)
+        kv_tokens = pool_tokens_for(
+            min(sequences_per_step(c), r.max_batch_sequences), context, page_size_for(device)
+        )
     compute = c.actor.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
@@ -189,7 +190,6 @@ def rollout_backend(
         max_batch_sequences=r.max_batch_sequences,
         max_prefill_tokens=r.max_prefill_tokens,
         max_context_tokens=context,
-        page_size=page_size,
         kv_cache_tokens=kv_tokens,
         gpu_memory_utilization=r.gpu_memory_utilization,
         cuda_graphs=r.cuda_graphs,

@@ -15,7 +15,7 @@ from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import policy_model, rollout_backend
 from hybridflow.controller.worker_models import engine_mesh
 from hybridflow.devices import DTYPES, resolve_device
-from hybridflow.models import load_causal_lm
+from hybridflow.models.loading import load_model
 from hybridflow.parallel.reshard import Box, box_shape, held_box, placed
 from hybridflow.parallel.weight_sync import WeightSync, unpack
 from hybridflow.rewards.hidden import hidden_paths
@@ -31,7 +31,7 @@ class RolloutWorker:
         self.rank = rank
         self.device = resolve_device(c.resources.device)
         torch.manual_seed(c.trainer.seed)
-        hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        hf_model, tokenizer = load_model(c.model)
         policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
         if c.rollout.backend == "hf":
             hf_model.to(self.device)

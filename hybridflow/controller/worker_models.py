@@ -17,8 +17,8 @@ from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import lora_policy, policy_model, rollout_backend, value_model
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
-from hybridflow.models import load_causal_lm, native
-from hybridflow.models.loading import load_tokenizer
+from hybridflow.models import native
+from hybridflow.models.loading import load_model, load_model_config, load_model_tokenizer
 from hybridflow.models.lora import has_adapters, lora_reference
 from hybridflow.parallel.sharded_load import load_sharded, safetensors_dir, shardable_config
 from hybridflow.parallel.ulysses import apply_sequence_parallel, init_sequence_parallel
@@ -101,7 +101,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size), world_size)
     if policy_path is not None:
         return _build_read_sharded(c, world_size, device, policy_path)
-    hf_model, tokenizer = load_causal_lm(c.model.path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+    hf_model, tokenizer = load_model(c.model)
     # converted where it was loaded (the CPU), sharing its tensors, then moved: one copy on the GPU
     model = policy_model(c, hf_model).to(device)
     if c.rollout.backend == "hf":  # transformers' generate runs the loaded model itself
@@ -112,24 +112,11 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     critic_model = value_model(c, model, device) if layout.needs_critic else None
     model = lora_policy(c, model)
     lora = has_adapters(model)
-    if lora and (layout.sharded or c.resources.rollout_workers):
-        causes = [
-            *([f"{world_size} workers"] if world_size > 1 else []),
-            *(["actor.offload_params=true"] if c.actor.offload_params else []),
-            *(["ref.offload_params=true"] if layout.shard_ref and c.ref.offload_params else []),
-            *(
-                [f"resources.rollout_workers={c.resources.rollout_workers}"]
-                if c.resources.rollout_workers
-                else []
-            ),
-        ]
-        raise UserError(
-            f"model.lora_rank runs in one worker, without offload_params and rollout workers, for now; "
-            f"here: {', '.join(causes)}"
-        )
+    if lora:
+        check_lora_layout(c, world_size, lora=True)
     ref_model, ref_path = None, sharded_reference_path(c, layout)  # with a path: read in _shard
     if ref_path is None and layout.needs_ref and c.ref.model_path:
-        ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        ref_hf, _ = load_model(c.model, c.ref.model_path)
         ref_model = policy_model(c, ref_hf).to(device)
     elif ref_path is None and layout.needs_ref:  # with LoRA the reference is the actor's own base: no copy
         ref_model = model if lora else copy.deepcopy(model)
@@ -185,10 +172,10 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
     """A training worker whose policy (and reference, and critic) are read shard by shard, never
     whole: the engine (colocated) is built to the policy's shape and filled by a first weight sync,
     one FSDP unit at a time; disaggregated, the rollout workers load their own."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
-    hf_config = AutoConfig.from_pretrained(path)
-    tokenizer = load_tokenizer(str(path), cache_dir=c.model.cache_dir)
+    hf_config = load_model_config(c.model, path)
+    tokenizer = load_model_tokenizer(c.model, str(path))
     layout = WorkerLayout.of(c, world_size)
     config = shardable_config(path)
     with torch.device("meta"):  # what the checks look at: no weights
@@ -197,7 +184,7 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
     _check_tensor_parallel(c, world_size, probe, layout)
     ref_model, ref_path = None, sharded_reference_path(c, layout)
     if ref_path is None and layout.needs_ref:  # ref.model_path elsewhere, in a form read whole
-        ref_hf, _ = load_causal_lm(c.ref.model_path, dtype=c.model.dtype, cache_dir=c.model.cache_dir)
+        ref_hf, _ = load_model(c.model, c.ref.model_path)
         ref_model = policy_model(c, ref_hf).to(device)
     grid = _tensor_parallel_grid(c, world_size, device)
     backend = None
@@ -315,6 +302,37 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
     if critic_model is not None and world_size > 1 and policy_path is None:
         apply_fsdp(critic_model, mesh)
     return own_group, ref_model, model, critic_model
+
+
+def check_lora_layout(c: Config, world_size: int, *, lora: bool | None = None) -> None:
+    """LoRA's layout limits, naming the settings at fault (`lora`: the policy has adapters; from the
+    config when not known yet)."""
+    lora = bool(c.model.lora_rank or c.model.lora_adapter_path) if lora is None else lora
+    layout = WorkerLayout.of(c, world_size)
+    if not lora or not (layout.sharded or c.resources.rollout_workers):
+        return
+    causes = [
+        *([f"{world_size} workers"] if world_size > 1 else []),
+        *(["actor.offload_params=true"] if c.actor.offload_params else []),
+        *(["ref.offload_params=true"] if layout.shard_ref and c.ref.offload_params else []),
+        *(
+            [f"resources.rollout_workers={c.resources.rollout_workers}"]
+            if c.resources.rollout_workers
+            else []
+        ),
+    ]
+    raise UserError(
+        "model.lora_rank runs in one worker, without offload_params and rollout workers, for now; "
+        f"here: {', '.join(causes)}"
+    )
+
+
+def check_layout(c: Config, world_size: int, hf_config) -> None:
+    """Everything the training workers would refuse about the layout of `c` for a model of
+    `hf_config`, without building anything: `hybridflow plan` and the layout chooser ask it, so
+    neither approves what training then refuses."""
+    check_parallel_sizes(c, world_size, hf_config)
+    check_lora_layout(c, world_size)
 
 
 def check_parallel_sizes(c: Config, world_size: int, hf_config) -> None:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def page_size_for(device) -> int:
+    """Tokens a KV page holds on `device`, decided here alone: 64 on CUDA (the decode kernel's token
+    blocks), 16 elsewhere (a CPU's small batches waste less of a last page)."""
+    return 64 if device.type == "cuda" else 16
+
+
 def pool_tokens_for(sequences: int, context_tokens: int, page_size: int) -> int:
     """A KV pool that holds `sequences` whole sequences of `context_tokens` at once (each in whole
     pages), plus the one page the scheduler keeps spare: the CPU's pool, sized to a step."""
@@ -19,7 +25,8 @@ class EngineConfig:
     """Token budget of one prefill step (a longer prompt is prefilled alone)."""
     max_context_tokens: int = 4096
     """Longest prompt + response; a sequence that reaches it stops with finish_reason 'length'."""
-    page_size: int = 64
+    page_size: int | None = None
+    """Tokens a KV page holds; None: by device (page_size_for), which is what every caller wants."""
     kv_cache_tokens: int | None = None
     """Size of the KV pool in tokens; by default `gpu_memory_utilization` of the free GPU memory (at
     most room for max_batch_sequences at full context), or that room on CPU."""

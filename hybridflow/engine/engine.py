@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hybridflow.devices import follow_free_cores
-from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.config import EngineConfig, page_size_for
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.requests import RequestOutput, SampleSoFar
@@ -61,6 +61,8 @@ class Engine:
 
             self.tp = EngineTP(tp_mesh)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if c.page_size is None:
+            self.config = c = replace(c, page_size=page_size_for(self.device))
         master = next(model.parameters()).dtype
         if c.compute_dtype == "auto":
             self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else master

@@ -101,6 +101,33 @@ def _model_path(path: str, cache_dir: str | None) -> Path:
     return p
 
 
+def load_model(model, path: str | None = None, *, impl: str = "hf"):
+    """The one way a run loads a model: `path` (default: model.path; a reference's or a checkpoint's
+    path) with every model.* field that bears on loading: dtype, cache_dir, trust_remote_code.
+    `model` is the config's ModelConfig. -> (model, tokenizer), as load_causal_lm."""
+    return load_causal_lm(
+        path or model.path, impl=impl, dtype=model.dtype, cache_dir=model.cache_dir,
+        trust_remote_code=model.trust_remote_code,
+    )  # fmt: skip
+
+
+def load_model_tokenizer(model, path: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `load_model(model, path)` alone."""
+    return load_tokenizer(
+        path or model.path, cache_dir=model.cache_dir, trust_remote_code=model.trust_remote_code
+    )
+
+
+def load_model_config(model, path: str | Path | None = None):
+    """The transformers config of `load_model(model, path)`: its config file alone, no weights."""
+    from transformers import AutoConfig
+
+    p = _model_path(str(path or model.path), model.cache_dir)
+    if p.is_file():  # a .gguf file
+        return AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    return AutoConfig.from_pretrained(p, trust_remote_code=model.trust_remote_code)
+
+
 def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
     """'default' as the embedded model's cached HF directory; any other path checked to exist."""
     return _model_path(path, cache_dir)
@@ -111,7 +138,15 @@ def _load_hf_dir(p: Path, dtype: torch.dtype, trust_remote_code: bool):
         raise UserError(f"model directory {p} has no config.json")
     if not any(any(p.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise UserError(f"model directory {p} has no weights (expected *.safetensors or pytorch_model*.bin)")
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise UserError(
+                f"model directory {p} holds its own Python code (config.json auto_map); transformers runs it "
+                "only with model.trust_remote_code=true: set it if you trust that code"
+            ) from e
+        raise
     tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
     return model, tokenizer
 

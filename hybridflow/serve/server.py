@@ -32,7 +32,7 @@ def build_engine(model: str, *, device: str, dtype: str, max_context: int, gpu_m
     """(engine, tokenizer) of the built-in engine over our model of `model`."""
     from hybridflow.devices import resolve_device
     from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.config import pool_tokens_for
+    from hybridflow.engine.config import page_size_for, pool_tokens_for
     from hybridflow.models import load_causal_lm
     from hybridflow.models.loading import stop_token_ids
 
@@ -40,13 +40,11 @@ def build_engine(model: str, *, device: str, dtype: str, max_context: int, gpu_m
     where = resolve_device(device)
     net.to(where)
     cuda = where.type == "cuda"
-    page_size = 64 if cuda else 16
     config = EngineConfig(
         max_context_tokens=max_context,
-        page_size=page_size,
         max_batch_sequences=256 if cuda else 64,
         gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_tokens=None if cuda else pool_tokens_for(64, max_context, page_size),
+        kv_cache_tokens=None if cuda else pool_tokens_for(64, max_context, page_size_for(where)),
     )
     return Engine(net, eos_token_ids=stop_token_ids(net, tokenizer), config=config, device=where), tokenizer
 

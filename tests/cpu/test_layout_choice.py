@@ -186,3 +186,26 @@ def test_a_run_that_will_not_fit_hears_the_choice_at_its_start(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "warning: a phase will not fit" in out
     assert "\nchoice: " in out and "actor.offload_optimizer=true" in out
+
+
+def test_a_rung_training_would_refuse_is_passed_over_not_chosen():
+    """LoRA runs in one worker without offload for now: where only offload would fit, the chooser
+    says the offload rungs are refused (naming why) instead of approving a layout training refuses."""
+    shape = _shape(**QWEN_7B)
+    lora = load_config("gsm8k_grpo", [*FP32, "model.lora_rank=16", "actor.use_kl_loss=false"])
+    gpu = 20 * GIB
+    choice = choose_layout(lora, shape, gpu_bytes=gpu, workers=1)
+    assert choice.settings.get("actor.offload_params") is not True
+    assert any(
+        "the actor in CPU memory: refused (model.lora_rank runs in one worker" in t for t in choice.tried
+    )
+
+
+def test_hybridflow_plan_refuses_what_training_refuses(capsys):
+    """`hybridflow plan` runs the start's config checks: it never plans a run that training refuses."""
+    from hybridflow.cli import main
+
+    code = main(["plan", "gsm8k_grpo", "actor.router_replay=R2", "algorithm.rollout_correction.bypass_mode=true",
+                 "--gpu-memory-gib", "80"])  # fmt: skip
+    assert code == 2
+    assert "actor.router_replay=R2 replays the routing of the old-log-prob pass" in capsys.readouterr().err

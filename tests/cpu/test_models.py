@@ -123,3 +123,48 @@ def test_default_model_loads_from_gguf_and_exports_same_tokens(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert torch.equal(reloaded.generate(ids, max_new_tokens=12, do_sample=False), out)
     assert "5" in tok.decode(out[0, ids.shape[1] :])
+
+
+def _custom_code_model(directory):
+    """A model directory with its own Python code (config.json's auto_map), as many hub models have."""
+    import json
+
+    from hybridflow.models import byte_tokenizer, save_hf, tiny_model
+
+    save_hf(tiny_model("llama", seed=2), byte_tokenizer(), directory, overwrite=True)
+    (directory / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n    model_type = 'hf_custom_llama'\n"
+    )
+    (directory / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
+    config = json.loads((directory / "config.json").read_text())
+    config |= {"model_type": "hf_custom_llama", "architectures": ["CustomForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_model_trust_remote_code_reaches_every_load_of_a_run(tmp_path):
+    """model.trust_remote_code is honoured by the one function every role loads through: without it
+    a model with its own code is refused in one line naming the setting; with it an SFT run trains."""
+    from hybridflow.config import load_config
+    from hybridflow.errors import UserError
+    from hybridflow.models.loading import load_model, load_model_config
+    from hybridflow.offline import SFTTrainer
+
+    path = _custom_code_model(tmp_path / "custom")
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text("\n".join(f'{{"prompt": "q{i}", "response": "a{i}"}}' for i in range(8)))
+    base = [f"model.path={path}", f"data.train_files=[{rows}]", "sft.batch_size=4", "trainer.total_training_steps=1",
+            f"trainer.run_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "actor.compute_dtype=float32"]  # fmt: skip
+    with pytest.raises(UserError, match="holds its own Python code .* model.trust_remote_code=true"):
+        load_model(load_config(None, base).model)
+    trusted = load_config(None, [*base, "model.trust_remote_code=true"])
+    model, _ = load_model(trusted.model)
+    assert type(model).__name__ == "CustomForCausalLM"
+    assert load_model_config(trusted.model).model_type == "hf_custom_llama"
+    SFTTrainer(trusted).fit()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step": 1') == 1
