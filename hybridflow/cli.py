@@ -192,16 +192,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from hybridflow.controller.layout_choice import choose_layout
     from hybridflow.controller.memory_plan import GIB, estimate, model_hf_config, plan_inputs
     from hybridflow.controller.setup import check_config
-    from hybridflow.controller.worker_models import check_layout
+    from hybridflow.controller.worker_models import check_parallel_sizes
 
     resolved = _resolve(args)
     _announce(resolved)
-    # what training refuses is said here, not planned: its config checks, then the workers' layout
-    check_config(resolved.config)
     gpu = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
     shape, gpu_bytes, workers = plan_inputs(resolved.config, gpu_bytes=gpu)
+    # what training refuses is said here, not planned: its config checks (on the planned workers),
+    # then what the workers would refuse of the parallel sizes
+    check_config(resolved.config, workers)
     hf_config = model_hf_config(resolved.config)
-    check_layout(resolved.config, workers, hf_config)
+    check_parallel_sizes(resolved.config, workers, hf_config)
     print(estimate(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers).report())
     choice = choose_layout(resolved.config, shape, gpu_bytes=gpu_bytes, workers=workers, hf_config=hf_config)
     print(choice.report())

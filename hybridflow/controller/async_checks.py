@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.algorithms.estimators import estimator
 from hybridflow.config import Config
-from hybridflow.controller.worker_group import worker_count
-from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError
 
 
@@ -53,11 +50,6 @@ def check_async(config: Config) -> None:
             f"trainer.async_mode={mode} it would leave nothing overlapped: use trainer.async_mode=streaming, "
             "or drop it"
         )
-    if config.rollout.pause_for_training and config.resources.rollout_workers:
-        raise UserError(
-            "rollout.pause_for_training=true shares one device between engine and trainer; rollout workers "
-            "(resources.rollout_workers) have devices of their own: drop it"
-        )
     if config.rollout.keep_kv_on_weight_update and mode != "streaming":
         raise UserError(
             f"rollout.keep_kv_on_weight_update=true keeps the K/V of sequences in flight across a weight "
@@ -76,22 +68,3 @@ def check_async(config: Config) -> None:
             f"trainer.async_mode=one_step trains each batch one update late (rollout.max_staleness <= 1, "
             f"not {bound}); use trainer.async_mode=streaming for a larger bound"
         )
-    r, c = config.resources, config
-    why = None
-    if not r.rollout_workers and (worker_count(r, resolve_device(r.device)) != 1 or r.ray_address):
-        why = (
-            "shares a GPU between engine and trainer on one worker only; with several, give the engines "
-            "workers of their own (resources.rollout_workers=N)"
-        )
-    elif c.rollout.backend not in ("auto", "native"):
-        why = f"generates with the built-in engine, not rollout.backend={c.rollout.backend}"
-    elif c.rollout.server:
-        why = "drives the engine itself, not through rollout.server"
-    elif c.algorithm.filter_groups.enable:
-        why = "admits a fixed number of groups a step; DAPO's algorithm.filter_groups would resample"
-    elif estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
-        why = f"has no greedy-baseline pass for algorithm.adv_estimator={c.algorithm.adv_estimator}"
-    elif c.model.lora_rank:
-        why = "copies whole weights into its engine; model.lora_rank is not supported with it yet"
-    if why:
-        raise UserError(f"trainer.async_mode={mode} {why}; use trainer.async_mode=off")

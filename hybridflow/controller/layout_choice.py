@@ -189,16 +189,15 @@ def _why_not(c: Config, shape: ModelShape, plan: MemoryPlan | None, limit: float
 
 
 def _refused(c: Config, workers: int, hf_config) -> str | None:
-    """Why training would refuse `c` (None: it would not)."""
+    """Why training would refuse `c` (None: it would not): the start's checks, and with `hf_config`
+    what the workers would refuse of the parallel sizes."""
     from hybridflow.controller.setup import check_config
-    from hybridflow.controller.worker_models import check_layout, check_lora_layout
+    from hybridflow.controller.worker_models import check_parallel_sizes
 
     try:
-        check_config(c)
+        check_config(c, workers)
         if hf_config is not None:
-            check_layout(c, workers, hf_config)
-        else:
-            check_lora_layout(c, workers)
+            check_parallel_sizes(c, workers, hf_config)
     except UserError as e:
         return str(e)
     return None

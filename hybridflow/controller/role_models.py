@@ -132,17 +132,7 @@ def rollout_backend(
     if replay and (backend != "native" or not isinstance(policy, native.NativeCausalLM)):
         raise UserError(
             f"actor.router_replay=R3 needs the experts our engine records (rollout.backend=native, "
-            f"model.impl=native); this run has rollout.backend={backend}"
-        )
-    if replay and c.rollout.agent.loop:
-        raise UserError(
-            f"actor.router_replay=R3 with rollout.agent.loop={c.rollout.agent.loop} is not built (an episode's "
-            "turns are several engine requests whose routes are not joined yet); set actor.router_replay=disabled"
-        )
-    if replay and c.actor.sequence_parallel_size > 1:
-        raise UserError(
-            "actor.router_replay=R3 does not split its routes for actor.sequence_parallel_size > 1 yet; "
-            "set one of them back (router_replay=disabled or sequence_parallel_size=1)"
+            f"model.impl=native); this run has rollout.backend={backend}, model.impl={c.model.impl}"
         )
     if replay and policy.config.moe is None:
         raise UserError(

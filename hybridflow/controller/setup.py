@@ -10,6 +10,9 @@ from hybridflow.algorithms.policy_losses import POLICY_LOSSES
 from hybridflow.checkpoint import NO_CHECKPOINTS, writes_checkpoints
 from hybridflow.config.schema import Config
 from hybridflow.controller.async_checks import check_async
+from hybridflow.controller.compatibility import refuse_incompatible
+from hybridflow.controller.worker_group import worker_count
+from hybridflow.devices import resolve_device
 from hybridflow.errors import UserError, closest
 from hybridflow.models.lora import lora_reference
 
@@ -18,24 +21,16 @@ def sequences_per_step(config: Config) -> int:
     return config.data.prompts_per_step * config.rollout.samples_per_prompt
 
 
-def check_config(config: Config) -> None:
-    """Names that must exist and batch sizes that must divide, with the arithmetic spelled out."""
+def check_config(config: Config, workers: int | None = None) -> None:
+    """Names that must exist, batch sizes that must divide (the arithmetic spelled out), and the
+    features that do not combine yet (controller/compatibility.py) on `workers` training workers
+    (default: what this machine gives the config)."""
     algo, actor = config.algorithm, config.actor
     if config.trainer.max_restarts and not writes_checkpoints(config.trainer.save_freq):
         raise UserError(
             f"trainer.max_restarts={config.trainer.max_restarts} starts a run again from its latest checkpoint, "
             f"and trainer.save_freq={config.trainer.save_freq} writes none (verl's 'never'): set save_freq to N "
             "(a checkpoint every N steps) or leave it unset"
-        )
-    if config.rollout.agent.loop and config.rollout.backend in ("hf", "vllm"):
-        raise UserError(
-            f"rollout.agent.loop={config.rollout.agent.loop} runs its episodes on the built-in engine, not "
-            f"rollout.backend={config.rollout.backend}: set rollout.backend=native"
-        )
-    if config.rollout.agent.loop == "environment" and config.reward.custom_function_path:
-        raise UserError(
-            "rollout.agent.loop=environment scores every episode with the environment's rewards, so "
-            f"reward.custom_function_path={config.reward.custom_function_path} would never be called: remove it"
         )
     for key, value, table in (
         ("algorithm.adv_estimator", algo.adv_estimator, ESTIMATORS),
@@ -48,17 +43,9 @@ def check_config(config: Config) -> None:
                 f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
             )
     check_async(config)
-    if actor.router_replay == "R2" and algo.rollout_correction.bypass_mode:
-        raise UserError(
-            "actor.router_replay=R2 replays the routing of the old-log-prob pass, which "
-            "algorithm.rollout_correction.bypass_mode=true skips (pi_old is the sampler's): use R3, which replays "
-            "the sampler's own routing, or turn bypass mode off"
-        )
-    if actor.router_replay == "R2" and actor.sequence_parallel_size > 1:
-        raise UserError(
-            "actor.router_replay=R2 does not split its routes for actor.sequence_parallel_size > 1 yet; "
-            "set one of them back (router_replay=disabled or sequence_parallel_size=1)"
-        )
+    if workers is None:
+        workers = worker_count(config.resources, resolve_device(config.resources.device))
+    refuse_incompatible(config, workers)
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
     if per_update is not None and (per_update <= 0 or per_step % per_update):
@@ -66,11 +53,6 @@ def check_config(config: Config) -> None:
             f"actor.sequences_per_update={per_update} does not divide the {per_step} sequences of a step "
             f"(data.prompts_per_step={config.data.prompts_per_step} x "
             f"rollout.samples_per_prompt={config.rollout.samples_per_prompt})"
-        )
-    if config.resources.rollout_workers and config.rollout.backend not in ("auto", "native"):
-        raise UserError(
-            f"resources.rollout_workers={config.resources.rollout_workers} runs our rollout engine on its "
-            f"own workers; rollout.backend={config.rollout.backend!r} cannot receive weights there (use native)"
         )
     if config.critic.warmup_steps and not estimator(algo.adv_estimator).needs_critic:
         raise UserError(

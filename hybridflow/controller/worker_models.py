@@ -111,9 +111,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     _check_tensor_parallel(c, world_size, model, layout)
     critic_model = value_model(c, model, device) if layout.needs_critic else None
     model = lora_policy(c, model)
-    lora = has_adapters(model)
-    if lora:
-        check_lora_layout(c, world_size, lora=True)
+    lora = has_adapters(model)  # (what LoRA does not combine with yet: the start's checks)
     ref_model, ref_path = None, sharded_reference_path(c, layout)  # with a path: read in _shard
     if ref_path is None and layout.needs_ref and c.ref.model_path:
         ref_hf, _ = load_model(c.model, c.ref.model_path)
@@ -304,37 +302,6 @@ def _shard(c: Config, layout: WorkerLayout, world_size: int, device: torch.devic
     return own_group, ref_model, model, critic_model
 
 
-def check_lora_layout(c: Config, world_size: int, *, lora: bool | None = None) -> None:
-    """LoRA's layout limits, naming the settings at fault (`lora`: the policy has adapters; from the
-    config when not known yet)."""
-    lora = bool(c.model.lora_rank or c.model.lora_adapter_path) if lora is None else lora
-    layout = WorkerLayout.of(c, world_size)
-    if not lora or not (layout.sharded or c.resources.rollout_workers):
-        return
-    causes = [
-        *([f"{world_size} workers"] if world_size > 1 else []),
-        *(["actor.offload_params=true"] if c.actor.offload_params else []),
-        *(["ref.offload_params=true"] if layout.shard_ref and c.ref.offload_params else []),
-        *(
-            [f"resources.rollout_workers={c.resources.rollout_workers}"]
-            if c.resources.rollout_workers
-            else []
-        ),
-    ]
-    raise UserError(
-        "model.lora_rank runs in one worker, without offload_params and rollout workers, for now; "
-        f"here: {', '.join(causes)}"
-    )
-
-
-def check_layout(c: Config, world_size: int, hf_config) -> None:
-    """Everything the training workers would refuse about the layout of `c` for a model of
-    `hf_config`, without building anything: `hybridflow plan` and the layout chooser ask it, so
-    neither approves what training then refuses."""
-    check_parallel_sizes(c, world_size, hf_config)
-    check_lora_layout(c, world_size)
-
-
 def check_parallel_sizes(c: Config, world_size: int, hf_config) -> None:
     """What the training workers would refuse about the parallel sizes of `c` for a model of
     `hf_config`, without building anything (`hybridflow plan` says it before planning memory)."""
@@ -365,9 +332,7 @@ def _check_tensor_parallel(c: Config, world_size: int, model, layout: WorkerLayo
             not isinstance(model, native.NativeCausalLM),
             "runs our native models (not model.impl=hf)",
         ),
-        (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
-        (c.actor.offload_params or c.ref.offload_params, "does not combine with offload_params yet"),
-    ]
+    ]  # (and what it does not combine with yet: controller/compatibility.py, at the start)
     _refuse_first(f"actor.tensor_parallel_size={tp}", refusals)
 
 
@@ -390,17 +355,7 @@ def _check_expert_parallel(c: Config, world_size: int, model) -> None:
             moe is not None and moe.num_experts % ep != 0,
             f"does not divide num_experts={moe and moe.num_experts}",
         ),
-        (
-            c.actor.tensor_parallel_size > 1,
-            "does not combine with actor.tensor_parallel_size: tensor parallelism already splits the experts "
-            "over its ranks (set one of the two)",
-        ),
-        (c.actor.sequence_parallel_size > 1, "does not combine with actor.sequence_parallel_size yet"),
-        (
-            c.actor.offload_params or c.ref.offload_params,
-            "does not combine with offload_params yet (the experts would stay on the GPU)",
-        ),
-    ]
+    ]  # (and what it does not combine with yet: controller/compatibility.py, at the start)
     _refuse_first(f"actor.expert_parallel_size={ep}", refusals)
 
 

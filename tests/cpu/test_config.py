@@ -141,7 +141,10 @@ def test_agent_settings_are_checked_at_load():
     with pytest.raises(UserError, match="set rollout.backend=native"):
         check_config(load_config("tool_arithmetic_grpo", ["rollout.backend=hf"]))
     # an environment scores every episode: a reward function the user named would never run
-    with pytest.raises(UserError, match="reward.custom_function_path=r.py would never be called"):
+    with pytest.raises(
+        UserError,
+        match="reward.custom_function_path=r.py: the environment's rewards score every episode, so the function would never",
+    ):
         check_config(load_config("guess_game_grpo", ["reward.custom_function_path=r.py"]))
 
 

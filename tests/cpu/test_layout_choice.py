@@ -197,7 +197,9 @@ def test_a_rung_training_would_refuse_is_passed_over_not_chosen():
     choice = choose_layout(lora, shape, gpu_bytes=gpu, workers=1)
     assert choice.settings.get("actor.offload_params") is not True
     assert any(
-        "the actor in CPU memory: refused (model.lora_rank runs in one worker" in t for t in choice.tried
+        "the actor in CPU memory: refused (model.lora_rank=16 with actor.offload_params=true: LoRA runs in one"
+        in t
+        for t in choice.tried
     )
 
 
@@ -208,4 +210,7 @@ def test_hybridflow_plan_refuses_what_training_refuses(capsys):
     code = main(["plan", "gsm8k_grpo", "actor.router_replay=R2", "algorithm.rollout_correction.bypass_mode=true",
                  "--gpu-memory-gib", "80"])  # fmt: skip
     assert code == 2
-    assert "actor.router_replay=R2 replays the routing of the old-log-prob pass" in capsys.readouterr().err
+    assert (
+        "actor.router_replay=R2 with algorithm.rollout_correction.bypass_mode=true: R2 replays the routing of the "
+        "old-log-prob pass" in capsys.readouterr().err
+    )

@@ -220,7 +220,10 @@ def test_replay_with_an_agent_loop_is_refused(setup, tmp_path):
     c = config(setup, tmp_path / "run", f"model.path={tmp_path / 'model'}", "actor.router_replay=R3",
                "rollout.agent.loop=environment", "rollout.agent.environment=guess_number",
                "reward.custom_function_path=null")  # fmt: skip
-    with pytest.raises(UserError, match="rollout.agent.loop=environment is not built"):
+    with pytest.raises(
+        UserError,
+        match="actor.router_replay=R3 with rollout.agent.loop=environment: R3 with agent loops is not built",
+    ):
         RLTrainer(c)
 
 
