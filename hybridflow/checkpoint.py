@@ -93,7 +93,8 @@ def latest_checkpoint_name(run_dir: Path) -> str | None:
     return found[-1][1].name if found else None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -105,7 +106,7 @@ def _sha256s(files: list[Path]) -> list[str]:
     """The files' sha256, several at once (hashlib releases the GIL: a sharded state's files, one
     per rank, hash in parallel; a single file runs at one core's ~1.4 GB/s)."""
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
-        return list(pool.map(_sha256, files))
+        return list(pool.map(file_sha256, files))
 
 
 def write_manifest(directory: Path) -> None:

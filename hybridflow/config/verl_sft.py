@@ -37,6 +37,17 @@ def _null_or(refusal: str):
     return lambda v: Translation() if v in (None, "null", "None") else Translation(refusal=refusal)
 
 
+_NO_OFFLOAD = by_value(
+    lambda v: (
+        Translation(refusal="the offline trainers do not offload; set it false")
+        if r.truthy(v)
+        else Translation()
+    ),
+    "(false only)",
+    "offload is refused in the offline trainers",
+)
+
+
 def _sequence_parallel(value: Any) -> Translation:
     return Translation(
         note="the offline trainers run on one worker: no sequence parallelism (it changes memory, not results)"
@@ -90,24 +101,8 @@ def _shared(batch_key: str, prefix: str) -> dict[str, Entry]:
         ),
         "model.fsdp_config.model_dtype": rename("model.dtype", convert=r.dtype),
         "model.fsdp_config.wrap_policy.min_num_params": no_effect("FSDP2 wraps each decoder layer"),
-        "model.fsdp_config.cpu_offload": by_value(
-            lambda v: (
-                Translation(refusal="the offline trainers do not offload; set it false")
-                if r.truthy(v)
-                else Translation()
-            ),
-            "(false only)",
-            "offload is refused in the offline trainers",
-        ),
-        "model.fsdp_config.offload_params": by_value(
-            lambda v: (
-                Translation(refusal="the offline trainers do not offload; set it false")
-                if r.truthy(v)
-                else Translation()
-            ),
-            "(false only)",
-            "offload is refused in the offline trainers",
-        ),
+        "model.fsdp_config.cpu_offload": _NO_OFFLOAD,
+        "model.fsdp_config.offload_params": _NO_OFFLOAD,
         "optim.lr": rename("actor.optim.lr"),
         "optim.betas": rename("actor.optim.betas"),
         "optim.weight_decay": rename("actor.optim.weight_decay"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridflow.batch import Prompt
+from hybridflow.checkpoint import file_sha256
 from hybridflow.config.schema import DataConfig
 from hybridflow.data.files import json_default
 from hybridflow.errors import UserError
@@ -32,14 +33,6 @@ log = logging.getLogger(__name__)
 
 class Damaged(Exception):
     """A cache folder that cannot be used as it is."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -79,7 +72,7 @@ class PackedDataset:
         try:
             header = json.loads((directory / "header.json").read_text(encoding="utf-8"))
             for name in CACHED_FILES:
-                if _sha256(directory / name) != header["sha256"][name]:
+                if file_sha256(directory / name) != header["sha256"][name]:
                     raise Damaged(f"{name} is not the file that was written")
             self.rows, self.overlong = header["rows"], header["overlong"]
             self.bad, self.unreadable = header.get("bad", []), header.get("unreadable_lines", 0)
@@ -159,7 +152,7 @@ class PackedDataset:
                 f.write(json.dumps(meta, ensure_ascii=False, default=json_default) + "\n")
         overlong = len(rows) - len(prompts) - (len(bad) - unreadable)
         header = {"rows": len(rows), "overlong": overlong, "bad": bad, "unreadable_lines": unreadable,
-                  "sha256": {name: _sha256(tmp / name) for name in CACHED_FILES}}  # fmt: skip
+                  "sha256": {name: file_sha256(tmp / name) for name in CACHED_FILES}}  # fmt: skip
         (tmp / "header.json").write_text(json.dumps(header), encoding="utf-8")
         if (directory / "header.json").is_file():  # another process built it meanwhile: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
