@@ -13,6 +13,7 @@ import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ class DaemonThreads(concurrent.futures.Executor):
     """Up to `max_workers` daemon threads for the user's plain functions (tools, environments). A
     call that never returns is given up on at its deadline and cannot be stopped; in a daemon thread
     it also does not hold the interpreter at exit, as ThreadPoolExecutor's workers (joined at exit)
-    would: a run that finished would hang there."""
+    would: a run that finished would hang there. As ThreadPoolExecutor's, the idle workers end when
+    the pool is shut down or collected (they hold it only weakly)."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str = "hybridflow") -> None:
         self._max, self._prefix = max_workers, thread_name_prefix
@@ -30,6 +32,8 @@ class DaemonThreads(concurrent.futures.Executor):
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        work = self._work
+        self._ref = weakref.ref(self, lambda _: work.put(None))  # collected: the workers end
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -39,32 +43,38 @@ class DaemonThreads(concurrent.futures.Executor):
             self._work.put((future, fn, args, kwargs))
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
                 thread = threading.Thread(
-                    target=self._run, name=f"{self._prefix}-{len(self._threads)}", daemon=True
-                )
+                    target=_work_until_stopped, args=(self._ref, self._work, self._idle),
+                    name=f"{self._prefix}-{len(self._threads)}", daemon=True,
+                )  # fmt: skip
                 self._threads.append(thread)
                 thread.start()
         return future
-
-    def _run(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # SystemExit too: it is the call's outcome, not this thread's
-                    future.set_exception(e)
-            del item, future, fn, args, kwargs
-            self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Idle threads end; a thread stuck in a call ends with the process (it is a daemon)."""
         with self._lock:
             self._closed = True
-            for _ in self._threads:
-                self._work.put(None)
+            self._work.put(None)
+
+
+def _work_until_stopped(pool_ref, work: queue.SimpleQueue, idle: threading.Semaphore) -> None:
+    """A worker of DaemonThreads: calls until None arrives (passed on, so every worker ends)."""
+    while True:
+        item = work.get()
+        if item is None:
+            work.put(None)
+            return
+        future, fn, args, kwargs = item
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # SystemExit too: it is the call's outcome, not this thread's
+                future.set_exception(e)
+        del item, future, fn, args, kwargs
+        if pool_ref() is None:
+            work.put(None)
+            return
+        idle.release()
 
 
 _DEFAULT_THREADS = DaemonThreads(32, "hybridflow-call")

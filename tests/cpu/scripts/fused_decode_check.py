@@ -28,7 +28,11 @@ for family, own_copy in (("qwen2", True), ("qwen3", False)):  # fused projection
     cases = {
         "greedy": SamplingParams(temperature=0.0, max_tokens=9),
         "t=0.6 with stops": SamplingParams(
-            n=2, temperature=0.6, max_tokens=9, seed=1, stop_token_ids=list(range(2, 300, 7))
+            n=2,
+            temperature=0.6,
+            max_tokens=9,
+            seed=1,
+            stop_token_ids=list(range(2, model.config.vocab_size, 7)),
         ),
     }
     fused_engine, plain_engine = engine(model, True, own_copy), engine(model, False, own_copy)
