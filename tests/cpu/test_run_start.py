@@ -206,3 +206,22 @@ def test_torchs_threads_follow_the_cores_other_work_leaves_free(monkeypatch):
         assert torch.get_num_threads() == watcher.cores
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_directory_that_is_a_file_and_a_pickle_as_the_model_are_one_line(setup, tmp_path):
+    """trainer.run_dir naming a file, and a pickle at model.path: each one line naming the setting, not
+    a NotADirectoryError or a GGUF reader's traceback (the user's file is left as it was)."""
+    from hybridflow.cli import main
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    pickled = tmp_path / "model.pkl"
+    pickled.write_bytes(b"\x80\x04K\x01.")
+    base = [
+        f"model.path={setup / 'model'}",
+        f"data.train_files=[{setup / 'prompts.jsonl'}]",
+        "trainer.progress=false",
+    ]
+    assert main(["train", *base, f"trainer.run_dir={taken}"]) == 2
+    assert main(["train", *base, f"trainer.run_dir={tmp_path / 'run'}", f"model.path={pickled}"]) == 2
+    assert taken.read_text() == "mine"
