@@ -54,7 +54,9 @@ class FreeCores:
 
         system = psutil.cpu_times()
         own = self._process.cpu_times()
-        busy = sum(system) - system.idle - getattr(system, "iowait", 0.0) - getattr(system, "guest", 0.0)
+        # Linux counts guest time inside user and nice time as well: not twice here
+        idle = system.idle + getattr(system, "iowait", 0.0)
+        busy = sum(system) - idle - getattr(system, "guest", 0.0) - getattr(system, "guest_nice", 0.0)
         return time.monotonic(), busy, own.user + own.system
 
     def others_busy(self, since: tuple[float, float, float]) -> float:
