@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.errors import UserError
+from hybridflow.rewards.loading import RESPONSE_IDS_KEY
 
 ROW_KEY = "row"  # extra_info[ROW_KEY]: the dataset row (every column), kept for TRL-style functions
-RESPONSE_IDS_KEY = "response_ids"  # what the Reward role adds to extra_info when a function asks
 
 
 @dataclass

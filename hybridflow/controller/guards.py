@@ -9,7 +9,7 @@ disagreed and how to turn it off (trainer.guards.*):
   moved yet): `max_first_ppo_kl`;
 - the rollout/trainer gap growing step after step (weights drifting apart slowly) is warned about
   once, with the step where it began;
-- the weight-sync check (weight_check.py) after every sync.
+- the weight-sync check (parallel/weight_check.py) after every sync.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from hybridflow.controller.policy_export import export_policy
 from hybridflow.controller.role_models import (
     compile_native_models,
 )
-from hybridflow.controller.weight_check import Plan, make_plan, sample, trainer_tensors
 from hybridflow.controller.worker_models import build_models
 from hybridflow.devices import resolve_device
 from hybridflow.models.lora import (
@@ -28,6 +27,7 @@ from hybridflow.models.lora import (
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.reshard import ReshardPlan, part_of
+from hybridflow.parallel.weight_check import Plan, make_plan, sample, trainer_tensors
 from hybridflow.parallel.weight_sync import WeightSync, pack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.actor import Actor

@@ -11,9 +11,9 @@ import functools
 from hybridflow.config.schema import Config
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.rollout_worker import RolloutWorker
-from hybridflow.controller.weight_check import compare
 from hybridflow.controller.worker_group import WorkerGroup, worker_count, worker_group
 from hybridflow.errors import UserError
+from hybridflow.parallel.weight_check import compare
 
 
 class Placement:

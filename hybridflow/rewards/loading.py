@@ -11,6 +11,10 @@ from pathlib import Path
 
 from hybridflow.errors import UserError
 
+RESPONSE_IDS_KEY = "response_ids"
+"""What the Reward role adds to a row's extra_info when the function asks for the sampled token ids
+(TRL's completion_ids)."""
+
 
 def load_custom_function(
     path: str,

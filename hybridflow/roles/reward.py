@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.algorithms.losses import overlong_penalty
-from hybridflow.api.trl_rewards import RESPONSE_IDS_KEY
 from hybridflow.batch import Rollouts
 from hybridflow.config.schema import RewardConfig
 from hybridflow.errors import UserError
 from hybridflow.rewards.executor import Outcome, RewardExecutor
-from hybridflow.rewards.loading import builtin_function, check_import, load_custom_function
+from hybridflow.rewards.loading import RESPONSE_IDS_KEY, builtin_function, check_import, load_custom_function
 from hybridflow.rewards.sandbox import SandboxLimits
 from hybridflow.rewards.scorers import SCORERS
 

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from hybridflow.batch import Prompt, Rollouts
-from hybridflow.controller.weight_check import sample
+from hybridflow.parallel.weight_check import sample
 from hybridflow.rollout.sampling import Generation, SamplingParams
 
 

@@ -9,11 +9,11 @@ from rl_run import config, read_metrics
 
 from hybridflow.config.schema import GuardsConfig
 from hybridflow.controller.guards import GuardTripped, TrainingGuards
-from hybridflow.controller.weight_check import WeightSyncMismatch, compare, make_plan, sample, trainer_tensors
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.models import tiny_model
 from hybridflow.models.lora import apply_lora, lora_modules, merged_updates
 from hybridflow.models.native import from_hf_model
+from hybridflow.parallel.weight_check import WeightSyncMismatch, compare, make_plan, sample, trainer_tensors
 
 
 def engine_for(model, dtype="bfloat16"):
