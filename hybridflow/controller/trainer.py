@@ -31,7 +31,7 @@ from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.role_calls import RoleCalls
-from hybridflow.controller.run_checkpoint import resume_run, save_run
+from hybridflow.controller.run_checkpoint import ControllerState, resume_run, save_run
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import (
     check_config,
@@ -503,11 +503,22 @@ class RLTrainer:
     def save(self, metrics: dict[str, float] | None = None) -> Path:
         """A checkpoint of this step (controller/run_checkpoint.py); `metrics`: the step's row, for a
         kill between this save and their logging."""
-        self.last_checkpoint = save_run(self, metrics)
+        state = ControllerState(
+            self.step, self.sampler_state(), self.kl_ctl.state_dict(), self.bad_steps,
+            self.stream.snapshot() if self.stream is not None else None,
+        )  # fmt: skip
+        self.last_checkpoint = save_run(
+            self.config, self.run_dir, self.workers, self.watchdog, state, metrics
+        )
         return self.last_checkpoint
 
     def _resume(self) -> None:
-        resume_run(self)
+        resumed = resume_run(self.config, self.run_dir, self.workers, self.placement)
+        if resumed is not None:
+            self.step, self.bad_steps, self.in_flight = resumed.step, resumed.bad_steps, resumed.in_flight
+            self.sampler.load_state_dict(resumed.sampler)
+            self.kl_ctl.load_state_dict(resumed.kl_ctl)
+            self.last_checkpoint = resumed.path
 
     def sampler_state(self) -> dict:
         """Where a resume from this step draws its next prompts: before those of step + 1, which an
