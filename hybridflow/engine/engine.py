@@ -17,7 +17,7 @@ from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache
-from hybridflow.engine.requests import RequestOutput, SampleSoFar
+from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
 from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
@@ -205,7 +205,9 @@ class Engine:
         c = self.config
         if request_id in self._requests:
             raise UserError(f"request {request_id!r} is already running")
-        self._check_prompt(request_id, prompt_token_ids, params)
+        check_request(
+            request_id, prompt_token_ids, params, c.max_context_tokens, self.model.config.vocab_size
+        )
         resume = resume if resume is not None else [None] * params.n
         if len(resume) != params.n or all(r is not None and r.finish_reason for r in resume):
             raise ValueError(
@@ -245,25 +247,6 @@ class Engine:
         if self.tp is not None:  # the group's ranks must draw the same tokens
             return self.tp.seed()
         return int(torch.randint(0, 2**31 - 1, ()))
-
-    def _check_prompt(self, name, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """A request the engine cannot run fails alone, here, before it can stop the engine's step."""
-        limit = self.config.max_context_tokens
-        if not prompt_token_ids or len(prompt_token_ids) >= limit:
-            raise UserError(
-                f"prompt {name} has {len(prompt_token_ids)} tokens; the engine takes 1 to {limit - 1} "
-                f"(max_context_tokens={limit})"
-            )
-        vocab = self.model.config.vocab_size
-        for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
-            if ids and (min(ids) < 0 or max(ids) >= vocab):
-                raise UserError(
-                    f"request {name}: {what} holds a token id outside the vocabulary (0 to {vocab - 1})"
-                )
-        if params.n < 1 or params.max_tokens < 1:
-            raise UserError(
-                f"request {name}: n={params.n} and max_tokens={params.max_tokens} must be at least 1"
-            )
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request now: its pages are freed; its unfinished samples end with 'abort'."""
@@ -329,7 +312,9 @@ class Engine:
         base = params.seed if params.seed is not None else self._random_seed()
         ids = [f"generate-{self._next_seq_id}-{i}" for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
-            self._check_prompt(i, prompt, params)  # all before any is queued
+            check_request(
+                i, prompt, params, self.config.max_context_tokens, self.model.config.vocab_size
+            )  # all first
         for i, (request_id, prompt) in enumerate(zip(ids, prompt_token_ids)):
             first = params.first_sequence + i * params.n
             self.add_request(request_id, prompt, replace(params, seed=base, first_sequence=first))

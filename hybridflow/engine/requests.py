@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.errors import UserError
+from hybridflow.rollout.sampling import SamplingParams
+
 
 @dataclass
 class RequestOutput:
@@ -42,3 +45,22 @@ class SampleSoFar:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
+
+
+def check_request(
+    name, prompt_token_ids: list[int], params: SamplingParams, max_context: int, vocab: int
+) -> None:
+    """A request the engine cannot run fails alone, before it is queued: a step it joined could
+    otherwise stop the engine for every request (a token id past int64, a stop id past the vocabulary)."""
+    if not prompt_token_ids or len(prompt_token_ids) >= max_context:
+        raise UserError(
+            f"prompt {name} has {len(prompt_token_ids)} tokens; the engine takes 1 to {max_context - 1} "
+            f"(max_context_tokens={max_context})"
+        )
+    for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise UserError(
+                f"request {name}: {what} holds a token id outside the vocabulary (0 to {vocab - 1})"
+            )
+    if params.n < 1 or params.max_tokens < 1:
+        raise UserError(f"request {name}: n={params.n} and max_tokens={params.max_tokens} must be at least 1")

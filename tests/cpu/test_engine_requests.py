@@ -324,3 +324,25 @@ def test_a_weight_update_that_keeps_the_kv_goes_on_over_the_older_weights_kv(mod
     assert kept.cache.pool.num_cached == 0  # the finished sequences' pages were not named
     kept.generate([prompts[2]], replace(params, max_tokens=4))
     assert kept.stats["prefix_cached_tokens"] == 0
+
+
+def test_a_request_the_engine_cannot_run_is_refused_before_it_is_queued():
+    from hybridflow.engine.requests import check_request
+    from hybridflow.errors import UserError
+    from hybridflow.rollout.sampling import SamplingParams
+
+    check_request("r", [5, 6], SamplingParams(stop_token_ids=[258]), max_context=8, vocab=259)
+    for prompt, params, message in (
+        (
+            [5],
+            SamplingParams(stop_token_ids=[10**20]),
+            "stop_token_ids holds a token id outside the vocabulary",
+        ),
+        ([5, 259], SamplingParams(), "prompt holds a token id outside the vocabulary"),
+        ([-1], SamplingParams(), "prompt holds"),
+        ([5] * 8, SamplingParams(), "the engine takes 1 to 7"),
+        ([5], SamplingParams(max_tokens=0), "must be at least 1"),
+    ):
+        with pytest.raises(UserError, match=message):
+            check_request("r", prompt, params, max_context=8, vocab=259)
+    assert SamplingParams(temperature=1e-40).greedy  # 1/t would overflow: greedy, as vLLM's
