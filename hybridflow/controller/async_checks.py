@@ -2,42 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from hybridflow.config import Config
 from hybridflow.errors import UserError
-
-
-def max_staleness(config: Config) -> float:
-    """rollout.max_staleness resolved: 0 for async_mode=off, 1 by default otherwise."""
-    bound = config.rollout.max_staleness
-    return (0 if config.trainer.async_mode == "off" else 1) if bound is None else float(bound)
-
-
-def pauses_for_training(config: Config) -> bool:
-    """rollout.pause_for_training resolved: by default a streaming run's in-process engine pauses."""
-    pause = config.rollout.pause_for_training
-    if pause is None:
-        return config.trainer.async_mode == "streaming" and not config.resources.rollout_workers
-    return pause
-
-
-def engine_batch_note(config: Config, *, on_gpu: bool) -> str | None:
-    """A note for a streaming run whose engine, pausing for the trainer on a GPU, runs fewer sequences
-    together than admission lets in: the next steps' groups then wait instead of filling the batch
-    beside a step's long tail, where the pausing engine's gain comes from (docs/benchmarks.md)."""
-    c = config
-    if c.trainer.async_mode != "streaming" or not on_gpu or not pauses_for_training(c):
-        return None
-    admitted = math.ceil(c.data.prompts_per_step * c.rollout.samples_per_prompt * (1 + max_staleness(c)))
-    if c.rollout.max_batch_sequences >= admitted:
-        return None
-    return (
-        f"note: rollout.max_staleness={max_staleness(c):g} admits up to {admitted} sequences at once and the "
-        f"engine runs rollout.max_batch_sequences={c.rollout.max_batch_sequences} of them together; "
-        f"rollout.max_batch_sequences={admitted} lets the next steps' groups fill its batch beside a step's "
-        "long tail (what pausing for the trainer gains)"
-    )
 
 
 def check_async(config: Config) -> None:

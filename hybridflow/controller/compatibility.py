@@ -154,11 +154,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("async", "hf_backend"): "generates with the built-in engine, not transformers' or vLLM's: use "
     "rollout.backend=native, or trainer.async_mode=off",
     ("async", "server"): "drives the engine itself, not through rollout.server: use trainer.async_mode=off",
-    ("async", "dapo"): "admits a fixed number of groups a step; DAPO's algorithm.filter_groups would resample: "
-    "use trainer.async_mode=off",
-    ("async", "greedy_baseline"): "has no greedy-baseline pass: use trainer.async_mode=off",
-    ("async", "lora"): "copies whole weights into its engine; LoRA is not supported with it yet: use "
-    "trainer.async_mode=off",
     ("lora", "workers"): "LoRA runs in one worker, without offload_params and rollout workers, for now",
     ("lora", "offload"): "LoRA runs in one worker, without offload_params and rollout workers, for now",
     ("lora", "rollout_workers"): "LoRA runs in one worker, without offload_params and rollout workers, for now",

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.async_checks import pauses_for_training
 from hybridflow.controller.worker_models import WorkerLayout, sharded_policy_path, sharded_reference_path
 from hybridflow.devices import DTYPES
 from hybridflow.errors import UserError
+from hybridflow.stream.admission import pauses_for_training
 
 GIB = 2**30
 ACTIVATION_BYTES = 11.8  # per token, per layer, per (hidden + intermediate) unit

@@ -99,7 +99,7 @@ class RolloutWorker:
 
     # ---- an asynchronous run: a GroupStream over this worker's engine (controller/remote_stream.py) ----
     def open_stream(self, version: int, in_flight_updates: bool, deadline_s: float) -> None:
-        from hybridflow.controller.group_stream import GroupStream
+        from hybridflow.stream.local import GroupStream
 
         self.stream = GroupStream(
             self.rollout.backend,

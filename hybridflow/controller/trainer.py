@@ -11,15 +11,12 @@ from pathlib import Path
 import torch
 
 from hybridflow import run_manifest
-from hybridflow.algorithms.estimators import estimator
-from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from hybridflow.batch import TrainingBatch, pad_ragged
+from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController
+from hybridflow.batch import TrainingBatch
 from hybridflow.checkpoint import writes_checkpoints
 from hybridflow.config import Config, to_yaml
 from hybridflow.config.sections_run import due
 from hybridflow.controller.advantage import compute_advantages, token_level_rewards
-from hybridflow.controller.async_checks import engine_batch_note, max_staleness
-from hybridflow.controller.async_steps import admit, gap_scopes, open_stream, take_step
 from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
@@ -40,9 +37,13 @@ from hybridflow.controller.setup import (
     step_plan,
     updates_per_step,
 )
+from hybridflow.controller.step_batch import (
+    actor_update_metrics,
+    kl_in_reward,
+    sampled_routes_metrics,
+    training_batch,
+)
 from hybridflow.controller.summary import run_summary
-from hybridflow.controller.sync_steps import generate_step, greedy_baselines
-from hybridflow.controller.validation import validate
 from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.prompts import load_prompts
@@ -55,7 +56,9 @@ from hybridflow.models.default import cache_root
 from hybridflow.models.loading import load_model_tokenizer
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.reward import Reward
-from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
+from hybridflow.rollout.sampling import NonFiniteLogits
+from hybridflow.stream.admission import engine_batch_note, max_staleness, step_sampling
+from hybridflow.stream.batches import Taken, open_batches
 from hybridflow.tracking.progress import bar
 from hybridflow.tracking.samples import append_samples, sample_rows, val_sample_rows
 from hybridflow.tracking.sinks import make_sinks
@@ -163,15 +166,10 @@ class RLTrainer:
         self.last_checkpoint: Path | None = None
         self.val_first: dict[str, float] = {}  # the first and latest validation, for the summary
         self.val_last: dict[str, float] = {}
-        self.stream = None  # an asynchronous run's GroupStream
-        self.admitted = 0  # the last step whose groups were all admitted to the stream
-        self.drawn: dict = {}  # step -> its DrawnStep while only some of its groups have started
-        self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
-        self.epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from
-        self.in_flight: dict | None = None  # a resumed checkpoint's groups in flight (GroupStream.snapshot)
-        self._resume()
-        if c.trainer.async_mode != "off":
-            self.stream, self.admitted = open_stream(self), self.step
+        in_flight = self._resume()  # a checkpoint's groups in flight, which the stream goes on with
+        self.batches = open_batches(c, self.placement, self.roles, self.reward, self.sampler,
+                                    lambda name: self.watchdog.phase(name), version=self.step,
+                                    in_flight=in_flight)  # fmt: skip
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -203,8 +201,7 @@ class RLTrainer:
             ):
                 if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
                     self._log(self._validate(), step=0)
-                if self.stream is not None:
-                    admit(self)
+                self.batches.start(self.stop_at)
                 while self.step < self.stop_at and not stop.requested:
                     self.step += 1
                     self.watchdog.step = self.step
@@ -229,9 +226,9 @@ class RLTrainer:
             raise WorkerError(f"{e}\n{where}") from e
         except BaseException as e:
             self.run_lock.release()
-            if self.stream is not None:  # its thread stops generating for a run that ended
-                with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
-                    self.stream.close()
+            # a stream's thread stops generating for a run that ended
+            with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
+                self.batches.close()
             if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
                 raise oom from e
             if (full := disk_full_error(e, self.run_dir, self.last_checkpoint)) is not None:
@@ -264,8 +261,7 @@ class RLTrainer:
         try:
             for sink in self.sinks:
                 sink.close()
-            if self.stream is not None:
-                self.stream.close()
+            self.batches.close()
             self.reward.close()
             self.placement.shutdown()
         finally:
@@ -292,11 +288,6 @@ class RLTrainer:
         finally:  # a failed save still records the step it followed
             self._log(metrics, step=self.step)
 
-    def _old_logprobs_recording_routes(self, batch: TrainingBatch) -> torch.Tensor:
-        """pi_old's log-probs; the experts its pass routed to become what every update replays (R2)."""
-        logprobs, batch.routed_experts = self.roles.log_probs_and_routes(batch)
-        return logprobs
-
     def _write_report(self) -> None:
         try:
             from hybridflow.report import write_report
@@ -306,118 +297,84 @@ class RLTrainer:
             print(f"report not written ({type(e).__name__}: {e})", flush=True)
 
     def train_step(self) -> dict[str, float]:
+        """One step of DESIGN.md's dataflow: the step's batch from its source, pi_old, the reference,
+        the critic's values, advantages, the updates, and the new weights into the engines."""
         c, timer = self.config, Timer(on_start=self._show_phase, around=self.watchdog.phase)
         with timer("step"):
             with timer("gen"):
-                try:
-                    if self.stream is not None:  # the groups generated (and scored) meanwhile
-                        rollouts, scored, metrics = take_step(self)
-                    else:
-                        rollouts, scored, metrics = generate_step(self)
-                    if self.stream is None and not estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
-                        self.placement.sleep_rollout()
-                except NonFiniteLogits as e:
-                    raise diverged(
-                        f"step {self.step}: the policy's logits are not finite",
-                        lr=c.actor.optim.lr,
-                        checkpoint=self.last_checkpoint,
-                    ) from e
-            mask = pad_ragged(rollouts.masks())  # [B, T]: 1 on the tokens the policy sampled
-            batch = TrainingBatch(
-                rollouts.prompt_ids,
-                rollouts.response_ids,
-                mask,
-                rollout_logprobs=pad_ragged(rollouts.response_logprobs, mask.shape[1]),
-                routed_experts=rollouts.routed_experts,
-                gap_scopes=gap_scopes(  # [B, T]: the gap metric each token counts in
-                    rollouts,
-                    mask,
-                    trained_by=self.step - 1 if max_staleness(c) > 0 else None,
-                    kv_kept=c.rollout.keep_kv_on_weight_update,
-                ),
-            )
-            if c.actor.router_replay == "R3":  # 1 unless the engine kept no routes for some samples
-                routes = rollouts.routed_experts or [None] * len(rollouts)
-                metrics["router_replay/recorded_fraction"] = sum(r is not None for r in routes) / len(routes)
-            actor_mask = mask  # less the tokens a rollout correction rejects
+                taken = self._take()
+            metrics = taken.metrics | sampled_routes_metrics(c, taken.rollouts)
+            batch = training_batch(c, taken.rollouts, step=self.step)
+            actor_mask = batch.response_mask  # less the tokens a rollout correction rejects
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
                 with contextlib.nullcontext() if bypass else timer("old_log_prob"):
-                    recompute = self._old_logprobs_recording_routes if c.actor.router_replay == "R2" else None
-                    actor_mask, corrections = set_old_logprobs(c, batch, recompute or self.roles.log_probs)
+                    actor_mask, corrections = set_old_logprobs(c, batch, self._old_logprobs)
                 metrics |= corrections
             if c.actor.router_replay == "R2":  # one update on-policy: its own pass is pi_old's, none replayed
                 metrics["router_replay/recorded_fraction"] = float(batch.routed_experts is not None)
             if self.needs_ref:
                 with timer("ref"):
                     batch.ref_logprobs = self.roles.ref_log_probs(batch)
-            values = None
             if self.has_critic:
                 with timer("values"):
-                    values = batch.old_values = self.roles.values(batch)
+                    batch.old_values = self.roles.values(batch)
             with timer("adv"):
-                token_rewards = token_level_rewards(scored.scores, mask)
+                token_rewards = token_level_rewards(taken.scored.scores, batch.response_mask)
                 if c.algorithm.use_kl_in_reward:
-                    kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, c.algorithm.kl_penalty) * mask
-                    token_rewards = token_rewards - self.kl_ctl.value * kl
-                    current_kl = (kl.sum() / mask.sum().clamp(min=1)).item()
-                    metrics |= {
-                        "actor/reward_kl_penalty": current_kl,
-                        "actor/reward_kl_penalty_coeff": self.kl_ctl.value,
-                    }
-                    self.kl_ctl.update(current_kl, n_steps=c.data.prompts_per_step)
-                baselines = None
-                if estimator(c.algorithm.adv_estimator).needs_greedy_baseline:
-                    baselines = greedy_baselines(self, rollouts)
-                    self.placement.sleep_rollout()
+                    token_rewards, kl_metrics = kl_in_reward(c, token_rewards, batch, self.kl_ctl)
+                    metrics |= kl_metrics
                 batch.advantages, batch.returns = compute_advantages(
                     c.algorithm,
                     token_rewards=token_rewards,
-                    mask=mask,
-                    group_ids=rollouts.group_ids,
-                    values=values,
-                    baselines=baselines,
+                    mask=batch.response_mask,
+                    group_ids=taken.rollouts.group_ids,
+                    values=batch.old_values,
+                    baselines=taken.baselines,
                 )
             if self.has_critic:
                 with timer("update_critic"):
                     metrics |= self.roles.update_critic(batch, epochs=c.actor.ppo_epochs)
             if self.step > c.critic.warmup_steps:
                 with timer("update_actor"):
-                    metrics |= self.roles.update_actor(dataclasses.replace(batch, response_mask=actor_mask))
-                if (
-                    c.algorithm.rollout_correction.bypass_mode
-                    and "training/first_minibatch_ppo_kl" in metrics
-                ):
-                    # pi_old is the sampler's own: this KL is its gap to the trainer (and its age), not
-                    # the recomputation bug trainer.guards.max_first_ppo_kl looks for
-                    metrics["training/first_minibatch_ppo_kl_to_rollout"] = metrics.pop(
-                        "training/first_minibatch_ppo_kl"
-                    )
-                self.bad_steps = count_bad_step(
-                    self.bad_steps,
-                    metrics,
-                    updates=updates_per_step(c),
-                    step=self.step,
-                    checkpoint=self.last_checkpoint,
-                )
+                    update = self.roles.update_actor(dataclasses.replace(batch, response_mask=actor_mask))
+                    metrics |= actor_update_metrics(c, update)
+                self.bad_steps = count_bad_step(self.bad_steps, metrics, updates=updates_per_step(c),
+                                                step=self.step, checkpoint=self.last_checkpoint)  # fmt: skip
             with timer("update_weights"):
-                if self.stream is None:
-                    self.placement.sync_weights()
-                else:  # between two engine steps; one_step waits for the groups in flight first
-                    metrics["async/wait_for_generation_s"] = self.stream.update_weights(
-                        lambda _engine: self.placement.sync_weights(), version=self.step
-                    )
-                    admit(self)
+                metrics |= self.batches.update_weights(version=self.step)
             if c.trainer.guards.weight_sync_check:
                 with timer("weight_check"):
                     self._check_weight_sync()
             self.guards.check(self.step, metrics)
-        metrics |= self.roles.memory_metrics()
-        metrics |= data_metrics(
-            rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns, mask, values
-        )
+        return metrics | self._step_report(taken, batch, token_rewards, timer)
+
+    def _take(self) -> Taken:
+        try:
+            return self.batches.take(self.step)
+        except NonFiniteLogits as e:
+            raise diverged(f"step {self.step}: the policy's logits are not finite", lr=self.config.actor.optim.lr,
+                           checkpoint=self.last_checkpoint) from e  # fmt: skip
+
+    def _old_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """pi_old's log-probs; with router replay R2 the experts its pass routed to become what every
+        update replays."""
+        if self.config.actor.router_replay != "R2":
+            return self.roles.log_probs(batch)
+        logprobs, batch.routed_experts = self.roles.log_probs_and_routes(batch)
+        return logprobs
+
+    def _step_report(self, taken: Taken, batch: TrainingBatch, token_rewards: torch.Tensor, timer: Timer
+                     ) -> dict[str, float]:  # fmt: skip
+        """The step's memory, data, timing and throughput metrics; its samples logged when due."""
+        c, rollouts = self.config, taken.rollouts
+        metrics = self.roles.memory_metrics()
+        metrics |= data_metrics(rollouts, taken.scored.raw_scores, token_rewards, batch.advantages,
+                                batch.returns, batch.response_mask, batch.old_values)  # fmt: skip
         metrics |= timer.metrics()
-        metrics["timing_s/gen"] -= metrics.get("timing_s/reward", 0.0)  # scoring ran inside the gen phase
+        metrics["timing_s/gen"] -= taken.metrics.get(
+            "timing_s/reward", 0.0
+        )  # scoring ran inside the gen phase
         metrics |= perf_metrics(
             timer.times,
             prompt_lengths=[len(p) for p in rollouts.prompt_ids],
@@ -427,14 +384,11 @@ class RLTrainer:
             actor_passes=c.actor.ppo_epochs,
             peak=self.peak_flops,
         )
-        metrics["training/epoch"] = float(self.epoch_of.pop(self.step, self.sampler.epoch))
-        self.sampler_before.pop(self.step, None)
+        metrics["training/epoch"] = float(taken.epoch)
         freq = c.trainer.log_samples_freq
         if freq and (self.step == 1 or self.step % freq == 0):
-            self._log_samples(
-                sample_rows(self.step, rollouts, scored.scores, batch.advantages, mask, self.tokenizer,
-                            c.trainer.log_samples)
-            )  # fmt: skip
+            self._log_samples(sample_rows(self.step, rollouts, taken.scored.scores, batch.advantages,
+                                          batch.response_mask, self.tokenizer, c.trainer.log_samples))  # fmt: skip
         return metrics
 
     def _show_phase(self, name: str) -> None:
@@ -448,41 +402,17 @@ class RLTrainer:
                 sink.log_samples(rows, self.step)
 
     # ---- pieces of a step ------------------------------------------------------------------------
-    def sampling(self, round_: int, *, step: int | None = None, **overrides) -> SamplingParams:
-        """The sampling parameters of `step` (default: this one); each step and round its own seed."""
-        r, step = self.config.rollout, self.step if step is None else step
-        seed = (self.config.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31)
-        fields = dict(
-            n=r.samples_per_prompt,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=self.config.data.max_response_tokens,
-            seed=seed,
-        )
-        return SamplingParams(**(fields | overrides))
-
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
-        params = self.sampling(
-            -1,
-            n=r.val_samples_per_prompt,
-            temperature=r.val_temperature,
-            top_p=r.val_top_p,
-            top_k=r.val_top_k,
-        )
-        generate = self.roles.rollouts if self.stream is None else self.stream.generate_now
-        # beside a stream, the reward is called by one thread at a time (a function need not be thread-safe)
-        scoring = self.stream.scoring if self.stream is not None else contextlib.nullcontext()
-        with self.watchdog.phase("validation"), scoring:
-            metrics, samples = validate(generate, self.reward, self.val_prompts, params)
+        params = step_sampling(self.config, -1, self.step, n=r.val_samples_per_prompt, temperature=r.val_temperature,
+                               top_p=r.val_top_p, top_k=r.val_top_k)  # fmt: skip
+        with self.watchdog.phase("validation"):
+            metrics, samples = self.batches.validate(self.val_prompts, params)
         if self.config.trainer.log_val_generations:
             rows = val_sample_rows(
                 self.step, samples, self.val_prompts, self.tokenizer, self.config.trainer.log_val_generations
             )
             append_samples(self.run_dir / "val_samples.jsonl", rows)
-        if self.stream is None:
-            self.placement.sleep_rollout()
         return metrics
 
     def _check_weight_sync(self) -> None:
@@ -503,24 +433,21 @@ class RLTrainer:
     def save(self, metrics: dict[str, float] | None = None) -> Path:
         """A checkpoint of this step (controller/run_checkpoint.py); `metrics`: the step's row, for a
         kill between this save and their logging."""
+        point = self.batches.resume_point(self.step)
         state = ControllerState(
-            self.step, self.sampler_state(), self.kl_ctl.state_dict(), self.bad_steps,
-            self.stream.snapshot() if self.stream is not None else None,
-        )  # fmt: skip
+            self.step, point.sampler, self.kl_ctl.state_dict(), self.bad_steps, point.in_flight
+        )
         self.last_checkpoint = save_run(
             self.config, self.run_dir, self.workers, self.watchdog, state, metrics
         )
         return self.last_checkpoint
 
-    def _resume(self) -> None:
+    def _resume(self) -> dict | None:
+        """Go on from the run directory's latest checkpoint, if any; its groups in flight."""
         resumed = resume_run(self.config, self.run_dir, self.workers, self.placement)
-        if resumed is not None:
-            self.step, self.bad_steps, self.in_flight = resumed.step, resumed.bad_steps, resumed.in_flight
-            self.sampler.load_state_dict(resumed.sampler)
-            self.kl_ctl.load_state_dict(resumed.kl_ctl)
-            self.last_checkpoint = resumed.path
-
-    def sampler_state(self) -> dict:
-        """Where a resume from this step draws its next prompts: before those of step + 1, which an
-        asynchronous run may have drawn (and be generating) already."""
-        return self.sampler_before.get(self.step + 1, self.sampler.state_dict())
+        if resumed is None:
+            return None
+        self.step, self.bad_steps, self.last_checkpoint = resumed.step, resumed.bad_steps, resumed.path
+        self.sampler.load_state_dict(resumed.sampler)
+        self.kl_ctl.load_state_dict(resumed.kl_ctl)
+        return resumed.in_flight

@@ -11,8 +11,6 @@ from rl_run import config, read_metrics
 from safetensors.torch import load_file
 
 from hybridflow.batch import GapScope, Prompt, Rollouts
-from hybridflow.controller.async_steps import gap_scopes
-from hybridflow.controller.group_stream import GroupStream
 from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.errors import UserError
@@ -20,6 +18,8 @@ from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.roles.forward import packed_response_logprobs
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.local import GroupStream
+from hybridflow.stream.staleness import gap_scopes
 
 NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "async/", "reward/latency")
 
@@ -310,7 +310,6 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
         (["trainer.async_mode=one_step", "rollout.max_staleness=2"], "one update late"),
         (["trainer.async_mode=streaming", "resources.num_workers=2"], "resources.rollout_workers=N"),
         (["trainer.async_mode=streaming", "rollout.backend=hf"], "built-in engine"),
-        (["trainer.async_mode=streaming", "algorithm.filter_groups.enable=true"], "filter_groups"),
         (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),
         (["rollout.pause_for_training=true"], "nothing overlapped"),
         (["trainer.async_mode=one_step", "rollout.pause_for_training=true"], "nothing overlapped"),
@@ -603,7 +602,7 @@ def test_a_pausing_engine_that_cannot_hold_what_admission_lets_in_says_what_to_r
     """At staleness 3 a step's 256 sequences and the next three steps' are admitted together: an
     engine batch of 256 would leave them waiting instead of beside the tail (the H200's 1.5x)."""
     from hybridflow.config import load_config
-    from hybridflow.controller.async_checks import engine_batch_note
+    from hybridflow.stream.admission import engine_batch_note
 
     base = ["data.prompts_per_step=32", "rollout.samples_per_prompt=8", "trainer.async_mode=streaming"]
     note = engine_batch_note(load_config(None, [*base, "rollout.max_staleness=3"]), on_gpu=True)
@@ -617,3 +616,41 @@ def test_a_pausing_engine_that_cannot_hold_what_admission_lets_in_says_what_to_r
         (["data.prompts_per_step=32", "rollout.samples_per_prompt=8"], True),  # synchronous
     ]:
         assert engine_batch_note(load_config(None, quiet), on_gpu=on_gpu) is None, quiet
+
+
+# DAPO with a reward most groups agree on (a byte-level tiny model rarely writes an 'a'): steps refill
+# themselves over rounds of 4 prompts; ReMax: a greedy baseline group per prompt
+SOMETIMES_A = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+    "    return float('a' in solution_str or 'b' in solution_str)\n"  # fmt: skip
+ADMISSION_POLICIES = {
+    "dapo": ["reward.custom_function_path=sometimes_a.py", "algorithm.filter_groups.enable=true",
+             "algorithm.filter_groups.prompts_per_round=4", "algorithm.filter_groups.max_generation_rounds=3"],
+    "remax": ["algorithm.adv_estimator=remax", "reward.custom_function_path=sometimes_a.py"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", list(ADMISSION_POLICIES))
+def test_dapo_and_remax_stream_and_staleness_0_is_their_synchronous_run(setup, tmp_path, rule):
+    """DAPO's refill and ReMax's greedy baseline are admission policies of the one road: streamed at
+    staleness 0 they are the synchronous run bit for bit; one step off they train within the bound."""
+    (tmp_path / "reward.py").write_text(SOMETIMES_A)
+    overrides = [o.replace("sometimes_a.py", str(tmp_path / "reward.py")) for o in ADMISSION_POLICIES[rule]]
+    sync = run(setup, tmp_path / "sync", 3, *overrides)
+    streamed = run(
+        setup, tmp_path / "s0", 3, *overrides, "trainer.async_mode=streaming", "rollout.max_staleness=0"
+    )
+    for a, b in zip(sync, streamed, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED)} == {
+            k: v for k, v in b.items() if not k.startswith(NOT_COMPARED)
+        }
+    a, b = policy(tmp_path / "sync", 3), policy(tmp_path / "s0", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if rule == "dapo":  # the refill ran: some step took more than one round
+        assert max(m["dapo/generation_rounds"] for m in sync) > 1
+    else:  # the greedy pass ran and scored (the same in both: the metrics above are equal)
+        assert max(m["remax/greedy_score_mean"] for m in sync) > 0
+    one_step = run(setup, tmp_path / "one", 3, *overrides, "trainer.async_mode=one_step")
+    assert all(m["async/staleness_max"] <= 1 for m in one_step)
+    assert one_step[0]["critic/score/mean"] == sync[0]["critic/score/mean"]
+    if rule == "dapo":
+        assert all(m["dapo/kept_groups"] <= 8 for m in one_step)

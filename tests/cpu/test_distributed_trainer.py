@@ -15,7 +15,6 @@ ray = pytest.importorskip("ray")
 from local_ray import start_local_ray  # noqa: E402
 from rl_run import config, read_metrics  # noqa: E402
 
-from hybridflow.controller.async_steps import admit  # noqa: E402
 from hybridflow.controller.trainer import RLTrainer  # noqa: E402
 from hybridflow.controller.worker_models import WorkerLayout, sharded_policy_path, sharded_reference_path  # noqa: E402
 from hybridflow.models.checkpoint_export import export_checkpoint  # noqa: E402
@@ -252,8 +251,7 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_groups_generated_again(
     )  # fmt: skip
     trainer.fit(max_steps=1, close=False)
     victim = ray.get(trainer.placement.rollout.workers[1].pid.remote())
-    trainer.stop_at = 2
-    admit(trainer)  # step 2's groups: half on each rollout worker
+    trainer.batches.start(stop_at=2)  # step 2's groups: half on each rollout worker
     os.kill(victim, signal.SIGKILL)
     trainer.fit()
     metrics = {m["step"]: m for m in read_metrics(run_dir)}

@@ -136,6 +136,38 @@ def test_a_lora_run_trains_only_adapters_with_engine_parity_and_exports(setup, t
         export_adapter(setup_run_without_lora(setup, tmp_path), tmp_path / "none")
 
 
+def test_lora_streams_and_at_staleness_0_is_its_synchronous_run(setup, tmp_path):
+    """Asynchronous LoRA: the stream's weight update writes the merged adapted layers into the engine
+    between two of its steps. Streamed at staleness 0 it is the synchronous LoRA run to the weights;
+    one step off, the batch is one update old and the trainer's recomputed pi_old stays within the
+    numerics of the engine for the tokens of the policy that trains."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.kl_loss_coef=0.1"]
+    _, sync = _lora_run(setup, tmp_path / "sync", 3, *lora)
+    _, streamed = _lora_run(setup, tmp_path / "s0", 3, *lora, "trainer.async_mode=streaming",
+                            "rollout.max_staleness=0")  # fmt: skip
+    # the engine's own log-probs differ in the last bits (measured: 1e-9 in probability, cause not
+    # found); what was sampled and trained is the same to the bit
+    skipped = (
+        "timing_s/",
+        "timing_per_token_ms/",
+        "perf/",
+        "async/",
+        "reward/latency",
+        "training/rollout_probs_diff",
+    )
+    for a, b in zip(sync, streamed, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(skipped)} == {
+            k: v for k, v in b.items() if not k.startswith(skipped)
+        }
+    RLTrainer(config(setup, tmp_path / "one", *lora, "actor.use_kl_loss=true", "trainer.total_training_steps=3",
+                     "trainer.async_mode=one_step")).fit()  # fmt: skip
+    one_step = read_metrics(tmp_path / "one")
+    assert [m["async/staleness_max"] for m in one_step] == [0, 1, 1]
+    assert (
+        one_step[0]["training/rollout_probs_diff_max"] < 1e-4
+    )  # step 1: the engine's policy is the trainer's
+
+
 def setup_run_without_lora(setup, tmp_path):
     run = tmp_path / "plain"
     RLTrainer(config(setup, run, "trainer.total_training_steps=1")).fit()

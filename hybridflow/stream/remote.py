@@ -19,12 +19,12 @@ from dataclasses import replace
 from hybridflow.agents.runner import CALLS_PER_EPISODE
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.controller.dispatch import prompt_shards
-from hybridflow.controller.group_buffer import GroupBuffer
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.controller.ray_worker_group import WorkerDied
 from hybridflow.controller.rollout_worker import RolloutWorker
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.buffer import GroupBuffer
 
 POLL_S = 0.02  # between polls of the rollout workers for finished groups
 

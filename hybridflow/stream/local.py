@@ -36,11 +36,11 @@ from dataclasses import replace
 
 from hybridflow.agents.runner import CALLS_PER_EPISODE, run_episodes
 from hybridflow.batch import Prompt, Rollouts
-from hybridflow.controller.group_buffer import GroupBuffer, SampleRecord, fresh_records
 from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.engine.requests import SampleSoFar
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.buffer import GroupBuffer, SampleRecord, fresh_records
 
 
 class GroupStream(GroupBuffer):

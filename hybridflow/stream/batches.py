@@ -1,0 +1,305 @@
+"""Where a step's training batch comes from: one surface (`TrainingBatches`) in every mode, so the
+driver never asks which. `take(step)` gives the step's rollouts, scored; `update_weights(version)` puts
+the trained policy into the engines between two of their steps; `validate` generates beside it;
+`resume_point(step)` is what a checkpoint keeps of it; `close` ends it.
+
+Two sources stand behind it. `StreamedBatches` is the stream of groups (stream/local.py in this
+process, stream/remote.py over rollout workers) with admission under rollout.max_staleness: 0 is the
+synchronous run bit for bit, 1 one-step-off, more streaming. `WholeBatches` is the adapter for
+generation that only takes a whole batch (transformers, vLLM, several colocated workers, the policy
+served over HTTP): it admits at staleness 0, a step's prompts generated when the step asks. Both
+apply the same admission policies (stream/admission.py) when a step is taken: DAPO's refill of
+filtered-out groups and ReMax's greedy baseline group."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hybridflow.algorithms.estimators import estimator
+from hybridflow.batch import Prompt, Rollouts
+from hybridflow.config import Config
+from hybridflow.controller.validation import validate
+from hybridflow.data.sampler import PromptSampler
+from hybridflow.roles.reward import Reward, RewardResult
+from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.admission import (
+    admissible,
+    fill_with_informative_groups,
+    first_round_prompts,
+    greedy_baselines,
+    pauses_for_training,
+    step_sampling,
+)
+from hybridflow.stream.staleness import staleness_metrics
+
+Phase = Callable[[str], AbstractContextManager]
+"""The watchdog's phase: `with phase("reward"):` names what a hang was doing."""
+
+
+@dataclass
+class Taken:
+    """A step's batch as its source gives it."""
+
+    rollouts: Rollouts  # group ids are the prompts' positions in the step
+    scored: RewardResult
+    baselines: torch.Tensor | None  # [B] ReMax's greedy reward per row; None for other estimators
+    metrics: dict[str, float]  # reward/*, dapo/*, async/* and timing_s/reward
+    epoch: int  # the epoch its prompts came from
+
+
+@dataclass
+class ResumePoint:
+    """What a checkpoint after a step keeps of the source."""
+
+    sampler: dict  # where the next step's prompts are drawn from
+    in_flight: dict | None  # the groups admitted and not taken (StreamedBatches), as JSON
+
+
+class TrainingBatches(Protocol):
+    def start(self, stop_at: int) -> None:
+        """Before the first step of a fit (which ends at step `stop_at`): admit what may start."""
+
+    def take(self, step: int) -> Taken: ...
+
+    def update_weights(self, version: int) -> dict[str, float]:
+        """The actor's weights into every engine, which then holds policy `version`; async/* metrics."""
+
+    def validate(self, prompts: list[Prompt], params: SamplingParams) -> tuple[dict[str, float], list[dict]]:
+        """controller/validation.py's metrics and samples, generated beside the training batches."""
+
+    def resume_point(self, step: int) -> ResumePoint: ...
+
+    def close(self) -> None: ...
+
+
+def open_batches(config: Config, placement, roles, reward: Reward, sampler: PromptSampler, phase: Phase,
+                 *, version: int, in_flight: dict | None) -> TrainingBatches:  # fmt: skip
+    """The stream of groups for an asynchronous run, else the whole-batch adapter; `version`: the
+    policy the engines hold (the step the run resumes from)."""
+    if config.trainer.async_mode == "off":
+        return WholeBatches(config, placement, roles, reward, sampler, phase)
+    return StreamedBatches(config, open_stream(config, placement, reward, version, in_flight), placement,
+                           reward, sampler, phase)  # fmt: skip
+
+
+def take_policies(config: Config, step: int, first: tuple[Rollouts, RewardResult], generate, score,
+                  draw: Callable[[int], list[Prompt]]) -> tuple[Rollouts, RewardResult, torch.Tensor | None, dict]:  # fmt: skip
+    """The admission policies applied to a step's first round when it is taken: DAPO's refill
+    (`draw(n)` more prompts a round) and ReMax's greedy baselines; `generate(prompts, params)` and
+    `score(rollouts)` are the source's."""
+    rollouts, scored = first
+    metrics = {k: v for k, v in scored.metrics.items() if not k.startswith("timing_s/")}
+    metrics["timing_s/reward"] = scored.metrics["timing_s/reward"]
+    if config.algorithm.filter_groups.enable:
+        per_round = first_round_prompts(config)
+
+        def next_round(round_: int) -> tuple[Rollouts, RewardResult]:
+            rollouts = generate(draw(per_round), step_sampling(config, round_, step))
+            return rollouts, score(rollouts)
+
+        rollouts, scored, dapo = fill_with_informative_groups(config, first, next_round)
+        metrics |= dapo
+    baselines = None
+    if estimator(config.algorithm.adv_estimator).needs_greedy_baseline:
+        params = step_sampling(config, 0, step, n=1, temperature=0.0)
+        baselines = greedy_baselines(rollouts, generate, score, params)
+        metrics["remax/greedy_score_mean"] = baselines.mean().item()
+    return rollouts, scored, baselines, metrics
+
+
+class WholeBatches:
+    """Staleness 0 over whole-batch generation: the step's prompts generated (split over the workers
+    that generate) and scored when the step asks, then the colocated engines' KV cache freed for the
+    other roles."""
+
+    def __init__(self, config: Config, placement, roles, reward: Reward, sampler: PromptSampler,
+                 phase: Phase) -> None:  # fmt: skip
+        self.config, self.placement, self.roles = config, placement, roles
+        self.reward, self.sampler, self.phase = reward, sampler, phase
+
+    def start(self, stop_at: int) -> None:
+        pass
+
+    def take(self, step: int) -> Taken:
+        c = self.config
+        rollouts = self.roles.rollouts(self.sampler.next(first_round_prompts(c)), step_sampling(c, 1, step))
+        rollouts, scored, baselines, metrics = take_policies(
+            c, step, (rollouts, self._score(rollouts)), self.roles.rollouts, self._score, self.sampler.next
+        )
+        self.placement.sleep_rollout()
+        return Taken(rollouts, scored, baselines, metrics, self.sampler.epoch)
+
+    def _score(self, rollouts: Rollouts) -> RewardResult:
+        with self.phase("reward"):
+            return self.reward.score(rollouts)
+
+    def update_weights(self, version: int) -> dict[str, float]:
+        self.placement.sync_weights()
+        return {}
+
+    def validate(self, prompts: list[Prompt], params: SamplingParams) -> tuple[dict[str, float], list[dict]]:
+        try:
+            return validate(self.roles.rollouts, self.reward, prompts, params)
+        finally:
+            self.placement.sleep_rollout()
+
+    def resume_point(self, step: int) -> ResumePoint:
+        return ResumePoint(self.sampler.state_dict(), None)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _DrawnStep:
+    """A step whose prompts are drawn, not all of whose groups have started yet."""
+
+    prompts: list[Prompt]
+    started: int = 0
+
+
+class StreamedBatches:
+    """The stream of groups under bounded staleness: the groups of every step whose batch will be at
+    most rollout.max_staleness updates behind the policy that trains on it are admitted (at the start
+    and after each update), generated and scored meanwhile, and taken in admission order."""
+
+    def __init__(self, config: Config, stream, placement, reward: Reward, sampler: PromptSampler,
+                 phase: Phase) -> None:  # fmt: skip
+        self.config, self.stream, self.placement = config, stream, placement
+        self.reward, self.sampler, self.phase = reward, sampler, phase
+        self.admitted = stream.version  # the last step whose groups were all admitted
+        self.stop_at = stream.version
+        self._drawn: dict[int, _DrawnStep] = {}  # steps only some of whose groups have started
+        self._sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
+        self._epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from
+
+    def start(self, stop_at: int) -> None:
+        self.stop_at = stop_at
+        self._admit()
+
+    def _admit(self) -> None:
+        last, early = admissible(self.config, version=self.stream.version, stop_at=self.stop_at)
+        while self.admitted < last:
+            self._admit_groups(self.admitted + 1, first_round_prompts(self.config))
+        if early:
+            self._admit_groups(last + 1, early)
+
+    def _admit_groups(self, step: int, count: int) -> None:
+        """The first `count` groups of `step` started (its prompts drawn when it is first admitted, the
+        sampler's state kept for a resume); the step counts as admitted once all of them are."""
+        if step not in self._drawn:
+            self._sampler_before[step] = self.sampler.state_dict()  # a checkpoint of step - 1 resumes here
+            self._drawn[step] = _DrawnStep(self.sampler.next(first_round_prompts(self.config)))
+            self._epoch_of[step] = self.sampler.epoch
+        drawn = self._drawn[step]
+        count = min(count, len(drawn.prompts))
+        if count > drawn.started:
+            self.stream.submit(
+                drawn.prompts[drawn.started : count],
+                step_sampling(self.config, 1, step),
+                first_group=self._group_base(step),
+                offset=drawn.started,
+            )
+            drawn.started = count
+        if count == len(drawn.prompts):
+            del self._drawn[step]
+            self.admitted = step
+
+    def _group_base(self, step: int) -> int:
+        return (step - 1) * first_round_prompts(self.config)
+
+    def take(self, step: int) -> Taken:
+        """The step's groups once finished and scored, as a synchronous step's batch, and the async/*
+        metrics of how they were made."""
+        base = self._group_base(step)
+        group_ids = list(range(base, base + first_round_prompts(self.config)))
+        self.stream.run_until(
+            group_ids
+        )  # an engine that pauses for training generates now, until these are done
+        groups, waited = self.stream.take(group_ids)
+        rollouts = Rollouts.concat([g.rollouts for g in groups])
+        rollouts.group_ids = [g - base for g in rollouts.group_ids]
+        scored = self.reward.summarize(rollouts, [o for g in groups for o in g.outcomes], time.perf_counter())
+        rollouts, scored, baselines, metrics = take_policies(
+            self.config, step, (rollouts, scored), self.stream.generate_now, self._score, self.sampler.next
+        )
+        metrics |= staleness_metrics(rollouts, trained_by=step - 1)
+        metrics["async/wait_for_groups_s"] = waited  # the trainer's idle time
+        metrics["async/generation_idle_s"] = (
+            self.stream.take_idle_seconds()
+        )  # the engine's, since the last step
+        metrics["async/groups_running"] = float(self.stream.running)
+        metrics["async/recomputed_tokens"] = float(
+            self.stream.take_recomputed_tokens()
+        )  # K/V prefilled again
+        metrics |= self.stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
+        self._sampler_before.pop(step, None)
+        return Taken(rollouts, scored, baselines, metrics, self._epoch_of.pop(step, self.sampler.epoch))
+
+    def _score(self, rollouts: Rollouts) -> RewardResult:
+        """Beside the stream, the reward is called by one thread at a time (a function need not be thread-safe)."""
+        with self.stream.scoring, self.phase("reward"):
+            return self.reward.score(rollouts)
+
+    def update_weights(self, version: int) -> dict[str, float]:
+        """Between two engine steps; one_step waits for the groups in flight first. Then the groups
+        the new policy lets in are admitted."""
+        waited = self.stream.update_weights(lambda _engine: self.placement.sync_weights(), version=version)
+        self._admit()
+        return {"async/wait_for_generation_s": waited}
+
+    def validate(self, prompts: list[Prompt], params: SamplingParams) -> tuple[dict[str, float], list[dict]]:
+        with self.stream.scoring:
+            return validate(self.stream.generate_now, self.reward, prompts, params)
+
+    def resume_point(self, step: int) -> ResumePoint:
+        """Before the prompts of step + 1, which may be drawn (and generating) already."""
+        return ResumePoint(
+            self._sampler_before.get(step + 1, self.sampler.state_dict()), self.stream.snapshot()
+        )
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def open_stream(config: Config, placement, reward: Reward, version: int, in_flight: dict | None):
+    """The stream over the (in-process) worker's engine, or over the rollout workers' engines,
+    holding policy `version`; `in_flight`: a checkpoint's groups to go on with."""
+    from hybridflow.controller.hybrid_worker import HybridWorker
+    from hybridflow.stream.local import GroupStream
+    from hybridflow.stream.remote import RemoteGroupStream
+
+    c = config
+    deadline_s = c.trainer.watchdog_s or 3600.0
+    if placement.rollout is not None:
+        return RemoteGroupStream(
+            placement,
+            reward,
+            agent=bool(c.rollout.agent.loop),
+            version=version,
+            in_flight_updates=c.trainer.async_mode == "streaming",
+            deadline_s=deadline_s,
+            max_replacements=c.resources.max_rollout_worker_replacements,
+        )
+    ((engine, agent),) = placement.train.call(HybridWorker.rollout_parts)
+    return GroupStream(
+        engine,
+        reward,
+        agent=agent,
+        version=version,
+        in_flight_updates=c.trainer.async_mode == "streaming",
+        deadline_s=deadline_s,
+        resume=in_flight,
+        pause_for_training=pauses_for_training(c),
+        # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout), unless
+        # the K/V of the sequences in flight are to outlive the update
+        free_cache_while_paused=c.rollout.free_cache_engine
+        and not c.rollout.keep_kv_on_weight_update
+        and engine.device.type == "cuda",
+    )
