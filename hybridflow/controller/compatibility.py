@@ -52,11 +52,11 @@ FEATURES: dict[str, Feature] = {
         lambda c, w: w > 1, lambda c: "several training workers",
         ("resources.device=cpu", "resources.num_workers=2"),
     ),
-    "colocated_workers": Feature(
-        "several training workers, each generating on its own device", "the same, with no resources.rollout_workers",
-        lambda c, w: (w > 1 or c.resources.ray_address is not None) and not c.resources.rollout_workers,
-        lambda c: "several training workers each with its engine",
-        ("resources.device=cpu", "resources.num_workers=2"),
+    "rollout_tp": Feature(
+        "an engine split over workers (tensor parallel)", "rollout.tensor_parallel_size > 1",
+        lambda c, w: c.rollout.tensor_parallel_size > 1,
+        lambda c: f"rollout.tensor_parallel_size={c.rollout.tensor_parallel_size}",
+        ("rollout.tensor_parallel_size=2", "resources.device=cpu", "resources.num_workers=2"),
     ),
     "hf_backend": Feature(
         "generation by transformers or vLLM", "rollout.backend=hf | vllm",
@@ -149,8 +149,8 @@ FEATURES: dict[str, Feature] = {
 
 # (feature, feature) -> why they do not combine yet, and what to do: one line each
 REFUSED: dict[tuple[str, str], str] = {
-    ("async", "colocated_workers"): "shares a GPU between engine and trainer on one worker only; with several, give the "
-    "engines workers of their own (resources.rollout_workers=N), or use trainer.async_mode=off",
+    ("async", "rollout_tp"): "is not built for an engine split over workers (its ranks would have to admit the same "
+    "groups between the same steps): use rollout.tensor_parallel_size=1, or trainer.async_mode=off",
     ("async", "hf_backend"): "generates with the built-in engine, not transformers' or vLLM's: use "
     "rollout.backend=native, or trainer.async_mode=off",
     ("async", "server"): "drives the engine itself, not through rollout.server: use trainer.async_mode=off",

@@ -35,6 +35,7 @@ from hybridflow.roles.critic import Critic
 from hybridflow.roles.reference import Reference
 from hybridflow.roles.rollout import Rollout
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.host import StreamHost
 
 
 class HybridWorker:
@@ -96,6 +97,8 @@ class HybridWorker:
             )
         agent = agent_loop(c.rollout.agent, self.tokenizer, c.data.max_response_tokens, hidden_paths(c))
         self.rollout = Rollout(backend, agent) if built.layout.colocated else None
+        # an asynchronous run's local end of the stream of groups, over this worker's engine
+        self.stream_host = StreamHost(backend, agent) if self.rollout is not None else None
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
             self.rollout.update_weights(merged_updates(model))
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
@@ -134,11 +137,11 @@ class HybridWorker:
         with self._phase("gen"):
             return self.rollout.generate(prompts, params, first_group=first_group)
 
-    def rollout_parts(self):
-        """The rollout backend itself and the agent loop (or None), for an asynchronous run's stream
-        (an in-process worker only)."""
-        assert self.rollout is not None, "disaggregated: the rollout workers generate"
-        return self.rollout.backend, self.rollout.agent
+    def stream_sync_weights(self, version: int) -> float:
+        """An asynchronous run's update: `sync_weights` between two steps of this worker's engine
+        (one_step: once its groups have finished), which then holds policy `version`; the seconds
+        waited. Every rank calls it (a sharded actor gathers each layer with the others)."""
+        return self.stream_host.update_weights(lambda _engine: self.sync_weights(), version)
 
     def sleep_rollout(self) -> None:
         """On a GPU, the engine's KV cache is freed while the other roles run (unless
@@ -266,6 +269,8 @@ class HybridWorker:
     def shutdown(self) -> None:
         """An in-process worker ends the one-rank process group that it started for FSDP2 (and the
         policy server, with rollout.server)."""
+        if self.stream_host is not None:
+            self.stream_host.close()
         if self.rollout is not None and hasattr(self.rollout.backend, "close"):
             self.rollout.backend.close()
         if self._own_process_group:

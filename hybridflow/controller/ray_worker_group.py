@@ -22,7 +22,7 @@ import torch
 
 from hybridflow.batch import balance_partitions
 from hybridflow.controller.dispatch import merge_rows
-from hybridflow.controller.worker_group import Method, free_address, method_name
+from hybridflow.controller.worker_group import Method, bound_method, free_address, method_name
 from hybridflow.errors import UserError
 
 STARTUP_TIMEOUT_S = 300.0
@@ -113,7 +113,7 @@ class _Worker:
     def run(self, method: str, args: tuple, kwargs: dict, *, own: bool = False) -> tuple[str, Any]:
         """The role's method (or, with `own`, this worker's), with an error as its traceback."""
         try:
-            return "ok", getattr(self if own else self.role, method)(*args, **kwargs)
+            return "ok", bound_method(self if own else self.role, method)(*args, **kwargs)
         except Exception:  # reported to the controller with this rank
             return "error", traceback.format_exc()
 

@@ -21,6 +21,7 @@ from hybridflow.parallel.weight_sync import WeightSync, unpack
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.rollout import Rollout
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.stream.host import StreamHost
 
 
 class RolloutWorker:
@@ -47,6 +48,7 @@ class RolloutWorker:
         self.rollout = Rollout(
             backend, agent_loop(c.rollout.agent, tokenizer, c.data.max_response_tokens, hidden_paths(c))
         )
+        self.stream_host = StreamHost(backend, self.rollout.agent)
         self.weight_sync: WeightSync | None = None
         self.peak = 0.0
 
@@ -97,44 +99,11 @@ class RolloutWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # ---- an asynchronous run: a GroupStream over this worker's engine (controller/remote_stream.py) ----
-    def open_stream(self, version: int, in_flight_updates: bool, deadline_s: float) -> None:
-        from hybridflow.stream.local import GroupStream
-
-        self.stream = GroupStream(
-            self.rollout.backend,
-            None,  # the controller scores what `stream_poll` hands over
-            agent=self.rollout.agent,
-            version=version,
-            in_flight_updates=in_flight_updates,
-            deadline_s=deadline_s,
-        )
-
-    def stream_submit(self, prompts: list[Prompt], params: SamplingParams, first_group: int) -> None:
-        self.stream.submit(prompts, params, first_group)
-
-    def stream_poll(self) -> tuple[list[tuple[int, Rollouts]], int]:
-        """Groups finished since the last poll, and how many are still running."""
-        return self.stream.poll(), self.stream.running
-
+    # ---- an asynchronous run: the stream's local end is self.stream_host (stream/host.py) ----
     def stream_receive_weights(self, units, dtype: str, version: int) -> float:
         """The broadcast weights into the engine between two of its steps (one_step: once its groups
         have finished); returns the seconds waited for them."""
-        return self.stream.update_weights(lambda _engine: self.receive_weights(units, dtype), version)
-
-    def stream_generate(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        return self.stream.generate_now(prompts, params)
-
-    def stream_idle_seconds(self) -> float:
-        return self.stream.take_idle_seconds()
-
-    def stream_recomputed_tokens(self) -> int:
-        return self.stream.take_recomputed_tokens()
-
-    def close_stream(self) -> None:
-        if getattr(self, "stream", None) is not None:
-            self.stream.close()
-            self.stream = None
+        return self.stream_host.update_weights(lambda _engine: self.receive_weights(units, dtype), version)
 
     def sampled_weights(self, plan) -> dict | None:
         return self.rollout.sampled_weights(plan)

@@ -4,16 +4,23 @@ actor per GPU or CPU slot, in one torch.distributed group). The controller's cod
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, Protocol
 
 Method = Callable[..., Any] | str
 """A worker method: the function itself as the worker class defines it (`HybridWorker.log_probs`), so a
-rename or a typo fails where it is written; or its name."""
+rename or a typo fails where it is written; or its name, dotted for a method of a part the worker
+holds (`stream_host.poll`: stream/host.py's `hosted`)."""
 
 
 def method_name(method: Method) -> str:
     return method if isinstance(method, str) else method.__name__
+
+
+def bound_method(worker: Any, method: Method) -> Callable[..., Any]:
+    """The worker's method (or its part's, for a dotted name)."""
+    return operator.attrgetter(method_name(method))(worker)
 
 
 class WorkerGroup(Protocol):
@@ -42,11 +49,24 @@ class InProcessWorkerGroup:
         self.worker = factory(0, 1)
 
     def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.worker, method_name(method))(*args, **kwargs)]
+        return [bound_method(self.worker, method)(*args, **kwargs)]
 
     def call_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
         (args,) = per_rank
-        return [getattr(self.worker, method_name(method))(*args, **kwargs)]
+        return [bound_method(self.worker, method)(*args, **kwargs)]
+
+    def call_one(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
+        return bound_method(self.worker, method)(*args, **kwargs)
+
+    def submit_each(self, method: Method, per_rank: list[tuple], **kwargs: Any) -> list[Any]:
+        """Runs at once (one worker: nothing to overlap); `wait` hands the results over."""
+        return self.call_each(method, per_rank, **kwargs)
+
+    def wait(self, pending: list[Any]) -> list[Any]:
+        return pending
+
+    def is_alive(self, rank: int) -> bool:
+        return True
 
     def address(self) -> tuple[str, int]:
         return free_address()

@@ -3,8 +3,8 @@ driver never asks which. `take(step)` gives the step's rollouts, scored; `update
 the trained policy into the engines between two of their steps; `validate` generates beside it;
 `resume_point(step)` is what a checkpoint keeps of it; `close` ends it.
 
-Two sources stand behind it. `StreamedBatches` is the stream of groups (stream/local.py in this
-process, stream/remote.py over rollout workers) with admission under rollout.max_staleness: 0 is the
+Two sources stand behind it. `StreamedBatches` is the stream of groups (stream/remote.py, over the
+engines of the workers that generate, each running stream/local.py's GroupStream) with admission under rollout.max_staleness: 0 is the
 synchronous run bit for bit, 1 one-step-off, more streaming. `WholeBatches` is the adapter for
 generation that only takes a whole batch (transformers, vLLM, several colocated workers, the policy
 served over HTTP): it admits at staleness 0, a step's prompts generated when the step asks. Both
@@ -269,37 +269,22 @@ class StreamedBatches:
 
 
 def open_stream(config: Config, placement, reward: Reward, version: int, in_flight: dict | None):
-    """The stream over the (in-process) worker's engine, or over the rollout workers' engines,
-    holding policy `version`; `in_flight`: a checkpoint's groups to go on with."""
-    from hybridflow.controller.hybrid_worker import HybridWorker
-    from hybridflow.stream.local import GroupStream
+    """The stream over the engines of the workers that generate (the colocated training workers, or
+    the rollout workers), holding policy `version`; `in_flight`: a checkpoint's groups to go on with."""
     from hybridflow.stream.remote import RemoteGroupStream
 
     c = config
-    deadline_s = c.trainer.watchdog_s or 3600.0
-    if placement.rollout is not None:
-        return RemoteGroupStream(
-            placement,
-            reward,
-            agent=bool(c.rollout.agent.loop),
-            version=version,
-            in_flight_updates=c.trainer.async_mode == "streaming",
-            deadline_s=deadline_s,
-            max_replacements=c.resources.max_rollout_worker_replacements,
-        )
-    ((engine, agent),) = placement.train.call(HybridWorker.rollout_parts)
-    return GroupStream(
-        engine,
+    return RemoteGroupStream(
+        placement,
         reward,
-        agent=agent,
+        agent=bool(c.rollout.agent.loop),
         version=version,
         in_flight_updates=c.trainer.async_mode == "streaming",
-        deadline_s=deadline_s,
+        deadline_s=c.trainer.watchdog_s or 3600.0,
         resume=in_flight,
         pause_for_training=pauses_for_training(c),
         # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout), unless
-        # the K/V of the sequences in flight are to outlive the update
-        free_cache_while_paused=c.rollout.free_cache_engine
-        and not c.rollout.keep_kv_on_weight_update
-        and engine.device.type == "cuda",
+        # the K/V of the sequences in flight are to outlive the update (on a GPU: stream/host.py)
+        free_cache_while_paused=c.rollout.free_cache_engine and not c.rollout.keep_kv_on_weight_update,
+        max_replacements=c.resources.max_rollout_worker_replacements,
     )

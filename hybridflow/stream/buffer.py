@@ -57,6 +57,20 @@ def routes_from_json(d: dict) -> torch.Tensor:
     return torch.from_numpy(flat).view(d["shape"])
 
 
+def finished_records(rollouts: Rollouts) -> list[dict]:
+    """A finished group's samples as SampleRecord JSON (a checkpoint's groups in flight)."""
+    return [
+        SampleRecord(ids, lp, v, f, routes).as_json()
+        for ids, lp, v, f, routes in zip(
+            rollouts.response_ids,
+            rollouts.response_logprobs,
+            rollouts.policy_versions,
+            rollouts.finish_reasons,
+            rollouts.routed_experts or [None] * len(rollouts),
+        )
+    ]
+
+
 def fresh_records(n: int) -> list[SampleRecord]:
     return [SampleRecord([], [], []) for _ in range(n)]
 

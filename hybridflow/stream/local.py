@@ -40,7 +40,7 @@ from hybridflow.engine.async_engine import AsyncEngine
 from hybridflow.engine.requests import SampleSoFar
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
-from hybridflow.stream.buffer import GroupBuffer, SampleRecord, fresh_records
+from hybridflow.stream.buffer import GroupBuffer, SampleRecord, finished_records, fresh_records
 
 
 class GroupStream(GroupBuffer):
@@ -163,25 +163,12 @@ class GroupStream(GroupBuffer):
                 finished = {g: f.rollouts for g, f in self._finished.items()}
             groups = {g: [r.as_json() for r in records] for g, records in self._records.items()}
             for g, r in finished.items():
-                groups[g] = [
-                    SampleRecord(ids, lp, v, f, routes).as_json()
-                    for ids, lp, v, f, routes in zip(
-                        r.response_ids,
-                        r.response_logprobs,
-                        r.policy_versions,
-                        r.finish_reasons,
-                        r.routed_experts or [None] * len(r),
-                    )
-                ]
+                groups[g] = finished_records(r)
             return {str(g): samples for g, samples in sorted(groups.items())}
 
         return self._wait(
             asyncio.run_coroutine_threadsafe(self.front.between_steps(read, on_loop=True), self.loop)
         )
-
-    def run_in_engine(self, fn):
-        """`fn(engine)` between two engine steps (the weight-sync check reads the weights there)."""
-        return self._call(fn)
 
     def generate_now(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """A batch beside the stream's groups on the same engine (validation), returned when done."""

@@ -1,14 +1,20 @@
-"""The stream of groups with the engines on rollout workers of their own (resources.rollout_workers,
-an asynchronous run): each rollout worker runs a GroupStream over its engine; this controller-side
-twin gives the trainer the same calls. A step's prompts are split over the workers in contiguous
-runs (each group keeps the sampling streams it would have in one process); a thread here polls the
-workers for finished groups and scores each as it arrives; a weight update is the placement's
-broadcast, received by each worker between two engine steps.
+"""The stream of groups as the controller sees it, over the workers that own engines: the colocated
+training workers (each generating on its own device, one of them in this process or several Ray
+workers), or the rollout workers of a disaggregated placement (resources.rollout_workers). Each such
+worker runs a GroupStream over its engine (stream/host.py); this twin gives StreamedBatches the
+stream's calls. A step's prompts are split over the workers in contiguous runs (each group keeps the
+sampling streams it would have in one process); a thread here polls the workers for finished groups
+and scores each as it arrives; a weight update is written into each engine between two of its steps
+(colocated: each worker's own sync; rollout workers: the placement's broadcast).
+
+Checkpoints: `snapshot()` gathers every worker's groups not handed over with the finished groups held
+here, and a stream opened with `resume=` gives each worker that snapshot, to go on with the groups it
+is given again.
 
 A rollout worker that dies is replaced (resources.max_rollout_worker_replacements times in a run): a
 new one in its place, the weight-sync group formed again, the current weights sent, and the groups
 it had not handed over submitted to it again with their own sampling streams; the run goes on and
-says so."""
+says so. A training worker that dies stops the run (its shards are gone)."""
 
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from hybridflow.controller.ray_worker_group import WorkerDied
 from hybridflow.controller.rollout_worker import RolloutWorker
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
-from hybridflow.stream.buffer import GroupBuffer
+from hybridflow.stream.buffer import GroupBuffer, finished_records
+from hybridflow.stream.host import StreamHost, hosted
 
 POLL_S = 0.02  # between polls of the rollout workers for finished groups
 
@@ -39,12 +46,21 @@ class RemoteGroupStream(GroupBuffer):
         version: int,
         in_flight_updates: bool,
         deadline_s: float,
+        resume: dict | None = None,
+        pause_for_training: bool = False,
+        free_cache_while_paused: bool = False,
         max_replacements: int = 0,
     ) -> None:
+        """`placement`: whose generating workers (`placement.generators`) hold the engines; `reward`:
+        scores each group polled; `resume`: a `snapshot()` of the run this one continues; the rest as
+        GroupStream's (stream/local.py)."""
         super().__init__(deadline_s)
-        self.placement, self.group, self.reward = placement, placement.rollout, reward
+        self.placement, self.group, self.reward = placement, placement.generators, reward
+        self.colocated = placement.rollout is None  # the training workers generate
         self.agent, self.version = agent, version
         self.in_flight_updates, self.max_replacements = in_flight_updates, max_replacements
+        self._opening = dict(in_flight_updates=in_flight_updates, deadline_s=deadline_s,
+                             pause_for_training=pause_for_training, free_cache_while_paused=free_cache_while_paused)  # fmt: skip
         self.replaced = 0  # rollout workers replaced in this run
         self._recovered = {"async/rollout_workers_replaced": 0.0, "async/groups_requeued": 0.0}  # since asked
         # per rollout worker, the groups it holds and has not handed over: id -> (prompt, params)
@@ -52,8 +68,9 @@ class RemoteGroupStream(GroupBuffer):
             {} for _ in range(self.group.world_size)
         ]
         self._members = threading.RLock()  # one use of the rollout workers at a time (a replacement)
-        self.group.call(RolloutWorker.open_stream, version, in_flight_updates, deadline_s)
+        self.group.call(hosted(StreamHost.open), version, resume=resume, **self._opening)
         self.scoring = threading.Lock()  # one scoring at a time: the groups polled, validation
+        self._handing_over = threading.Lock()  # held while groups move from the workers to this buffer
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="hybridflow-poll-groups", daemon=True)
         self._poller.start()
@@ -74,55 +91,71 @@ class RemoteGroupStream(GroupBuffer):
                     )
                     self._holds[rank][first + i] = (prompt, shifted)
             # a dead worker's replacement is given what it holds, these groups too: no second call
-            self._recovering(lambda: self.group.call_each(RolloutWorker.stream_submit, runs), retry=False)
+            self._recovering(lambda: self.group.call_each(hosted(StreamHost.submit), runs), retry=False)
 
     def update_weights(self, write, version: int) -> float:
-        """The actor's weights broadcast to every rollout worker, each putting them into its engine
-        between two steps (`write` is the colocated path's and unused here); the longest wait. A
-        worker found dead first is replaced first (one that dies during the broadcast stops the run:
-        its peers may be waiting in the broadcast)."""
+        """The actor's weights into every engine between two of its steps (`write` is GroupStream's and
+        unused here): colocated, each worker's own sync; else the placement's broadcast to the rollout
+        workers, a worker found dead first replaced first (one that dies during the broadcast stops the
+        run: its peers may be waiting in it). The longest wait for groups in flight (one_step)."""
         with self._members:
-            for rank in range(self.group.world_size):
-                if not self.group.is_alive(rank):
-                    self._replace(rank, None)
-            units, dtype = self.placement.manifest
-            receiving = self.group.submit_each(
-                RolloutWorker.stream_receive_weights, [(units, dtype, version)] * self.group.world_size
-            )
-            self.placement.train.call(HybridWorker.sync_weights)
-            waited = max(self.group.wait(receiving))
+            if self.colocated:
+                waited = max(self.group.call(HybridWorker.stream_sync_weights, version))
+            else:
+                for rank in range(self.group.world_size):
+                    if not self.group.is_alive(rank):
+                        self._replace(rank, None)
+                units, dtype = self.placement.manifest
+                receiving = self.group.submit_each(
+                    RolloutWorker.stream_receive_weights, [(units, dtype, version)] * self.group.world_size
+                )
+                self.placement.train.call(HybridWorker.sync_weights)
+                waited = max(self.group.wait(receiving))
             self.version = version
             return waited
 
-    def snapshot(self) -> None:
-        """Groups on rollout workers are not kept in a checkpoint: a resume generates them again."""
-        return None
+    def run_until(self, group_ids: list[int]) -> None:
+        """Engines that pause for training generate until these groups have finished (each worker
+        the ones it holds)."""
+        if not self._opening["pause_for_training"]:
+            return
+        wanted = set(group_ids)
+        per_rank = [([g for g in holds if g in wanted],) for holds in self._holds]
+        self.group.call_each(hosted(StreamHost.run_until), per_rank)
 
-    def run_in_engine(self, fn):
-        raise NotImplementedError("the engines are on the rollout workers")
+    def snapshot(self) -> dict | None:
+        """Every admitted group not taken yet, as GroupStream.snapshot gives it: the workers' and the
+        finished ones held here. None with an agent loop (its episodes start over)."""
+        if self.agent:
+            return None
+        with self._handing_over, self._members:
+            parts = self.group.call(hosted(StreamHost.snapshot))
+            with self._changed:
+                finished = {g: f.rollouts for g, f in self._finished.items()}
+        groups = {int(g): samples for part in parts for g, samples in (part or {}).items()}
+        groups |= {g: finished_records(r) for g, r in finished.items()}
+        return {str(g): samples for g, samples in sorted(groups.items())}
 
     def generate_now(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         runs = self._runs(prompts, params, 0)
         with self._members:
             parts = self._recovering(
-                lambda: self.group.call_each(
-                    RolloutWorker.stream_generate, [(part, p) for part, p, _ in runs]
-                )
+                lambda: self.group.call_each(hosted(StreamHost.generate), [(part, p) for part, p, _ in runs])
             )
         for (_, _, offset), part in zip(runs, parts):  # each worker numbered its groups from 0
             part.group_ids = [g + offset for g in part.group_ids]
         return Rollouts.concat(parts)
 
     def take_idle_seconds(self) -> float:
-        """The rollout workers' idle time since the last call (the mean over them)."""
+        """The engines' idle time since the last call (the mean over them)."""
         with self._members:
-            idle = self._recovering(lambda: self.group.call(RolloutWorker.stream_idle_seconds))
+            idle = self._recovering(lambda: self.group.call(hosted(StreamHost.idle_seconds)))
         return sum(idle) / len(idle)
 
     def take_recomputed_tokens(self) -> int:
-        """The rollout workers' tokens prefilled again since the last call (their sum)."""
+        """The engines' tokens prefilled again since the last call (their sum)."""
         with self._members:
-            return sum(self._recovering(lambda: self.group.call(RolloutWorker.stream_recomputed_tokens)))
+            return sum(self._recovering(lambda: self.group.call(hosted(StreamHost.recomputed_tokens))))
 
     def take_recovery_metrics(self) -> dict[str, float]:
         """Rollout workers replaced and groups submitted again since the last call."""
@@ -135,7 +168,7 @@ class RemoteGroupStream(GroupBuffer):
             return
         self._closed.set()
         self._poller.join(timeout=60)
-        self.group.call(RolloutWorker.close_stream)
+        self.group.call(hosted(StreamHost.close))
 
     # ---- a rollout worker that dies ----------------------------------------------------------------
     def _recovering(self, call, *, retry: bool = True):
@@ -145,7 +178,7 @@ class RemoteGroupStream(GroupBuffer):
             try:
                 return call()
             except WorkerDied as e:
-                if e.group is not self.group:
+                if e.group is not self.group or self.colocated:  # a training worker's shards are gone
                     raise
                 self._replace(e.rank, e)
                 if not retry:
@@ -160,12 +193,10 @@ class RemoteGroupStream(GroupBuffer):
         start = time.perf_counter()
         self.replaced += 1
         self.placement.replace_rollout_worker(rank)
-        self.group.call_one(
-            rank, RolloutWorker.open_stream, self.version, self.in_flight_updates, self.deadline_s
-        )
+        self.group.call_one(rank, hosted(StreamHost.open), self.version, **self._opening)
         lost = sorted(self._holds[rank].items())
         for group_id, (prompt, params) in lost:  # the same sampling streams: the same samples
-            self.group.call_one(rank, RolloutWorker.stream_submit, [prompt], params, group_id)
+            self.group.call_one(rank, hosted(StreamHost.submit), [prompt], params, group_id)
         self._recovered["async/rollout_workers_replaced"] += 1
         self._recovered["async/groups_requeued"] += len(lost)
         print(
@@ -195,18 +226,21 @@ class RemoteGroupStream(GroupBuffer):
     def _poll(self) -> None:
         try:
             while not self._closed.wait(POLL_S):
-                polled = []
-                with self._members:
-                    for rank in range(self.group.world_size):  # one at a time: a dead one loses no others'
-                        done, _running = self._recovering(
-                            lambda rank=rank: self.group.call_one(rank, RolloutWorker.stream_poll)
-                        )
-                        for group_id, _ in done:
-                            self._holds[rank].pop(group_id, None)
-                        polled += done
-                for group_id, rollouts in polled:  # scored here as it arrives
-                    with self.scoring:
-                        outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
-                    self._done(group_id, rollouts, outcomes)
+                with self._handing_over:  # a snapshot sees each group on a worker or here, never between
+                    polled = []
+                    with self._members:
+                        for rank in range(
+                            self.group.world_size
+                        ):  # one at a time: a dead one loses no others'
+                            done, _running = self._recovering(
+                                lambda rank=rank: self.group.call_one(rank, hosted(StreamHost.poll))
+                            )
+                            for group_id, _ in done:
+                                self._holds[rank].pop(group_id, None)
+                            polled += done
+                    for group_id, rollouts in polled:  # scored here as it arrives
+                        with self.scoring:
+                            outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
+                        self._done(group_id, rollouts, outcomes)
         except BaseException as e:  # a worker failed: the trainer hears it at take()
             self._failed(e)

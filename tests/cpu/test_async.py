@@ -308,7 +308,10 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
     [
         (["rollout.max_staleness=2"], "set trainer.async_mode=streaming"),
         (["trainer.async_mode=one_step", "rollout.max_staleness=2"], "one update late"),
-        (["trainer.async_mode=streaming", "resources.num_workers=2"], "resources.rollout_workers=N"),
+        (
+            ["trainer.async_mode=streaming", "resources.num_workers=2", "rollout.tensor_parallel_size=2"],
+            "rollout.tensor_parallel_size=1",
+        ),
         (["trainer.async_mode=streaming", "rollout.backend=hf"], "built-in engine"),
         (["trainer.async_mode=sometimes"], "async_mode='sometimes'"),
         (["rollout.pause_for_training=true"], "nothing overlapped"),

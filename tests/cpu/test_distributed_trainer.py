@@ -209,6 +209,29 @@ def test_max_restarts_starts_again_from_the_latest_checkpoint_after_a_worker_die
 
 
 @pytest.mark.slow
+def test_an_asynchronous_run_over_two_colocated_workers_trains_as_one_process(setup, tmp_path, single):
+    """Asynchronous with two colocated Ray workers (FSDP2), each streaming groups on its own engine:
+    the controller splits each step's groups over them, scores them as they arrive, and each worker
+    writes its gathered weights into its engine between two of its steps. Staleness 0 (each engine
+    pausing for its worker's training) is one synchronous process; one_step trains one update late,
+    and its checkpoint after step 1 keeps step 2's groups, generated on both workers."""
+    single_dir, single = single
+    streamed = _train(
+        setup, tmp_path / "s0", 2, *TWO, "trainer.async_mode=streaming", "rollout.max_staleness=0"
+    )
+    for step in (1, 2):
+        _assert_same_step(single[step], streamed[step])
+        assert streamed[step]["async/staleness_max"] == 0.0
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
+    late = _train(setup, tmp_path / "one", 2, *TWO, "trainer.async_mode=one_step")
+    assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
+    _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+    state = json.loads((tmp_path / "one/checkpoints/global_step_1/trainer_state.json").read_text())
+    assert sorted(int(g) for g in state["in_flight"]) == list(range(8, 16))  # group ids of step 2
+    assert all(len(state["in_flight"][str(g)]) == 4 for g in range(8, 16))  # each group's 4 samples
+
+
+@pytest.mark.slow
 def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path, single):
     """Disaggregated and asynchronous: the engine streams groups on a Ray rollout worker, the
     controller scores them as they arrive, weights are broadcast between two engine steps. With
