@@ -31,10 +31,12 @@ def max_staleness(config: Config) -> float:
 
 
 def pauses_for_training(config: Config) -> bool:
-    """rollout.pause_for_training resolved: by default a streaming run's in-process engine pauses."""
+    """rollout.pause_for_training resolved: by default an engine beside the trainer on its device
+    pauses in a synchronous or streaming run (one_step overlaps them; rollout workers have devices of
+    their own)."""
     pause = config.rollout.pause_for_training
     if pause is None:
-        return config.trainer.async_mode == "streaming" and not config.resources.rollout_workers
+        return config.trainer.async_mode in ("off", "streaming") and not config.resources.rollout_workers
     return pause
 
 

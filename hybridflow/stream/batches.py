@@ -4,10 +4,11 @@ the trained policy into the engines between two of their steps; `validate` gener
 `resume_point(step)` is what a checkpoint keeps of it; `close` ends it.
 
 Two sources stand behind it. `StreamedBatches` is the stream of groups (stream/remote.py, over the
-engines of the workers that generate, each running stream/local.py's GroupStream) with admission under rollout.max_staleness: 0 is the
-synchronous run bit for bit, 1 one-step-off, more streaming. `WholeBatches` is the adapter for
-generation that only takes a whole batch (transformers, vLLM, several colocated workers, the policy
-served over HTTP): it admits at staleness 0, a step's prompts generated when the step asks. Both
+engines of the workers that generate, each running stream/local.py's GroupStream) with admission under
+rollout.max_staleness: 0 is the synchronous run (trainer.async_mode=off), 1 one-step-off, more
+streaming. `WholeBatches` is the adapter for generation that only takes a whole batch (transformers,
+vLLM, an engine split over workers, the policy served over HTTP): it admits at staleness 0, a step's
+prompts generated when the step asks. Both
 apply the same admission policies (stream/admission.py) when a step is taken: DAPO's refill of
 filtered-out groups and ReMax's greedy baseline group."""
 
@@ -26,6 +27,7 @@ from hybridflow.batch import Prompt, Rollouts
 from hybridflow.config import Config
 from hybridflow.controller.validation import validate
 from hybridflow.data.sampler import PromptSampler
+from hybridflow.errors import UserError
 from hybridflow.roles.reward import Reward, RewardResult
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.stream.admission import (
@@ -33,6 +35,7 @@ from hybridflow.stream.admission import (
     fill_with_informative_groups,
     first_round_prompts,
     greedy_baselines,
+    max_staleness,
     pauses_for_training,
     step_sampling,
 )
@@ -80,12 +83,31 @@ class TrainingBatches(Protocol):
 
 def open_batches(config: Config, placement, roles, reward: Reward, sampler: PromptSampler, phase: Phase,
                  *, version: int, in_flight: dict | None) -> TrainingBatches:  # fmt: skip
-    """The stream of groups for an asynchronous run, else the whole-batch adapter; `version`: the
-    policy the engines hold (the step the run resumes from)."""
-    if config.trainer.async_mode == "off":
-        return WholeBatches(config, placement, roles, reward, sampler, phase)
-    return StreamedBatches(config, open_stream(config, placement, reward, version, in_flight), placement,
-                           reward, sampler, phase)  # fmt: skip
+    """The stream of groups wherever the engines take requests one by one (the synchronous run is
+    its staleness 0), else the whole-batch adapter (transformers' or vLLM's generation, an engine
+    split over workers, the policy served over HTTP); `version`: the policy the engines hold (the step
+    the run resumes from)."""
+    c = config
+    if whole_batches_only(c, placement):
+        if c.trainer.async_mode != "off":
+            raise UserError(
+                f"trainer.async_mode={c.trainer.async_mode} streams groups through the built-in engine, and this "
+                "run's rollout backend generates whole batches only (a model family without a native "
+                "implementation: rollout.backend=auto chose transformers): use trainer.async_mode=off"
+            )
+        return WholeBatches(c, placement, roles, reward, sampler, phase)
+    return StreamedBatches(c, open_stream(c, placement, reward, version, in_flight), placement, reward, sampler,
+                           phase)  # fmt: skip
+
+
+def whole_batches_only(config: Config, placement) -> bool:
+    """Generation that takes a whole batch at a time: an engine split over workers or served over
+    HTTP, or a backend (transformers, vLLM) that is not the native engine on some worker."""
+    from hybridflow.stream.host import StreamHost, hosted
+
+    if config.rollout.tensor_parallel_size > 1 or config.rollout.server:
+        return True
+    return not all(placement.generators.call(hosted(StreamHost.can_stream)))
 
 
 def take_policies(config: Config, step: int, first: tuple[Rollouts, RewardResult], generate, score,
@@ -181,9 +203,18 @@ class StreamedBatches:
 
     def start(self, stop_at: int) -> None:
         self.stop_at = stop_at
-        self._admit()
+        if self._ahead:
+            self._admit()
+
+    @property
+    def _ahead(self) -> bool:
+        """Groups start ahead of the step that takes them: at staleness 0 a step's groups are admitted
+        when it is taken, so nothing is in flight at a checkpoint or beside a validation (the
+        synchronous run); else at the start and after each update."""
+        return max_staleness(self.config) > 0
 
     def _admit(self) -> None:
+        """Every group the policy the engines hold lets in."""
         last, early = admissible(self.config, version=self.stream.version, stop_at=self.stop_at)
         while self.admitted < last:
             self._admit_groups(self.admitted + 1, first_round_prompts(self.config))
@@ -217,6 +248,7 @@ class StreamedBatches:
     def take(self, step: int) -> Taken:
         """The step's groups once finished and scored, as a synchronous step's batch, and the async/*
         metrics of how they were made."""
+        self._admit()  # (at staleness 0: this step's groups, now)
         base = self._group_base(step)
         group_ids = list(range(base, base + first_round_prompts(self.config)))
         self.stream.run_until(
@@ -229,18 +261,21 @@ class StreamedBatches:
         rollouts, scored, baselines, metrics = take_policies(
             self.config, step, (rollouts, scored), self.stream.generate_now, self._score, self.sampler.next
         )
-        metrics |= staleness_metrics(rollouts, trained_by=step - 1)
-        metrics["async/wait_for_groups_s"] = waited  # the trainer's idle time
-        metrics["async/generation_idle_s"] = (
-            self.stream.take_idle_seconds()
-        )  # the engine's, since the last step
-        metrics["async/groups_running"] = float(self.stream.running)
-        metrics["async/recomputed_tokens"] = float(
-            self.stream.take_recomputed_tokens()
-        )  # K/V prefilled again
-        metrics |= self.stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
+        if self.config.trainer.async_mode != "off":  # how the batch was made beside training
+            metrics |= self._async_metrics(rollouts, step, waited)
+        recovery = self.stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
+        if self.config.trainer.async_mode != "off" or any(recovery.values()):
+            metrics |= recovery
         self._sampler_before.pop(step, None)
         return Taken(rollouts, scored, baselines, metrics, self._epoch_of.pop(step, self.sampler.epoch))
+
+    def _async_metrics(self, rollouts: Rollouts, step: int, waited: float) -> dict[str, float]:
+        return staleness_metrics(rollouts, trained_by=step - 1) | {
+            "async/wait_for_groups_s": waited,  # the trainer's idle time
+            "async/generation_idle_s": self.stream.take_idle_seconds(),  # the engine's, since the last step
+            "async/groups_running": float(self.stream.running),
+            "async/recomputed_tokens": float(self.stream.take_recomputed_tokens()),  # K/V prefilled again
+        }
 
     def _score(self, rollouts: Rollouts) -> RewardResult:
         """Beside the stream, the reward is called by one thread at a time (a function need not be thread-safe)."""
@@ -251,8 +286,9 @@ class StreamedBatches:
         """Between two engine steps; one_step waits for the groups in flight first. Then the groups
         the new policy lets in are admitted."""
         waited = self.stream.update_weights(lambda _engine: self.placement.sync_weights(), version=version)
-        self._admit()
-        return {"async/wait_for_generation_s": waited}
+        if self._ahead:
+            self._admit()
+        return {"async/wait_for_generation_s": waited} if self.config.trainer.async_mode != "off" else {}
 
     def validate(self, prompts: list[Prompt], params: SamplingParams) -> tuple[dict[str, float], list[dict]]:
         with self.stream.scoring:

@@ -25,6 +25,13 @@ class StreamHost:
         self.backend, self.agent = backend, agent
         self.stream = None
 
+    def can_stream(self) -> bool:
+        """Whether the engine takes requests one by one (the native Engine); transformers' and vLLM's
+        backends generate whole batches only."""
+        from hybridflow.engine import Engine
+
+        return isinstance(self.backend, Engine)
+
     def open(self, version: int, *, in_flight_updates: bool, deadline_s: float, resume: dict | None = None,
              pause_for_training: bool = False, free_cache_while_paused: bool = False) -> None:  # fmt: skip
         """A GroupStream over the engine, holding policy `version` (see GroupStream for the rest); the

@@ -33,3 +33,24 @@ def config(setup, run_dir, *overrides):
 
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def whole_batch_fit(config):
+    """The reference run of the one road: RLTrainer(config) with every step's prompts generated as one
+    batch through the Rollout role (WholeBatches, the adapter whole-batch backends use) instead of the
+    stream of groups that the native engine takes in every mode."""
+    from hybridflow.controller.trainer import RLTrainer
+    from hybridflow.stream.batches import WholeBatches
+
+    trainer = RLTrainer(config)
+    trainer.batches.close()
+    trainer.batches = WholeBatches(
+        config,
+        trainer.placement,
+        trainer.roles,
+        trainer.reward,
+        trainer.sampler,
+        lambda n: trainer.watchdog.phase(n),
+    )
+    trainer.fit()
+    return trainer

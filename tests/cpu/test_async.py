@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from rl_run import config, read_metrics
+from rl_run import config, read_metrics, whole_batch_fit
 from safetensors.torch import load_file
 
 from hybridflow.batch import GapScope, Prompt, Rollouts
@@ -24,11 +24,12 @@ from hybridflow.stream.staleness import gap_scopes
 NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "async/", "reward/latency")
 
 
-def run(setup, run_dir, steps, *overrides):
+def run(setup, run_dir, steps, *overrides, whole_batches=False):
+    """The run's metrics; `whole_batches`: the reference, each step generated as one batch (rl_run.py)."""
     c = config(
         setup, run_dir, f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", *overrides
     )
-    RLTrainer(c).fit()
+    whole_batch_fit(c) if whole_batches else RLTrainer(c).fit()
     return read_metrics(run_dir)
 
 
@@ -37,15 +38,20 @@ def policy(run_dir, step):
 
 
 def test_streaming_with_staleness_0_is_the_synchronous_run_bit_for_bit(setup, tmp_path):
+    """The synchronous run (trainer.async_mode=off) and streaming at staleness 0 both take the stream
+    of groups; both are the reference run that generates each step as one batch, to the bit."""
+    whole = run(setup, tmp_path / "whole", 3, whole_batches=True)
     sync = run(setup, tmp_path / "sync", 3)
     streamed = run(setup, tmp_path / "s0", 3, "trainer.async_mode=streaming", "rollout.max_staleness=0")
-    for a, b in zip(sync, streamed, strict=True):
-        assert {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED)} == {
-            k: v for k, v in b.items() if not k.startswith(NOT_COMPARED)
-        }
-        assert b["async/staleness_max"] == 0.0
-    a, b = policy(tmp_path / "sync", 3), policy(tmp_path / "s0", 3)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for a, b, c in zip(whole, sync, streamed, strict=True):
+        compared = {k: v for k, v in a.items() if not k.startswith(NOT_COMPARED)}
+        assert compared == {k: b[k] for k in compared} == {k: c[k] for k in compared}
+        assert c["async/staleness_max"] == 0.0
+        assert not any(k.startswith("async/") for k in b)  # a synchronous run says nothing of overlap
+    a = policy(tmp_path / "whole", 3)
+    for other in ("sync", "s0"):
+        b = policy(tmp_path / other, 3)
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("mode, bound", [("one_step", 1), ("streaming", 2)])
@@ -522,12 +528,13 @@ def test_multi_turn_episodes_stream_too_and_staleness_0_is_the_synchronous_run(t
     ]  # fmt: skip
     results = {}
     for name, extra in (
-        ("sync", []),
+        ("sync", []),  # the reference: each step's episodes run as one batch
         ("s0", ["trainer.async_mode=streaming", "rollout.max_staleness=0"]),
         ("one", ["trainer.async_mode=one_step"]),
         ("s1", ["trainer.async_mode=streaming", "rollout.max_staleness=1"]),  # pausing for the trainer
     ):
-        RLTrainer(load_config(None, [*base, *extra, f"trainer.run_dir={tmp_path / name}"])).fit()
+        c = load_config(None, [*base, *extra, f"trainer.run_dir={tmp_path / name}"])
+        whole_batch_fit(c) if name == "sync" else RLTrainer(c).fit()
         results[name] = read_metrics(tmp_path / name)
     for a, b in zip(results["sync"], results["s0"], strict=True):
         # which turns share an engine step depends on when the environment answered, in either mode:
@@ -638,7 +645,7 @@ def test_dapo_and_remax_stream_and_staleness_0_is_their_synchronous_run(setup, t
     staleness 0 they are the synchronous run bit for bit; one step off they train within the bound."""
     (tmp_path / "reward.py").write_text(SOMETIMES_A)
     overrides = [o.replace("sometimes_a.py", str(tmp_path / "reward.py")) for o in ADMISSION_POLICIES[rule]]
-    sync = run(setup, tmp_path / "sync", 3, *overrides)
+    sync = run(setup, tmp_path / "sync", 3, *overrides, whole_batches=True)
     streamed = run(
         setup, tmp_path / "s0", 3, *overrides, "trainer.async_mode=streaming", "rollout.max_staleness=0"
     )

@@ -5,7 +5,7 @@ engine's log-probs equal to the trainer's after every update, and exports merged
 import pytest
 import torch
 from peft import PeftModel
-from rl_run import config, read_metrics
+from rl_run import config, read_metrics, whole_batch_fit
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
@@ -74,12 +74,14 @@ def test_adapters_start_as_identity_switch_off_merge_and_round_trip_through_peft
         load_adapter(other, tmp_path / "adapter")
 
 
-def _lora_run(setup, run, steps, *overrides):
+def _lora_run(setup, run, steps, *overrides, whole_batches=False):
     """A LoRA run with a KL loss (so a reference) and two updates a step (so the trainer recomputes
     the rollout's log-probs): its worker and step metrics, after checking what every LoRA run keeps."""
-    trainer = RLTrainer(config(setup, run, "actor.use_kl_loss=true", "actor.sequences_per_update=16",
-                               f"trainer.total_training_steps={steps}", *overrides))  # fmt: skip
-    trainer.fit()
+    c = config(setup, run, "actor.use_kl_loss=true", "actor.sequences_per_update=16",
+               f"trainer.total_training_steps={steps}", *overrides)  # fmt: skip
+    trainer = whole_batch_fit(c) if whole_batches else RLTrainer(c)
+    if not whole_batches:
+        trainer.fit()
     worker = trainer.workers.worker
     assert worker.ref.model is worker.actor.model  # the reference is the base with adapters off: no copy
     metrics = [m for m in read_metrics(run) if "actor/pg_loss" in m]
@@ -138,11 +140,11 @@ def test_a_lora_run_trains_only_adapters_with_engine_parity_and_exports(setup, t
 
 def test_lora_streams_and_at_staleness_0_is_its_synchronous_run(setup, tmp_path):
     """Asynchronous LoRA: the stream's weight update writes the merged adapted layers into the engine
-    between two of its steps. Streamed at staleness 0 it is the synchronous LoRA run to the weights;
+    between two of its steps. Streamed at staleness 0 it is the whole-batch LoRA run (the reference);
     one step off, the batch is one update old and the trainer's recomputed pi_old stays within the
     numerics of the engine for the tokens of the policy that trains."""
     lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.kl_loss_coef=0.1"]
-    _, sync = _lora_run(setup, tmp_path / "sync", 3, *lora)
+    _, sync = _lora_run(setup, tmp_path / "sync", 3, *lora, whole_batches=True)
     _, streamed = _lora_run(setup, tmp_path / "s0", 3, *lora, "trainer.async_mode=streaming",
                             "rollout.max_staleness=0")  # fmt: skip
     # the engine's own log-probs differ in the last bits (measured: 1e-9 in probability, cause not
