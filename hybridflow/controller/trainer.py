@@ -208,7 +208,11 @@ class RLTrainer:
                     if self.device.type == "cpu":
                         follow_free_cores()  # other work on the machine may have come or gone
                     self.reward.set_step(self.step, self.stop_at)
-                    metrics = self.train_step()
+                    try:
+                        metrics = self.train_step()
+                    except NonFiniteLogits as e:  # (generating ahead, a stream may hear it at the update)
+                        raise diverged(f"step {self.step}: the policy's logits are not finite", lr=c.actor.optim.lr,
+                                       checkpoint=self.last_checkpoint) from e  # fmt: skip
                     self._after_step(metrics)
                     self.progress.update()
                 if stop.requested:
@@ -302,7 +306,7 @@ class RLTrainer:
         c, timer = self.config, Timer(on_start=self._show_phase, around=self.watchdog.phase)
         with timer("step"):
             with timer("gen"):
-                taken = self._take()
+                taken = self.batches.take(self.step)
             metrics = taken.metrics | sampled_routes_metrics(c, taken.rollouts)
             batch = training_batch(c, taken.rollouts, step=self.step)
             actor_mask = batch.response_mask  # less the tokens a rollout correction rejects
@@ -348,13 +352,6 @@ class RLTrainer:
                     self._check_weight_sync()
             self.guards.check(self.step, metrics)
         return metrics | self._step_report(taken, batch, token_rewards, timer)
-
-    def _take(self) -> Taken:
-        try:
-            return self.batches.take(self.step)
-        except NonFiniteLogits as e:
-            raise diverged(f"step {self.step}: the policy's logits are not finite", lr=self.config.actor.optim.lr,
-                           checkpoint=self.last_checkpoint) from e  # fmt: skip
 
     def _old_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         """pi_old's log-probs; with router replay R2 the experts its pass routed to become what every

@@ -27,7 +27,7 @@ import torch
 
 from hybridflow.engine.engine import Engine
 from hybridflow.engine.requests import RequestOutput, SampleSoFar
-from hybridflow.rollout.sampling import Generation, SamplingParams
+from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
 
 
 class _Failed:
@@ -133,6 +133,11 @@ class AsyncEngine:
             while left:
                 outs = await listener.queue.get()
                 if isinstance(outs, _Failed):
+                    if outs.fatal and isinstance(outs.error, NonFiniteLogits):
+                        # the policy's numbers, which the caller diagnoses: said as they are, a fresh one
+                        # for each reader (one error raised in every request's coroutine would carry
+                        # all their tracebacks)
+                        raise NonFiniteLogits(*outs.error.args) from None
                     if outs.fatal:
                         raise RuntimeError(f"the engine stopped: {outs.error!r}") from outs.error
                     raise outs.error

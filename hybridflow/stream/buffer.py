@@ -120,9 +120,10 @@ class GroupBuffer:
             self._idle_since = None
 
     def _failed(self, error: BaseException) -> None:
-        """Generation or scoring failed: the trainer hears it at its next take() or update."""
+        """Generation or scoring failed: the trainer hears it at its next take() or update (the first
+        failure: later ones are its consequences, as a group submitted to an engine already stopped)."""
         with self._changed:
-            self._error = error
+            self._error = self._error or error
             self._changed.notify_all()
 
     def run_until(self, group_ids: list[int]) -> None:

@@ -194,7 +194,8 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_before_writing(setup, tmp_path,
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]  # the step is still on record
 
 
-def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path):
+@pytest.mark.parametrize("mode", ["off", "one_step"])
+def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path, mode):
     trainer = RLTrainer(
         config(
             setup,
@@ -202,6 +203,7 @@ def test_exploding_learning_rate_stops_with_a_diagnosis(setup, tmp_path):
             "actor.optim.lr=1e12",
             "actor.optim.grad_clip=1e30",
             "trainer.total_training_steps=8",
+            f"trainer.async_mode={mode}",
         )
     )
     with pytest.raises(
