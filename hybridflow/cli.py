@@ -65,16 +65,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
             str(path), eos_token_ids=eos, max_model_len=context, dtype=args.dtype, seed=args.seed
         )
     elif hasattr(model, "hidden_states"):  # our model: the built-in engine
-        from hybridflow.engine import Engine, EngineConfig
-        from hybridflow.engine.config import page_size_for, pool_tokens_for
+        from hybridflow.engine import EngineConfig, build_engine
 
         context = max(map(len, prompt_ids)) + args.max_tokens + 1
-        sequences = min(len(prompt_ids) * args.n, 256)
-        cpu_pool = pool_tokens_for(sequences, context, page_size_for(device))
-        config = EngineConfig(
-            max_context_tokens=context, kv_cache_tokens=None if device.type == "cuda" else cpu_pool
-        )
-        backend = Engine(model, eos_token_ids=eos, config=config, device=device)
+        backend = build_engine(model, eos_token_ids=eos, device=device, config=EngineConfig(max_context_tokens=context),
+                               sequences=len(prompt_ids) * args.n)  # fmt: skip
     else:
         backend = HFBackend(model, pad_token_id=tok.pad_token_id, eos_token_ids=eos)
     params = SamplingParams(
@@ -189,10 +184,10 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from hybridflow.controller.layout_choice import choose_layout
-    from hybridflow.controller.memory_plan import GIB, estimate, model_hf_config, plan_inputs
     from hybridflow.controller.setup import check_config
     from hybridflow.controller.worker_models import check_parallel_sizes
+    from hybridflow.plan.layout import choose_layout
+    from hybridflow.plan.memory import GIB, estimate, model_hf_config, plan_inputs
 
     resolved = _resolve(args)
     _announce(resolved)

@@ -39,13 +39,15 @@ from hybridflow.stream.host import StreamHost
 
 
 class HybridWorker:
-    """Built by a worker group as `HybridWorker(config, rank, world_size, total_steps=...)`."""
+    """Built by a worker group as `HybridWorker(config, rank, world_size, total_steps=..., kv_pool_tokens=...)`
+    (`kv_pool_tokens`: the engine's KV pool as the memory plan sized it before the workers started)."""
 
-    def __init__(self, config: Config, rank: int, world_size: int, *, total_steps: int) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int, *, total_steps: int,
+                 kv_pool_tokens: int | None = None) -> None:  # fmt: skip
         c = self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(c.resources.device)
-        built = build_models(c, world_size, self.device)
+        built = build_models(c, world_size, self.device, kv_pool_tokens=kv_pool_tokens)
         self.tokenizer, self.hf_config, self.lora = built.tokenizer, built.hf_config, built.lora
         self._own_process_group = built.own_process_group
         model, ref_model, critic_model, backend = (

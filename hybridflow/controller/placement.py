@@ -17,7 +17,10 @@ from hybridflow.parallel.weight_check import compare
 
 
 class Placement:
-    def __init__(self, config: Config, device, *, total_steps: int) -> None:
+    def __init__(
+        self, config: Config, device, *, total_steps: int, kv_pool_tokens: int | None = None
+    ) -> None:
+        """`kv_pool_tokens`: the colocated engines' KV pool as the memory plan sized it (plan_run)."""
         c = config
         rollout_count = c.resources.rollout_workers
         train_count = worker_count(c.resources, device) - rollout_count
@@ -27,7 +30,7 @@ class Placement:
                 f"{worker_count(c.resources, device)} (trainer.n_gpus_per_node x trainer.nnodes, or "
                 "resources.num_workers on CPU)"
             )
-        factory = functools.partial(HybridWorker, c, total_steps=total_steps)
+        factory = functools.partial(HybridWorker, c, total_steps=total_steps, kv_pool_tokens=kv_pool_tokens)
         # Ray hands out GPUs only to its own actors: next to Ray rollout workers, a lone trainer is a
         # Ray actor too, or both would be given the first GPU
         self.train: WorkerGroup = worker_group(

@@ -22,7 +22,14 @@ import torch
 
 from hybridflow.batch import balance_partitions
 from hybridflow.controller.dispatch import merge_rows
-from hybridflow.controller.worker_group import Method, bound_method, free_address, method_name
+from hybridflow.controller.worker_group import (
+    Method,
+    WorkerDied,
+    WorkerError,
+    bound_method,
+    free_address,
+    method_name,
+)
 from hybridflow.errors import UserError
 
 STARTUP_TIMEOUT_S = 300.0
@@ -54,18 +61,6 @@ def _is_ray_worker(pid: int) -> bool:
             return f.read().startswith(b"ray::")
     except OSError:
         return False
-
-
-class WorkerError(RuntimeError):
-    """A role method raised in a worker; the message holds the rank and the worker's traceback."""
-
-
-class WorkerDied(WorkerError):
-    """A worker's process is gone (killed, crashed, its node lost): `rank` of worker group `group`."""
-
-    def __init__(self, message: str, rank: int, group: object = None) -> None:
-        super().__init__(message)
-        self.rank, self.group = rank, group
 
 
 class _Worker:

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import Callable
 
 from hybridflow.config import Config
-from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.trainer import RLTrainer
+from hybridflow.controller.worker_group import WorkerError
 
 
 def fit_with_restarts(

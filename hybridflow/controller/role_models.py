@@ -114,13 +114,14 @@ def rollout_backend(
     *,
     share_weights: bool = True,
     tp_mesh=None,
+    kv_pool_tokens: int | None = None,
 ):
     """The native engine over the actor's model (it shares the weights when device and dtype match,
-    else keeps a copy that update_weights refreshes; always a copy without `share_weights`),
+    else keeps a copy that update_weights refreshes; always a copy without `share_weights`; on a GPU its
+    KV pool `kv_pool_tokens` when the memory plan, made once before the workers started, sized it),
     transformers' generate on the transformers model (for a native actor, a copy synced by name
     after each update), or vLLM."""
-    from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.config import page_size_for, pool_tokens_for
+    from hybridflow.engine import EngineConfig, build_engine
 
     c, r = config, config.rollout
     backend = r.backend
@@ -165,14 +166,8 @@ def rollout_backend(
             "has none (or model.impl=hf); use rollout.backend=hf"
         )
     kv_tokens = r.kv_cache_tokens
-    if kv_tokens is None and device.type == "cuda":  # a pool kept beside training gets what it leaves
-        from hybridflow.controller.memory_plan import pool_tokens_beside_training  # (it imports this module)
-
-        kv_tokens = pool_tokens_beside_training(c)
-    if kv_tokens is None and device.type != "cuda":
-        kv_tokens = pool_tokens_for(
-            min(sequences_per_step(c), r.max_batch_sequences), context, page_size_for(device)
-        )
+    if kv_tokens is None and device.type == "cuda":  # a pool kept beside training gets what the plan leaves
+        kv_tokens = kv_pool_tokens
     compute = c.actor.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if device.type == "cuda" else str(next(policy.parameters()).dtype)[6:]
@@ -195,4 +190,5 @@ def rollout_backend(
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
         policy = merged_model(policy)
     # tp_mesh: rollout.tensor_parallel_size (the actor's TP groups); every rank shards its own copy
-    return Engine(policy, eos_token_ids=eos, config=engine_config, device=device, tp_mesh=tp_mesh)
+    return build_engine(policy, eos_token_ids=eos, device=device, config=engine_config,
+                        sequences=sequences_per_step(c), tp_mesh=tp_mesh)  # fmt: skip

@@ -20,13 +20,10 @@ from hybridflow.controller.advantage import compute_advantages, token_level_rewa
 from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
-from hybridflow.controller.memory_plan import model_shape, pool_beside_training, print_plan
 from hybridflow.controller.metrics import Timer, data_metrics
 from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
-from hybridflow.controller.out_of_memory import ran_out_of_memory
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
-from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.role_calls import RoleCalls
 from hybridflow.controller.run_checkpoint import ControllerState, resume_run, save_run
 from hybridflow.controller.run_dir import prepare_run_dir
@@ -45,6 +42,7 @@ from hybridflow.controller.step_batch import (
 )
 from hybridflow.controller.summary import run_summary
 from hybridflow.controller.watchdog import Watchdog
+from hybridflow.controller.worker_group import WorkerError
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
@@ -54,6 +52,9 @@ from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models.default import cache_root
 from hybridflow.models.loading import load_model_tokenizer
+from hybridflow.plan.layout import plan_run
+from hybridflow.plan.memory import model_shape, pool_beside_training
+from hybridflow.plan.out_of_memory import ran_out_of_memory
 from hybridflow.rewards.hidden import hidden_paths
 from hybridflow.roles.reward import Reward
 from hybridflow.rollout.sampling import NonFiniteLogits
@@ -144,11 +145,14 @@ class RLTrainer:
         self.needs_ref, self.has_critic = layout.needs_ref, layout.needs_critic
         if self.device.type == "cuda" and pool_beside_training(c, layout):
             expandable_cuda_segments()  # before the first CUDA allocation
+        kv_pool_tokens = None  # the memory plan, made once here and handed to the workers
         if self.device.type == "cuda":  # before the models are built: an OOM it can predict is named first
-            print_plan(c)
+            kv_pool_tokens = plan_run(c)
         self.peak_flops = peak_flops(self.device)  # for perf/mfu/actor, on accelerators we know
         self.model_shape = model_shape(c) if self.peak_flops else None
-        self.placement = Placement(c, self.device, total_steps=self.total_steps)
+        self.placement = Placement(
+            c, self.device, total_steps=self.total_steps, kv_pool_tokens=kv_pool_tokens
+        )
         # a cluster's Ray workers may run niced: the scoring workers must not run ahead of them
         niceness = self.placement.ray_niceness()
         if niceness is not None:

@@ -23,6 +23,18 @@ def bound_method(worker: Any, method: Method) -> Callable[..., Any]:
     return operator.attrgetter(method_name(method))(worker)
 
 
+class WorkerError(RuntimeError):
+    """A role method raised in a worker; the message holds the rank and the worker's traceback."""
+
+
+class WorkerDied(WorkerError):
+    """A worker's process is gone (killed, crashed, its node lost): `rank` of worker group `group`."""
+
+    def __init__(self, message: str, rank: int, group: object = None) -> None:
+        super().__init__(message)
+        self.rank, self.group = rank, group
+
+
 class WorkerGroup(Protocol):
     world_size: int
     niceness: int | None  # the CPU scheduler's niceness of its workers, where set apart from this process

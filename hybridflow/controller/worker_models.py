@@ -96,11 +96,13 @@ class WorkerModels:
     fills it with a weight sync before anything generates."""
 
 
-def build_models(c: Config, world_size: int, device: torch.device) -> WorkerModels:
+def build_models(c: Config, world_size: int, device: torch.device, *, kv_pool_tokens: int | None = None
+                 ) -> WorkerModels:  # fmt: skip
+    """`kv_pool_tokens`: the engine's KV pool as the memory plan sized it (plan/layout.py plan_run)."""
     torch.manual_seed(c.trainer.seed)
     policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size), world_size)
     if policy_path is not None:
-        return _build_read_sharded(c, world_size, device, policy_path)
+        return _build_read_sharded(c, world_size, device, policy_path, kv_pool_tokens)
     hf_model, tokenizer = load_model(c.model)
     # converted where it was loaded (the CPU), sharing its tensors, then moved: one copy on the GPU
     model = policy_model(c, hf_model).to(device)
@@ -125,7 +127,7 @@ def build_models(c: Config, world_size: int, device: torch.device) -> WorkerMode
     backend = (
         rollout_backend(c, hf_model, model, tokenizer, device, Path(c.trainer.run_dir),
                         share_weights=not layout.shard_actor and c.trainer.async_mode == "off",
-                        tp_mesh=engine_mesh(c, world_size, device, grid))
+                        tp_mesh=engine_mesh(c, world_size, device, grid), kv_pool_tokens=kv_pool_tokens)
         if layout.colocated
         else None
     )  # fmt: skip
@@ -166,7 +168,8 @@ def engine_mesh(c: Config, world_size: int, device: torch.device, grid=None):
     return init_device_mesh(device.type, (world_size // rtp, rtp), mesh_dim_names=("rollout_dp", "tp"))["tp"]
 
 
-def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path) -> WorkerModels:
+def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: Path,
+                        kv_pool_tokens: int | None) -> WorkerModels:  # fmt: skip
     """A training worker whose policy (and reference, and critic) are read shard by shard, never
     whole: the engine (colocated) is built to the policy's shape and filled by a first weight sync,
     one FSDP unit at a time; disaggregated, the rollout workers load their own."""
@@ -194,7 +197,7 @@ def _build_read_sharded(c: Config, world_size: int, device: torch.device, path: 
             template.generation_config = GenerationConfig.from_pretrained(path)
         engine_tp = engine_mesh(c, world_size, device, grid)
         backend = rollout_backend(c, template, template, tokenizer, device, Path(c.trainer.run_dir),
-                                  share_weights=False, tp_mesh=engine_tp)  # fmt: skip
+                                  share_weights=False, tp_mesh=engine_tp, kv_pool_tokens=kv_pool_tokens)  # fmt: skip
     own_group, ref_model, model, critic_model = _shard(
         c, layout, world_size, device, None, ref_model, None, grid, ref_path, policy_path=path
     )

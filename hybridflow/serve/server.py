@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 def build_engine(model: str, *, device: str, dtype: str, max_context: int, gpu_memory_utilization: float):
     """(engine, tokenizer) of the built-in engine over our model of `model`."""
     from hybridflow.devices import resolve_device
-    from hybridflow.engine import Engine, EngineConfig
-    from hybridflow.engine.config import page_size_for, pool_tokens_for
+    from hybridflow.engine import EngineConfig, build_engine
     from hybridflow.models import load_causal_lm
     from hybridflow.models.loading import stop_token_ids
 
@@ -44,9 +43,11 @@ def build_engine(model: str, *, device: str, dtype: str, max_context: int, gpu_m
         max_context_tokens=max_context,
         max_batch_sequences=256 if cuda else 64,
         gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_tokens=None if cuda else pool_tokens_for(64, max_context, page_size_for(where)),
     )
-    return Engine(net, eos_token_ids=stop_token_ids(net, tokenizer), config=config, device=where), tokenizer
+    engine = build_engine(
+        net, eos_token_ids=stop_token_ids(net, tokenizer), device=where, config=config, sequences=64
+    )
+    return engine, tokenizer
 
 
 def _free_port(host: str) -> int:

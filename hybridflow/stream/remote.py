@@ -26,8 +26,8 @@ from hybridflow.agents.runner import CALLS_PER_EPISODE
 from hybridflow.batch import Prompt, Rollouts
 from hybridflow.controller.dispatch import prompt_shards
 from hybridflow.controller.hybrid_worker import HybridWorker
-from hybridflow.controller.ray_worker_group import WorkerDied
 from hybridflow.controller.rollout_worker import RolloutWorker
+from hybridflow.controller.worker_group import WorkerDied
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.stream.buffer import GroupBuffer, finished_records

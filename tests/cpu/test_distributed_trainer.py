@@ -145,7 +145,7 @@ def test_a_worker_killed_mid_step_stops_the_run_naming_its_checkpoint_and_it_res
     import threading
     import time
 
-    from hybridflow.controller.ray_worker_group import WorkerError
+    from hybridflow.controller.worker_group import WorkerError
 
     _, single = single
     run = tmp_path / "killed"

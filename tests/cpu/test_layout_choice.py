@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoConfig
 
 from hybridflow.config import load_config
-from hybridflow.controller.layout_choice import LayoutChoice, choose_layout, tensor_parallel_sizes
-from hybridflow.controller.memory_plan import GIB, PLAN_SLACK, ModelShape, engine_bytes, estimate
 from hybridflow.models import tiny_model
+from hybridflow.plan.layout import LayoutChoice, choose_layout, tensor_parallel_sizes
+from hybridflow.plan.memory import GIB, PLAN_SLACK, ModelShape, engine_bytes, estimate
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True, vocab_size=151936)  # fmt: skip
@@ -177,12 +177,13 @@ def test_a_72b_model_in_float32_fits_no_rung_of_eight_gpus():
 
 
 def test_a_run_that_will_not_fit_hears_the_choice_at_its_start(tmp_path, capsys):
-    """The trainer's start line (print_plan): a Qwen2.5-7B shape (its config file alone) in fp32 on one
-    80 GiB GPU warns, then names the layout that fits."""
-    from hybridflow.controller.memory_plan import print_plan
+    """The trainer's start line (plan_run, once before the workers start): a Qwen2.5-7B shape (its
+    config file alone) in fp32 on one 80 GiB GPU warns, then names the layout that fits; a synchronous
+    run's engine frees its pool while training, so the workers are given no pool size to keep."""
+    from hybridflow.plan.layout import plan_run
 
     AutoConfig.for_model("qwen2", max_position_embeddings=32768, **QWEN_7B).save_pretrained(tmp_path)
-    print_plan(load_config("gsm8k_grpo", [*FP32, f"model.path={tmp_path}"]))
+    assert plan_run(load_config("gsm8k_grpo", [*FP32, f"model.path={tmp_path}"])) is None
     out = capsys.readouterr().out
     assert "warning: a phase will not fit" in out
     assert "\nchoice: " in out and "actor.offload_optimizer=true" in out

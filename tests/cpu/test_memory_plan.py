@@ -5,7 +5,8 @@ import pytest
 from transformers import AutoConfig
 
 from hybridflow.config import load_config
-from hybridflow.controller.memory_plan import (
+from hybridflow.errors import UserError
+from hybridflow.plan.memory import (
     ACTIVATION_BYTES,
     CUDA_CONTEXT,
     GIB,
@@ -16,7 +17,6 @@ from hybridflow.controller.memory_plan import (
     head_backward_bytes,
     pool_tokens_beside_training,
 )
-from hybridflow.errors import UserError
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip

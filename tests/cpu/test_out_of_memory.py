@@ -6,11 +6,11 @@ import torch
 from transformers import AutoConfig
 
 from hybridflow.config import load_config
-from hybridflow.controller.memory_plan import GIB, plan_for
-from hybridflow.controller.out_of_memory import out_of_memory_line, ran_out_of_memory
-from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.watchdog import Watchdog
+from hybridflow.controller.worker_group import WorkerError
 from hybridflow.errors import UserError
+from hybridflow.plan.memory import GIB, plan_for
+from hybridflow.plan.out_of_memory import out_of_memory_line, ran_out_of_memory
 
 # torch's message in the H100 run of 2026-12-05 (docs/benchmarks.md: the pool kept beside the update)
 TORCH_SAID = (

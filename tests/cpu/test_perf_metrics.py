@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybridflow.controller.memory_plan import ModelShape
 from hybridflow.controller.perf import perf_metrics, training_flops
+from hybridflow.plan.memory import ModelShape
 
 SHAPE = ModelShape(params=1000, vocab=10, hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1,
                    head_dim=4, tied=False)  # fmt: skip

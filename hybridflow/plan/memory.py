@@ -359,20 +359,13 @@ def pool_beside_training(config: Config, layout: WorkerLayout) -> bool:
     return layout.colocated and (generates_meanwhile or keeps)
 
 
-def pool_tokens_beside_training(config: Config, plan: MemoryPlan | None = None) -> int | None:
+def pool_tokens_beside_training(config: Config, plan: MemoryPlan) -> int | None:
     """The KV pool's size in tokens for a colocated engine on CUDA that keeps it beside training, with
-    no rollout.kv_cache_tokens given: what the memory plan (this machine's, or `plan`) leaves once
-    the other phases fit; None where the pool is not sized down. Stops with one line when not even
-    one sequence fits."""
+    no rollout.kv_cache_tokens given: what the memory `plan` leaves once the other phases fit; None
+    where the pool is not sized down. Stops with one line when not even one sequence fits."""
     c = config
     if c.rollout.kv_cache_tokens is not None:
         return None
-    if plan is None:
-        try:
-            plan = plan_for(c)
-        except Exception as e:  # an estimate must never stop a run: the engine sizes its pool as usual
-            print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
-            return None
     if not plan.pool_capped:
         return None
     context = c.data.max_prompt_tokens + c.data.max_response_tokens
@@ -412,24 +405,3 @@ def plan_for(config: Config, *, gpu_bytes: int | None = None, workers: int | Non
     """The plan for `config`'s model (its config file only) on this machine's GPU, or `gpu_bytes`."""
     shape, gpu_bytes, workers = plan_inputs(config, gpu_bytes=gpu_bytes, workers=workers)
     return estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
-
-
-def print_plan(config: Config) -> None:
-    """The trainer's start-up line, and a warning naming the fixes when a phase will not fit, with the
-    layout `hybridflow plan` would choose."""
-    from hybridflow.controller.layout_choice import choose_layout  # it builds on this module
-
-    try:
-        shape, gpu_bytes, workers = plan_inputs(config)
-        plan = estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
-    except Exception as e:  # an estimate must never stop a run
-        print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
-        return
-    print(plan.summary(), flush=True)
-    if not plan.fits():
-        print(
-            "warning: a phase will not fit in GPU memory (`hybridflow plan` for the details): "
-            + "; ".join(plan.suggestions),
-            flush=True,
-        )
-        print(choose_layout(config, shape, gpu_bytes=gpu_bytes, workers=workers).report(), flush=True)

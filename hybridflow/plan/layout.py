@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.memory_plan import (
+from hybridflow.controller.worker_models import WorkerLayout
+from hybridflow.errors import UserError
+from hybridflow.plan.memory import (
     CUDA_CONTEXT,
     GIB,
     PLAN_SLACK,
@@ -29,9 +31,9 @@ from hybridflow.controller.memory_plan import (
     ModelShape,
     engine_bytes,
     estimate,
+    plan_inputs,
+    pool_tokens_beside_training,
 )
-from hybridflow.controller.worker_models import WorkerLayout
-from hybridflow.errors import UserError
 
 MICRO_STEP = 1024
 
@@ -213,3 +215,25 @@ def _with(c: Config, settings: dict[str, object]) -> Config:
         section, field = key.split(".")
         c = replace(c, **{section: replace(getattr(c, section), **{field: value})})
     return c
+
+
+def plan_run(config: Config) -> int | None:
+    """Once, before the workers start (on a GPU): the memory plan's start-up line, a warning naming the
+    fixes when a phase will not fit (with the layout `hybridflow plan` would choose), and the KV pool's
+    size in tokens for an engine that keeps its pool beside training (None: the engine sizes its own),
+    which the workers are given. Stops with one line when not even one sequence would fit the pool."""
+    try:
+        shape, gpu_bytes, workers = plan_inputs(config)
+        plan = estimate(config, shape, gpu_bytes=gpu_bytes, workers=workers)
+    except Exception as e:  # an estimate must never stop a run: the engine sizes its pool as usual
+        print(f"memory plan unavailable for this model ({type(e).__name__}: {e})", flush=True)
+        return None
+    print(plan.summary(), flush=True)
+    if not plan.fits():
+        print(
+            "warning: a phase will not fit in GPU memory (`hybridflow plan` for the details): "
+            + "; ".join(plan.suggestions),
+            flush=True,
+        )
+        print(choose_layout(config, shape, gpu_bytes=gpu_bytes, workers=workers).report(), flush=True)
+    return pool_tokens_beside_training(config, plan)

@@ -9,11 +9,11 @@ import re
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.controller.memory_plan import GIB, plan_for, pool_beside_training
-from hybridflow.controller.ray_worker_group import WorkerError
 from hybridflow.controller.watchdog import Watchdog
+from hybridflow.controller.worker_group import WorkerError
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.errors import UserError
+from hybridflow.plan.memory import GIB, plan_for, pool_beside_training
 
 # the trainer's phase names -> the memory plan's
 PLAN_PHASE = {
