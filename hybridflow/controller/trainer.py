@@ -173,7 +173,7 @@ class RLTrainer:
         in_flight = self._resume()  # a checkpoint's groups in flight, which the stream goes on with
         self.batches = open_batches(c, self.placement, self.roles, self.reward, self.sampler,
                                     lambda name: self.watchdog.phase(name), version=self.step,
-                                    in_flight=in_flight)  # fmt: skip
+                                    in_flight=in_flight, stop_at=self.stop_at)  # fmt: skip
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
 
     # ---- the loop -------------------------------------------------------------------------------

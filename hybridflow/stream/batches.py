@@ -82,11 +82,11 @@ class TrainingBatches(Protocol):
 
 
 def open_batches(config: Config, placement, roles, reward: Reward, sampler: PromptSampler, phase: Phase,
-                 *, version: int, in_flight: dict | None) -> TrainingBatches:  # fmt: skip
+                 *, version: int, in_flight: dict | None, stop_at: int) -> TrainingBatches:  # fmt: skip
     """The stream of groups wherever the engines take requests one by one (the synchronous run is
     its staleness 0), else the whole-batch adapter (transformers' or vLLM's generation, an engine
     split over workers, the policy served over HTTP); `version`: the policy the engines hold (the step
-    the run resumes from)."""
+    the run resumes from); `stop_at`: the run's last step (`start` moves it)."""
     c = config
     if whole_batches_only(c, placement):
         if c.trainer.async_mode != "off":
@@ -97,7 +97,7 @@ def open_batches(config: Config, placement, roles, reward: Reward, sampler: Prom
             )
         return WholeBatches(c, placement, roles, reward, sampler, phase)
     return StreamedBatches(c, open_stream(c, placement, reward, version, in_flight), placement, reward, sampler,
-                           phase)  # fmt: skip
+                           phase, stop_at=stop_at)  # fmt: skip
 
 
 def whole_batches_only(config: Config, placement) -> bool:
@@ -192,11 +192,11 @@ class StreamedBatches:
     and after each update), generated and scored meanwhile, and taken in admission order."""
 
     def __init__(self, config: Config, stream, placement, reward: Reward, sampler: PromptSampler,
-                 phase: Phase) -> None:  # fmt: skip
+                 phase: Phase, *, stop_at: int) -> None:  # fmt: skip
         self.config, self.stream, self.placement = config, stream, placement
         self.reward, self.sampler, self.phase = reward, sampler, phase
         self.admitted = stream.version  # the last step whose groups were all admitted
-        self.stop_at = stream.version
+        self.stop_at = stop_at  # never admitted past (a caller that drives train_step itself keeps it)
         self._drawn: dict[int, _DrawnStep] = {}  # steps only some of whose groups have started
         self._sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its prompts
         self._epoch_of: dict[int, int] = {}  # step -> the epoch its prompts came from

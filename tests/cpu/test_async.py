@@ -664,3 +664,25 @@ def test_dapo_and_remax_stream_and_staleness_0_is_their_synchronous_run(setup, t
     assert one_step[0]["critic/score/mean"] == sync[0]["critic/score/mean"]
     if rule == "dapo":
         assert all(m["dapo/kept_groups"] <= 8 for m in one_step)
+
+
+@pytest.mark.parametrize("mode", ["off", "one_step"])
+def test_steps_driven_without_fit_take_their_batches(setup, tmp_path, mode):
+    """bench/vs_trl's way: `trainer.step = s; trainer.train_step()` with no fit(): the stream admits
+    each step's groups all the same (up to the configured last step), as fit's steps would."""
+    whole = run(setup, tmp_path / "fit", 2, f"trainer.async_mode={mode}")
+    trainer = RLTrainer(
+        config(
+            setup,
+            tmp_path / "driven",
+            "trainer.total_training_steps=2",
+            f"trainer.async_mode={mode}",
+            "trainer.watchdog_s=120",
+        )  # a batch that never comes fails in 2 minutes, not an hour
+    )
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    for step in (1, 2):
+        trainer.step = step
+        metrics = trainer.train_step()
+        assert metrics["critic/score/mean"] == whole[step - 1]["critic/score/mean"]
+    trainer.close()
