@@ -121,6 +121,8 @@ class RayWorkerGroup:
     """`num_workers` Ray actors placed with one placement group (one CPU, plus one GPU each when
     `gpus`), each building its role with `factory(rank, world_size)` inside the process group."""
 
+    in_process = False
+
     def __init__(
         self,
         factory: Callable[[int, int], Any],

@@ -5,7 +5,7 @@ the controller keeps its own fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridflow.checkpoint import (
@@ -20,6 +20,22 @@ from hybridflow.config import Config, to_yaml
 from hybridflow.controller.hybrid_worker import HybridWorker
 from hybridflow.errors import UserError
 from hybridflow.tracking.sinks import jsonl_row, restore_last_row, truncate_jsonl
+
+
+@dataclass
+class RunState:
+    """Where a run stands between two steps, kept in one place by the trainer: a checkpoint saves it
+    (with the sampler's, the KL controller's and the stream's states: ControllerState) and a resume
+    puts it back."""
+
+    step: int = 0
+    """The last step trained."""
+    bad_steps: int = 0
+    """Steps in a row whose update was skipped for a non-finite loss or gradient."""
+    last_checkpoint: Path | None = None
+    val_first: dict[str, float] = field(default_factory=dict)
+    """The first validation's val-core means, and the latest's: the summary a run ends with."""
+    val_last: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprob
 from hybridflow.controller.perf import peak_flops, perf_metrics
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.role_calls import RoleCalls
-from hybridflow.controller.run_checkpoint import ControllerState, resume_run, save_run
+from hybridflow.controller.run_checkpoint import ControllerState, RunState, resume_run, save_run
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import (
     check_config,
@@ -165,16 +165,25 @@ class RLTrainer:
             if kl.type == "fixed"
             else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
         )
-        self.step = 0
-        self.bad_steps = 0
-        self.last_checkpoint: Path | None = None
-        self.val_first: dict[str, float] = {}  # the first and latest validation, for the summary
-        self.val_last: dict[str, float] = {}
+        self.state = RunState()  # where the run stands: step, bad steps, last checkpoint, validations
         in_flight = self._resume()  # a checkpoint's groups in flight, which the stream goes on with
         self.batches = open_batches(c, self.placement, self.roles, self.reward, self.sampler,
-                                    lambda name: self.watchdog.phase(name), version=self.step,
+                                    lambda name: self.watchdog.phase(name), version=self.state.step,
                                     in_flight=in_flight, stop_at=self.stop_at)  # fmt: skip
         self.sinks = make_sinks(c.trainer.logger, self.run_dir, c)
+
+    @property
+    def step(self) -> int:
+        """The last step trained (0 before the first)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:  # a caller that drives train_step itself (bench/vs_trl)
+        self.state.step = value
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.state.last_checkpoint
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self, max_steps: int | None = None, *, close: bool = True) -> dict[str, float]:
@@ -189,34 +198,34 @@ class RLTrainer:
         run_manifest.write_text_atomic(self.run_dir / "config.yaml", to_yaml(c))  # for the report
         run_manifest.write_text_atomic(self.run_dir / "step_plan.txt", plan + "\n")
         metrics: dict[str, float] = {}
-        if self.step >= self.stop_at:
+        if self.state.step >= self.stop_at:
             print(
-                f"{self.run_dir} already finished {self.step} steps: nothing to train. To start over pass "
+                f"{self.run_dir} already finished {self.state.step} steps: nothing to train. To start over pass "
                 "--overwrite (in Python: RLTrainer(config, overwrite=True)); to go on, raise "
                 "trainer.total_training_steps",
                 flush=True,
             )
-        self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.step)
-        started, first_step = time.perf_counter(), self.step
+        self.progress = bar(self.stop_at, "steps", enabled=c.trainer.progress, initial=self.state.step)
+        started, first_step = time.perf_counter(), self.state.step
         try:
             with (
                 Watchdog(c.trainer.watchdog_s, self.run_dir) as self.watchdog,
                 GracefulStop(writes_checkpoints(c.trainer.save_freq)) as stop,
             ):
-                if self.step == 0 and c.trainer.val_before_train and self.val_prompts:
+                if self.state.step == 0 and c.trainer.val_before_train and self.val_prompts:
                     self._log(self._validate(), step=0)
                 self.batches.start(self.stop_at)
-                while self.step < self.stop_at and not stop.requested:
-                    self.step += 1
-                    self.watchdog.step = self.step
+                while self.state.step < self.stop_at and not stop.requested:
+                    self.state.step += 1
+                    self.watchdog.step = self.state.step
                     if self.device.type == "cpu":
                         follow_free_cores()  # other work on the machine may have come or gone
-                    self.reward.set_step(self.step, self.stop_at)
+                    self.reward.set_step(self.state.step, self.stop_at)
                     try:
                         metrics = self.train_step()
                     except NonFiniteLogits as e:  # (generating ahead, a stream may hear it at the update)
-                        raise diverged(f"step {self.step}: the policy's logits are not finite", lr=c.actor.optim.lr,
-                                       checkpoint=self.last_checkpoint) from e  # fmt: skip
+                        raise diverged(f"step {self.state.step}: the policy's logits are not finite", lr=c.actor.optim.lr,
+                                       checkpoint=self.state.last_checkpoint) from e  # fmt: skip
                     self._after_step(metrics)
                     self.progress.update()
                 if stop.requested:
@@ -224,11 +233,11 @@ class RLTrainer:
             self.watchdog = Watchdog(0, self.run_dir)  # off between fits (evaluate, save)
         except WorkerError as e:  # a worker died or raised: say where the run can go on from
             self.run_lock.release()  # the same command (in this process too) must find it free
-            if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
+            if (oom := ran_out_of_memory(c, self.watchdog, self.state.step, e)) is not None:
                 raise oom from e
             where = (
-                f"the latest complete checkpoint is {self.last_checkpoint}; the same command resumes from it"
-                if self.last_checkpoint is not None
+                f"the latest complete checkpoint is {self.state.last_checkpoint}; the same command resumes from it"
+                if self.state.last_checkpoint is not None
                 else "no checkpoint was written yet: the same command starts over"
             )
             raise WorkerError(f"{e}\n{where}") from e
@@ -237,9 +246,9 @@ class RLTrainer:
             # a stream's thread stops generating for a run that ended
             with contextlib.suppress(Exception):  # (a dead worker must not hide the first error)
                 self.batches.close()
-            if (oom := ran_out_of_memory(c, self.watchdog, self.step, e)) is not None:
+            if (oom := ran_out_of_memory(c, self.watchdog, self.state.step, e)) is not None:
                 raise oom from e
-            if (full := disk_full_error(e, self.run_dir, self.last_checkpoint)) is not None:
+            if (full := disk_full_error(e, self.run_dir, self.state.last_checkpoint)) is not None:
                 raise full from e
             raise
         finally:  # the report is written at the end, and on an error or an interruption too
@@ -248,11 +257,11 @@ class RLTrainer:
         print(
             run_summary(
                 self.run_dir,
-                steps=self.step - first_step,
+                steps=self.state.step - first_step,
                 seconds=time.perf_counter() - started,
-                first_val=self.val_first,
-                last_val=self.val_last,
-                checkpoint=self.last_checkpoint,
+                first_val=self.state.val_first,
+                last_val=self.state.val_last,
+                checkpoint=self.state.last_checkpoint,
                 keep_last=c.trainer.keep_last_checkpoints,
             ),
             flush=True,
@@ -283,18 +292,18 @@ class RLTrainer:
 
     def _after_step(self, metrics: dict[str, float]) -> None:
         """Validation and checkpoint when due, then the step's metrics to the sinks."""
-        c, last = self.config, self.step == self.stop_at
-        if self.val_prompts and due(c.trainer.test_freq, self.step, last):
+        c, last = self.config, self.state.step == self.stop_at
+        if self.val_prompts and due(c.trainer.test_freq, self.state.step, last):
             start = time.perf_counter()
             metrics |= self._validate()
             metrics["timing_s/testing"] = time.perf_counter() - start
         try:
-            if due(c.trainer.save_freq, self.step, last):
+            if due(c.trainer.save_freq, self.state.step, last):
                 start = time.perf_counter()
                 self.save(metrics)
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
         finally:  # a failed save still records the step it followed
-            self._log(metrics, step=self.step)
+            self._log(metrics, step=self.state.step)
 
     def _write_report(self) -> None:
         try:
@@ -310,9 +319,9 @@ class RLTrainer:
         c, timer = self.config, Timer(on_start=self._show_phase, around=self.watchdog.phase)
         with timer("step"):
             with timer("gen"):
-                taken = self.batches.take(self.step)
+                taken = self.batches.take(self.state.step)
             metrics = taken.metrics | sampled_routes_metrics(c, taken.rollouts)
-            batch = training_batch(c, taken.rollouts, step=self.step)
+            batch = training_batch(c, taken.rollouts, step=self.state.step)
             actor_mask = batch.response_mask  # less the tokens a rollout correction rejects
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
                 bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
@@ -343,18 +352,18 @@ class RLTrainer:
             if self.has_critic:
                 with timer("update_critic"):
                     metrics |= self.roles.update_critic(batch, epochs=c.actor.ppo_epochs)
-            if self.step > c.critic.warmup_steps:
+            if self.state.step > c.critic.warmup_steps:
                 with timer("update_actor"):
                     update = self.roles.update_actor(dataclasses.replace(batch, response_mask=actor_mask))
                     metrics |= actor_update_metrics(c, update)
-                self.bad_steps = count_bad_step(self.bad_steps, metrics, updates=updates_per_step(c),
-                                                step=self.step, checkpoint=self.last_checkpoint)  # fmt: skip
+                self.state.bad_steps = count_bad_step(self.state.bad_steps, metrics, updates=updates_per_step(c),
+                                                step=self.state.step, checkpoint=self.state.last_checkpoint)  # fmt: skip
             with timer("update_weights"):
-                metrics |= self.batches.update_weights(version=self.step)
+                metrics |= self.batches.update_weights(version=self.state.step)
             if c.trainer.guards.weight_sync_check:
                 with timer("weight_check"):
                     self._check_weight_sync()
-            self.guards.check(self.step, metrics)
+            self.guards.check(self.state.step, metrics)
         return metrics | self._step_report(taken, batch, token_rewards, timer)
 
     def _old_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -387,8 +396,8 @@ class RLTrainer:
         )
         metrics["training/epoch"] = float(taken.epoch)
         freq = c.trainer.log_samples_freq
-        if freq and (self.step == 1 or self.step % freq == 0):
-            self._log_samples(sample_rows(self.step, rollouts, taken.scored.scores, batch.advantages,
+        if freq and (self.state.step == 1 or self.state.step % freq == 0):
+            self._log_samples(sample_rows(self.state.step, rollouts, taken.scored.scores, batch.advantages,
                                           batch.response_mask, self.tokenizer, c.trainer.log_samples))  # fmt: skip
         return metrics
 
@@ -400,24 +409,28 @@ class RLTrainer:
         append_samples(self.run_dir / "samples.jsonl", rows)
         for sink in self.sinks:
             if hasattr(sink, "log_samples"):
-                sink.log_samples(rows, self.step)
+                sink.log_samples(rows, self.state.step)
 
     # ---- pieces of a step ------------------------------------------------------------------------
     def _validate(self) -> dict[str, float]:
         r = self.config.rollout
-        params = step_sampling(self.config, -1, self.step, n=r.val_samples_per_prompt, temperature=r.val_temperature,
+        params = step_sampling(self.config, -1, self.state.step, n=r.val_samples_per_prompt, temperature=r.val_temperature,
                                top_p=r.val_top_p, top_k=r.val_top_k)  # fmt: skip
         with self.watchdog.phase("validation"):
             metrics, samples = self.batches.validate(self.val_prompts, params)
         if self.config.trainer.log_val_generations:
             rows = val_sample_rows(
-                self.step, samples, self.val_prompts, self.tokenizer, self.config.trainer.log_val_generations
+                self.state.step,
+                samples,
+                self.val_prompts,
+                self.tokenizer,
+                self.config.trainer.log_val_generations,
             )
             append_samples(self.run_dir / "val_samples.jsonl", rows)
         return metrics
 
     def _check_weight_sync(self) -> None:
-        if not self.placement.check_weight_sync(self.step) and not self._weight_check_unavailable_said:
+        if not self.placement.check_weight_sync(self.state.step) and not self._weight_check_unavailable_said:
             self._weight_check_unavailable_said = True
             print(f"weight-sync check: rollout.name={self.config.rollout.name} does not expose its weights; "
                   "not checked", flush=True)  # fmt: skip
@@ -425,8 +438,8 @@ class RLTrainer:
     def _log(self, metrics: dict[str, float], *, step: int) -> None:
         val = {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k}
         if val:
-            self.val_first = self.val_first or val
-            self.val_last = val
+            self.state.val_first = self.state.val_first or val
+            self.state.val_last = val
         for sink in self.sinks:
             sink.log(metrics, step)
 
@@ -434,21 +447,21 @@ class RLTrainer:
     def save(self, metrics: dict[str, float] | None = None) -> Path:
         """A checkpoint of this step (controller/run_checkpoint.py); `metrics`: the step's row, for a
         kill between this save and their logging."""
-        point = self.batches.resume_point(self.step)
+        point = self.batches.resume_point(self.state.step)
         state = ControllerState(
-            self.step, point.sampler, self.kl_ctl.state_dict(), self.bad_steps, point.in_flight
+            self.state.step, point.sampler, self.kl_ctl.state_dict(), self.state.bad_steps, point.in_flight
         )
-        self.last_checkpoint = save_run(
+        self.state.last_checkpoint = save_run(
             self.config, self.run_dir, self.workers, self.watchdog, state, metrics
         )
-        return self.last_checkpoint
+        return self.state.last_checkpoint
 
     def _resume(self) -> dict | None:
         """Go on from the run directory's latest checkpoint, if any; its groups in flight."""
         resumed = resume_run(self.config, self.run_dir, self.workers, self.placement)
         if resumed is None:
             return None
-        self.step, self.bad_steps, self.last_checkpoint = resumed.step, resumed.bad_steps, resumed.path
+        self.state = RunState(resumed.step, resumed.bad_steps, resumed.path)
         self.sampler.load_state_dict(resumed.sampler)
         self.kl_ctl.load_state_dict(resumed.kl_ctl)
         return resumed.in_flight

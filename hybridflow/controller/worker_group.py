@@ -37,6 +37,7 @@ class WorkerDied(WorkerError):
 
 class WorkerGroup(Protocol):
     world_size: int
+    in_process: bool  # its workers run in this process (a call that waits holds nothing remote up)
     niceness: int | None  # the CPU scheduler's niceness of its workers, where set apart from this process
 
     def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
@@ -55,6 +56,7 @@ class InProcessWorkerGroup:
     """One worker, built here with `factory(rank=0, world_size=1)`: calls are direct method calls."""
 
     world_size = 1
+    in_process = True  # its calls run here: a call may wait without holding a remote worker up
     niceness = None  # this process's: nothing set apart (RayWorkerGroup: what Ray runs its workers at)
 
     def __init__(self, factory: Callable[[int, int], Any]) -> None:

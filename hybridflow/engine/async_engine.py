@@ -42,11 +42,12 @@ class _Listener:
     finishes. Held outputs of a sample are merged while the weight version stays (one object per
     sample, not one per step: the garbage collector walks every live object)."""
 
-    __slots__ = ("queue", "every_step", "held", "last", "on_first_output", "on_output")
+    __slots__ = ("queue", "every_step", "hand_over", "held", "last", "on_first_output", "on_output")
 
-    def __init__(self, every_step: bool, on_first_output, on_output) -> None:
+    def __init__(self, every_step: bool, on_first_output, on_output, hand_over: bool = True) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.every_step, self.on_first_output, self.on_output = every_step, on_first_output, on_output
+        self.hand_over = hand_over
         self.held: list[RequestOutput] = []
         self.last: dict[int, RequestOutput] = {}  # sample -> its latest held output
 
@@ -56,6 +57,10 @@ class _Listener:
             self.on_first_output = None
         if self.on_output is not None:
             self.on_output(out)
+        if not self.hand_over:  # on_output keeps what the reader needs: only a sample's end is said
+            if out.finish_reason is not None:
+                self.queue.put_nowait([out])
+            return
         if self.every_step:
             self.queue.put_nowait([out])
             return
@@ -115,16 +120,20 @@ class AsyncEngine:
         on_first_output=None,
         on_output=None,
         resume: list[SampleSoFar | None] | None = None,
+        hand_over: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Each step's new tokens of every sample, until all `params.n` have finished. With
         `every_step=False` a sample's outputs arrive together when it finishes (the same outputs,
         one wake-up). `on_first_output()` is called by the driver when the first tokens exist, and
         `on_output(out)` with every step's output (on the loop, between two steps: state it keeps is
-        whole whenever `between_steps(..., on_loop=True)` reads it). `resume`: Engine.add_request's."""
+        whole whenever `between_steps(..., on_loop=True)` reads it). `resume`: Engine.add_request's.
+        `hand_over=False` (with `on_output` keeping what is needed): only each sample's last output is
+        yielded, and nothing is held meanwhile (at hundreds of samples, the per-step bookkeeping of
+        outputs no reader looks at held the engine's next step back)."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        listener = _Listener(every_step, on_first_output, on_output)
+        listener = _Listener(every_step, on_first_output, on_output, hand_over)
         self._streams[request_id] = listener
         self._adds.append((request_id, list(prompt_ids), params, resume))
         self._ensure_running()

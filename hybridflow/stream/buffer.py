@@ -126,6 +126,11 @@ class GroupBuffer:
             self._error = self._error or error
             self._changed.notify_all()
 
+    def wait_finished(self, timeout: float) -> None:
+        """Until a group has finished and waits to be handed over (or the stream failed), at most `timeout`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished or self._error is not None, timeout)
+
     def run_until(self, group_ids: list[int]) -> None:
         """Generation may go on until these groups have finished (a stream that pauses for training)."""
 

@@ -58,6 +58,10 @@ class StreamHost:
         """Groups finished since the last poll, and how many are still running."""
         return self.stream.poll(), self.stream.running
 
+    def wait_finished(self, wait_s: float) -> None:
+        """Until a group has finished and not been polled (or the stream failed), at most `wait_s`."""
+        self.stream.wait_finished(wait_s)
+
     def run_until(self, group_ids: list[int]) -> None:
         self.stream.run_until(group_ids)
 

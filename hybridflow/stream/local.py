@@ -252,7 +252,7 @@ class GroupStream(GroupBuffer):
             so_far = [SampleSoFar(r.ids, r.logprobs, r.finish) if r.ids else None for r in records]
             resume = so_far if any(so_far) else None
             async for _ in self.front.stream(
-                prompt.token_ids, params, every_step=False, on_output=record, resume=resume
+                prompt.token_ids, params, every_step=False, on_output=record, resume=resume, hand_over=False
             ):
                 pass
         return Rollouts(

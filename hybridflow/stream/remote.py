@@ -224,8 +224,15 @@ class RemoteGroupStream(GroupBuffer):
         return params.n * (CALLS_PER_EPISODE if self.agent else 1)
 
     def _poll(self) -> None:
+        # a worker in this process is waited on (its groups are heard of as they finish); Ray workers
+        # are asked every POLL_S (a call that waited would hold the worker from the trainer's calls)
+        waits = self.group.in_process
         try:
-            while not self._closed.wait(POLL_S):
+            while not self._closed.is_set():
+                if waits:
+                    self.group.call_one(0, hosted(StreamHost.wait_finished), POLL_S)
+                elif self._closed.wait(POLL_S):
+                    break
                 with self._handing_over:  # a snapshot sees each group on a worker or here, never between
                     polled = []
                     with self._members:
@@ -238,9 +245,17 @@ class RemoteGroupStream(GroupBuffer):
                             for group_id, _ in done:
                                 self._holds[rank].pop(group_id, None)
                             polled += done
-                    for group_id, rollouts in polled:  # scored here as it arrives
-                        with self.scoring:
-                            outcomes = self.reward.outcomes(rollouts, self.reward.submit(rollouts))
-                        self._done(group_id, rollouts, outcomes)
+                    if polled:
+                        self._score(polled)
         except BaseException as e:  # a worker failed: the trainer hears it at take()
             self._failed(e)
+
+    def _score(self, polled: list[tuple[int, Rollouts]]) -> None:
+        """The groups polled together, scored together (one call of the reward, as a whole batch is)."""
+        together = Rollouts.concat([rollouts for _, rollouts in polled])
+        with self.scoring:
+            outcomes = self.reward.outcomes(together, self.reward.submit(together))
+        start = 0
+        for group_id, rollouts in polled:
+            self._done(group_id, rollouts, outcomes[start : start + len(rollouts)])
+            start += len(rollouts)
