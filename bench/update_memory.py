@@ -19,15 +19,15 @@ import torch
 from bench.actor_update import random_batch
 from bench.rollout import hf_config
 from hybridflow.config.schema import ActorConfig
-from hybridflow.controller.memory_plan import (
+from hybridflow.models.native import NativeCausalLM
+from hybridflow.models.native.config import from_hf
+from hybridflow.plan.memory import (
     GIB,
     LOGPROB_CHUNK,
     ModelShape,
     _activations,
     head_backward_bytes,
 )
-from hybridflow.models.native import NativeCausalLM
-from hybridflow.models.native.config import from_hf
 from hybridflow.roles.actor import Actor
 
 

@@ -63,8 +63,11 @@ class Watchdog:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """`name` runs inside the phases open now; from another thread too (a stream scoring groups
+        while the trainer waits in `gen`: phase reward in step > gen)."""
+        entry = (name, time.monotonic())
         with self._lock:
-            self._phases.append((name, time.monotonic()))
+            self._phases.append(entry)
         try:
             yield
         except BaseException as e:
@@ -74,7 +77,7 @@ class Watchdog:
             raise
         finally:
             with self._lock:
-                self._phases.pop()
+                self._phases.remove(entry)  # (the last but for another thread's phase)
 
     def _describe(self) -> str:
         names = [n for n, _ in self._phases]

@@ -40,6 +40,7 @@ from hybridflow.stream.admission import (
     step_sampling,
 )
 from hybridflow.stream.staleness import staleness_metrics
+from hybridflow.tracking.progress import bar
 
 Phase = Callable[[str], AbstractContextManager]
 """The watchdog's phase: `with phase("reward"):` names what a hang was doing."""
@@ -96,8 +97,8 @@ def open_batches(config: Config, placement, roles, reward: Reward, sampler: Prom
                 "implementation: rollout.backend=auto chose transformers): use trainer.async_mode=off"
             )
         return WholeBatches(c, placement, roles, reward, sampler, phase)
-    return StreamedBatches(c, open_stream(c, placement, reward, version, in_flight), placement, reward, sampler,
-                           phase, stop_at=stop_at)  # fmt: skip
+    return StreamedBatches(c, open_stream(c, placement, reward, version, in_flight, phase), placement, reward,
+                           sampler, phase, stop_at=stop_at)  # fmt: skip
 
 
 def whole_batches_only(config: Config, placement) -> bool:
@@ -251,10 +252,17 @@ class StreamedBatches:
         self._admit()  # (at staleness 0: this step's groups, now)
         base = self._group_base(step)
         group_ids = list(range(base, base + first_round_prompts(self.config)))
-        self.stream.run_until(
-            group_ids
-        )  # an engine that pauses for training generates now, until these are done
-        groups, waited = self.stream.take(group_ids)
+        # an engine that pauses for training generates now, until these are done
+        self.stream.run_until(group_ids)
+        finished = bar(
+            len(group_ids), "generate", enabled=self.config.trainer.progress, inner=True, unit="groups"
+        )
+        try:
+            groups, waited = self.stream.take(
+                group_ids, progress=lambda done: finished.update(done - finished.n)
+            )
+        finally:
+            finished.close()
         rollouts = Rollouts.concat([g.rollouts for g in groups])
         rollouts.group_ids = [g - base for g in rollouts.group_ids]
         scored = self.reward.summarize(rollouts, [o for g in groups for o in g.outcomes], time.perf_counter())
@@ -304,7 +312,9 @@ class StreamedBatches:
         self.stream.close()
 
 
-def open_stream(config: Config, placement, reward: Reward, version: int, in_flight: dict | None):
+def open_stream(
+    config: Config, placement, reward: Reward, version: int, in_flight: dict | None, phase: Phase
+):
     """The stream over the engines of the workers that generate (the colocated training workers, or
     the rollout workers), holding policy `version`; `in_flight`: a checkpoint's groups to go on with."""
     from hybridflow.stream.remote import RemoteGroupStream
@@ -316,11 +326,13 @@ def open_stream(config: Config, placement, reward: Reward, version: int, in_flig
         agent=bool(c.rollout.agent.loop),
         version=version,
         in_flight_updates=c.trainer.async_mode == "streaming",
-        deadline_s=c.trainer.watchdog_s or 3600.0,
+        # past the watchdog's limit, which names the stuck phase first: this is the backstop without it
+        deadline_s=c.trainer.watchdog_s + 60.0 if c.trainer.watchdog_s else 3600.0,
         resume=in_flight,
         pause_for_training=pauses_for_training(c),
         # as a synchronous step frees the pool for the other roles (HybridWorker.sleep_rollout), unless
         # the K/V of the sequences in flight are to outlive the update (on a GPU: stream/host.py)
         free_cache_while_paused=c.rollout.free_cache_engine and not c.rollout.keep_kv_on_weight_update,
         max_replacements=c.resources.max_rollout_worker_replacements,
+        phase=phase,
     )

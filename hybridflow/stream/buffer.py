@@ -134,22 +134,25 @@ class GroupBuffer:
     def run_until(self, group_ids: list[int]) -> None:
         """Generation may go on until these groups have finished (a stream that pauses for training)."""
 
-    def take(self, group_ids: list[int]) -> tuple[list[FinishedGroup], float]:
+    def take(self, group_ids: list[int], progress=None) -> tuple[list[FinishedGroup], float]:
         """These groups once all have finished and been scored (in the order given), and the seconds
-        the trainer waited for them."""
+        the trainer waited for them; `progress(done)` hears how many have, as they do."""
         start = time.perf_counter()
         with self._changed:
-            ok = self._changed.wait_for(
-                lambda: self._error is not None or all(g in self._finished for g in group_ids),
-                self.deadline_s,
-            )
-            self._raise_error()
-            if not ok:
-                missing = [g for g in group_ids if g not in self._finished]
-                raise UserError(
-                    f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
-                )
-            return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+            while True:
+                self._raise_error()
+                done = sum(g in self._finished for g in group_ids)
+                if progress is not None:
+                    progress(done)
+                if done == len(group_ids):
+                    return [self._finished.pop(g) for g in group_ids], time.perf_counter() - start
+                left = start + self.deadline_s - time.perf_counter()
+                if left <= 0:
+                    missing = [g for g in group_ids if g not in self._finished]
+                    raise UserError(
+                        f"groups {missing[:5]} did not finish within {self.deadline_s:.0f} s (trainer.watchdog_s)"
+                    )
+                self._changed.wait(left)
 
     def take_idle_seconds(self) -> float:
         """Seconds with no admitted group to work on (waiting for the trainer's next update to admit

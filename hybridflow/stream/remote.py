@@ -18,6 +18,7 @@ says so. A training worker that dies stops the run (its shards are gone)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import replace
@@ -50,15 +51,17 @@ class RemoteGroupStream(GroupBuffer):
         pause_for_training: bool = False,
         free_cache_while_paused: bool = False,
         max_replacements: int = 0,
+        phase=None,
     ) -> None:
         """`placement`: whose generating workers (`placement.generators`) hold the engines; `reward`:
         scores each group polled; `resume`: a `snapshot()` of the run this one continues; the rest as
-        GroupStream's (stream/local.py)."""
+        GroupStream's (stream/local.py); `phase(name)`: the watchdog's, around each scoring."""
         super().__init__(deadline_s)
         self.placement, self.group, self.reward = placement, placement.generators, reward
         self.colocated = placement.rollout is None  # the training workers generate
         self.agent, self.version = agent, version
         self.in_flight_updates, self.max_replacements = in_flight_updates, max_replacements
+        self._phase = phase or (lambda name: contextlib.nullcontext())
         self._opening = dict(in_flight_updates=in_flight_updates, deadline_s=deadline_s,
                              pause_for_training=pause_for_training, free_cache_while_paused=free_cache_while_paused)  # fmt: skip
         self.replaced = 0  # rollout workers replaced in this run
@@ -253,7 +256,7 @@ class RemoteGroupStream(GroupBuffer):
     def _score(self, polled: list[tuple[int, Rollouts]]) -> None:
         """The groups polled together, scored together (one call of the reward, as a whole batch is)."""
         together = Rollouts.concat([rollouts for _, rollouts in polled])
-        with self.scoring:
+        with self.scoring, self._phase("reward"):
             outcomes = self.reward.outcomes(together, self.reward.submit(together))
         start = 0
         for group_id, rollouts in polled:

@@ -274,7 +274,8 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_groups_generated_again(
     )  # fmt: skip
     trainer.fit(max_steps=1, close=False)
     victim = ray.get(trainer.placement.rollout.workers[1].pid.remote())
-    trainer.batches.start(stop_at=2)  # step 2's groups: half on each rollout worker
+    trainer.batches.start(stop_at=2)
+    trainer.batches._admit()  # step 2's groups now (staleness 0 would at its take): half on each worker
     os.kill(victim, signal.SIGKILL)
     trainer.fit()
     metrics = {m["step"]: m for m in read_metrics(run_dir)}
