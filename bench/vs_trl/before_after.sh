@@ -17,7 +17,7 @@ ARGS=(--reward letter_a --prompts 64 --samples 8 --response 256 --steps "${STEPS
 model=0.5b  # made by the first run, then read from its directory by the others
 for run in ${RUNS:-before:.bench_old after:. before2:.bench_old after2:.}; do
   name=${run%%:*} tree=${run#*:}
-  python3 "$tree/bench/vs_trl/run.py" "/tmp/vt_$name" --model "$model" "${ARGS[@]}" 2>&1 | grep -E '^hybridflow |failed|Error'
+  PYTHONPATH=/tmp/site:$tree python3 "$tree/bench/vs_trl/run.py" "/tmp/vt_$name" --model "$model" "${ARGS[@]}" 2>&1 | grep -E '^hybridflow |failed|Error'
   [ "$model" = 0.5b ] && model=/tmp/vt_$name/model-0.5b
   cp "/tmp/vt_$name/hybridflow/steps.jsonl" "${OUT:-/tmp/out}/$name.jsonl" 2>/dev/null
 done
