@@ -197,8 +197,9 @@ class HybridWorker:
                     self.rollout.update_weights(unit)
             elif self.rollout is not None and not isinstance(model, FSDPModule):
                 self.rollout.update_weights(model.named_parameters())  # the cached copy plan
-            else:
-                for unit in self._gathered_units():
+            else:  # LoRA on rollout workers: the adapted layers merged, all that changes
+                units = [list(merged_updates(model))] if self.lora else self._gathered_units()
+                for unit in units:
                     if self.rollout is not None:
                         self.rollout.update_weights(unit)
                     elif self.weight_sync is not None and self.rollout_slices is not None:  # rank 0
@@ -251,8 +252,13 @@ class HybridWorker:
                 unit.reshard()
 
     def weight_manifest(self) -> tuple[list[list[tuple[str, tuple[int, ...]]]], str]:
-        """What `sync_weights` broadcasts: (name, shape) per unit, and the dtype of every tensor."""
+        """What `sync_weights` broadcasts: (name, shape) per unit, and the dtype of every tensor (with
+        LoRA one unit: the adapted layers' merged weights, under the engine's names)."""
         model = self.actor.model
+        if self.lora:
+            merged = list(merged_updates(model))
+            dtype = str(merged[0][1].dtype).removeprefix("torch.")
+            return [[(name, tuple(t.shape)) for name, t in merged]], dtype
         units = [
             [(name, tuple(p.shape)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
             for prefix, _ in _fsdp_units(model)

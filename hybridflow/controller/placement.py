@@ -53,6 +53,8 @@ class Placement:
                 timeout_s=c.resources.worker_timeout_s,
             )
             self._join_weight_sync()
+            if c.model.lora_rank or c.model.lora_adapter_path:  # the engines start from the base model
+                self.sync_weights()
 
     def ray_niceness(self) -> int | None:
         """The niceness Ray runs this run's workers at (None: no Ray worker)."""

@@ -43,8 +43,9 @@ def check_config(config: Config, workers: int | None = None) -> None:
                 f"config {key}={value!r} is unknown{closest(value, table)}; choose one of {', '.join(table)}"
             )
     check_async(config)
-    if workers is None:
+    if workers is None:  # the training workers: rollout workers hold only an engine
         workers = worker_count(config.resources, resolve_device(config.resources.device))
+        workers -= config.resources.rollout_workers
     refuse_incompatible(config, workers)
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update

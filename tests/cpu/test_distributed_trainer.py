@@ -209,6 +209,31 @@ def test_max_restarts_starts_again_from_the_latest_checkpoint_after_a_worker_die
 
 
 @pytest.mark.slow
+def test_lora_with_its_engine_on_a_rollout_worker_trains_as_one_process(setup, tmp_path):
+    """LoRA disaggregated: the rollout worker's engine starts from the base model and receives the
+    adapted layers' merged weights by broadcast after each update (nothing else trains). The steps of
+    one colocated process, and the per-step weight check agrees with the trainer's merged weights."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+            "trainer.total_training_steps=3", "trainer.guards.weight_sync_check=true"]  # fmt: skip
+    RLTrainer(config(setup, tmp_path / "one", *lora)).fit()
+    workers = ["resources.device=cpu", "resources.num_workers=2", "resources.rollout_workers=1"]
+    RLTrainer(config(setup, tmp_path / "dis", *lora, *workers)).fit()
+    one, dis = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "dis")
+    for a, b in zip(one, dis, strict=True):
+        for key in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "critic/score/mean",
+            "response_length/mean",
+        ):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert (
+        max(m["training/rollout_probs_diff_max"] for m in dis) < 1e-4
+    )  # the engine holds the trained policy
+
+
+@pytest.mark.slow
 def test_an_asynchronous_run_over_two_colocated_workers_trains_as_one_process(setup, tmp_path, single):
     """Asynchronous with two colocated Ray workers (FSDP2), each streaming groups on its own engine:
     the controller splits each step's groups over them, scores them as they arrive, and each worker

@@ -198,7 +198,7 @@ def test_a_rung_training_would_refuse_is_passed_over_not_chosen():
     choice = choose_layout(lora, shape, gpu_bytes=gpu, workers=1)
     assert choice.settings.get("actor.offload_params") is not True
     assert any(
-        "the actor in CPU memory: refused (model.lora_rank=16 with actor.offload_params=true: LoRA runs in one"
+        "the actor in CPU memory: refused (model.lora_rank=16 with actor.offload_params=true: LoRA does not"
         in t
         for t in choice.tried
     )

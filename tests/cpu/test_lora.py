@@ -177,7 +177,7 @@ def setup_run_without_lora(setup, tmp_path):
 
 
 def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path):
-    with pytest.raises(UserError, match="runs in one worker"):
+    with pytest.raises(UserError, match="does not combine with offload_params yet"):
         RLTrainer(config(setup, tmp_path, "model.lora_rank=4", "actor.offload_params=true"))
 
 
