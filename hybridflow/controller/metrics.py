@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from hybridflow.batch import GapScope, Rollouts
+from hybridflow.controller.perf import perf_metrics
 
 
 def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -118,3 +119,23 @@ def accuracy_at_n(scores: list[float], preds: list, n: int) -> dict[str, float]:
     else:
         maj = 0.0
     return {f"mean@{n}": sum(scores) / len(scores), f"best@{n}": max(scores), f"maj@{n}": maj}
+
+
+def step_metrics(rollouts: Rollouts, scored, batch, token_rewards: torch.Tensor, timer: Timer, *, reward_s: float,
+                 devices: int, shape, actor_passes: int, peak: float | None) -> dict[str, float]:  # fmt: skip
+    """A step's data (scores, rewards [B, T], advantages, returns, values, lengths), timing and
+    throughput metrics (verl's names); `reward_s`: the scoring that ran inside the gen phase."""
+    metrics = data_metrics(rollouts, scored.raw_scores, token_rewards, batch.advantages, batch.returns,
+                           batch.response_mask, batch.old_values)  # fmt: skip
+    metrics |= timer.metrics()
+    metrics["timing_s/gen"] -= reward_s
+    metrics |= perf_metrics(
+        timer.times,
+        prompt_lengths=[len(p) for p in rollouts.prompt_ids],
+        response_lengths=[len(r) for r in rollouts.response_ids],
+        devices=devices,
+        shape=shape,
+        actor_passes=actor_passes,
+        peak=peak,
+    )
+    return metrics

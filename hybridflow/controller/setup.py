@@ -159,3 +159,23 @@ def check_environment(config: Config) -> None:
             "rollout.backend=vllm (verl: actor_rollout_ref.rollout.name=vllm) but vLLM is not installed: "
             "pip install vllm, or generate with the built-in engine (rollout.backend=native)"
         )
+
+
+def run_prompts(config: Config, tokenizer, reward_function=None) -> tuple[list, list]:
+    """The run's training and validation prompts (a built-in task's files written first; tokenized
+    once and cached when data.cache_tokenized); a row without the ground truth its scorer grades is
+    malformed (`reward_function`: a live function scored in this process)."""
+    from hybridflow.data.prompts import load_prompts
+    from hybridflow.data.tasks import use_task_files
+    from hybridflow.models.default import cache_root
+
+    c = config
+    use_task_files(c)
+    cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
+    truth = graded_sources(c, reward_function)
+    train = load_prompts(c.data.train_files, tokenizer, c.data, cache_root=cache, truth_sources=truth)
+    val = []
+    if c.data.val_files:
+        val = load_prompts(c.data.val_files, tokenizer, c.data, cache_root=cache, truth_sources=truth)
+        val = val[: c.data.max_val_prompts]
+    return train, val

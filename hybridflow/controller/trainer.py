@@ -20,9 +20,9 @@ from hybridflow.controller.advantage import compute_advantages, token_level_rewa
 from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
-from hybridflow.controller.metrics import Timer, data_metrics
+from hybridflow.controller.metrics import Timer, step_metrics
 from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
-from hybridflow.controller.perf import peak_flops, perf_metrics
+from hybridflow.controller.perf import peak_flops
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.role_calls import RoleCalls
 from hybridflow.controller.run_checkpoint import ControllerState, RunState, resume_run, save_run
@@ -30,7 +30,7 @@ from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.controller.setup import (
     check_config,
     check_environment,
-    graded_sources,
+    run_prompts,
     step_plan,
     updates_per_step,
 )
@@ -44,13 +44,10 @@ from hybridflow.controller.summary import run_summary
 from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_group import WorkerError
 from hybridflow.controller.worker_models import WorkerLayout
-from hybridflow.data.prompts import load_prompts
 from hybridflow.data.sampler import PromptSampler
-from hybridflow.data.tasks import use_task_files
 from hybridflow.devices import expandable_cuda_segments, follow_free_cores, resolve_device
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
-from hybridflow.models.default import cache_root
 from hybridflow.models.loading import load_model_tokenizer
 from hybridflow.plan.layout import plan_run
 from hybridflow.plan.memory import model_shape, pool_beside_training
@@ -106,19 +103,7 @@ class RLTrainer:
         if note := engine_batch_note(c, on_gpu=self.device.type == "cuda"):
             print(note, flush=True)
         self.tokenizer = load_model_tokenizer(c.model)
-        use_task_files(c)
-        cache = cache_root(c.model.cache_dir) if c.data.cache_tokenized else None
-        truth = graded_sources(c, reward_function)  # a row of theirs without a ground truth is malformed
-        self.train_prompts = load_prompts(
-            c.data.train_files, self.tokenizer, c.data, cache_root=cache, truth_sources=truth
-        )
-        self.val_prompts = (
-            load_prompts(c.data.val_files, self.tokenizer, c.data, cache_root=cache, truth_sources=truth)[
-                : c.data.max_val_prompts
-            ]
-            if c.data.val_files
-            else []
-        )
+        self.train_prompts, self.val_prompts = run_prompts(c, self.tokenizer, reward_function)
         self.sampler = PromptSampler(
             self.train_prompts, c.data.prompts_per_step, seed=c.trainer.seed, shuffle=c.data.shuffle
         )
@@ -377,27 +362,16 @@ class RLTrainer:
     def _step_report(self, taken: Taken, batch: TrainingBatch, token_rewards: torch.Tensor, timer: Timer
                      ) -> dict[str, float]:  # fmt: skip
         """The step's memory, data, timing and throughput metrics; its samples logged when due."""
-        c, rollouts = self.config, taken.rollouts
-        metrics = self.roles.memory_metrics()
-        metrics |= data_metrics(rollouts, taken.scored.raw_scores, token_rewards, batch.advantages,
-                                batch.returns, batch.response_mask, batch.old_values)  # fmt: skip
-        metrics |= timer.metrics()
-        metrics["timing_s/gen"] -= taken.metrics.get(
-            "timing_s/reward", 0.0
-        )  # scoring ran inside the gen phase
-        metrics |= perf_metrics(
-            timer.times,
-            prompt_lengths=[len(p) for p in rollouts.prompt_ids],
-            response_lengths=[len(r) for r in rollouts.response_ids],
-            devices=self.placement.world_size,
-            shape=self.model_shape,
-            actor_passes=c.actor.ppo_epochs,
+        c, step = self.config, self.state.step
+        metrics = self.roles.memory_metrics() | step_metrics(
+            taken.rollouts, taken.scored, batch, token_rewards, timer, reward_s=taken.metrics.get("timing_s/reward", 0.0),
+            devices=self.placement.world_size, shape=self.model_shape, actor_passes=c.actor.ppo_epochs,
             peak=self.peak_flops,
-        )
+        )  # fmt: skip
         metrics["training/epoch"] = float(taken.epoch)
         freq = c.trainer.log_samples_freq
-        if freq and (self.state.step == 1 or self.state.step % freq == 0):
-            self._log_samples(sample_rows(self.state.step, rollouts, taken.scored.scores, batch.advantages,
+        if freq and (step == 1 or step % freq == 0):
+            self._log_samples(sample_rows(step, taken.rollouts, taken.scored.scores, batch.advantages,
                                           batch.response_mask, self.tokenizer, c.trainer.log_samples))  # fmt: skip
         return metrics
 
