@@ -35,6 +35,7 @@ from hybridflow.stream.buffer import GroupBuffer, finished_records
 from hybridflow.stream.host import StreamHost, hosted
 
 POLL_S = 0.02  # between polls of the rollout workers for finished groups
+CLOSE_WAIT_S = 5.0  # for the polling thread at close
 
 
 class RemoteGroupStream(GroupBuffer):
@@ -170,7 +171,9 @@ class RemoteGroupStream(GroupBuffer):
         if self._closed.is_set():
             return
         self._closed.set()
-        self._poller.join(timeout=60)
+        # a poll ends within POLL_S; a scoring that does not end (a reward that ignores its deadline, the
+        # reason a run is stopping) is not waited for: the thread is a daemon, its groups are not needed
+        self._poller.join(timeout=CLOSE_WAIT_S)
         self.group.call(hosted(StreamHost.close))
 
     # ---- a rollout worker that dies ----------------------------------------------------------------
