@@ -41,7 +41,6 @@ class StreamHost:
         self.close()
         self.stream = GroupStream(
             self.backend,
-            None,
             agent=self.agent,
             version=version,
             in_flight_updates=in_flight_updates,

@@ -1,9 +1,9 @@
-"""Generation as a stream of groups (trainer.async_mode one_step / streaming).
+"""Generation as a stream of groups, inside the worker that owns the engine (stream/host.py).
 
 A group is one prompt's `n` samples. The trainer admits the groups of a step (`submit`); they are
-generated on the rollout engine by a thread of their own (an event loop driving `AsyncEngine`), scored
-as each group finishes, and held until the trainer takes the step's groups (`take`), in admission
-order. Meanwhile the trainer updates its weights, and `update_weights` puts them into the engine
+generated on the rollout engine by a thread of their own (an event loop driving `AsyncEngine`), and
+held until they are handed over (`poll`: the controller's RemoteGroupStream scores them) or taken
+(`take`, in admission order). Meanwhile the trainer updates its weights, and `update_weights` puts them into the engine
 between two engine steps: with `in_flight_updates` (streaming) at once, sequences in flight keep their
 tokens and go on with the new weights; without (one_step) once every admitted group has finished.
 With `pause_for_training` (one device for both) the engine generates only until the groups the trainer
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import concurrent.futures
 import itertools
 import threading
 import time
@@ -47,7 +46,6 @@ class GroupStream(GroupBuffer):
     def __init__(
         self,
         engine,
-        reward,
         *,
         agent=None,
         version: int,
@@ -57,9 +55,7 @@ class GroupStream(GroupBuffer):
         pause_for_training: bool = False,
         free_cache_while_paused: bool = False,
     ) -> None:
-        """`engine`: the native Engine (its own weights, not the trainer's module); `reward`: the
-        Reward whose submit/outcomes score each group (None: `poll` hands groups over unscored, for
-        a rollout worker whose controller scores); `agent`: an agent loop (each sample a multi-turn
+        """`engine`: the native Engine (its own weights, not the trainer's module); `agent`: an agent loop (each sample a multi-turn
         episode) or None; `version`: the policy version its weights hold; `resume`: a `snapshot()`
         of the run this one continues; `pause_for_training`: the engine generates only while the trainer
         waits (`run_until`), and with `free_cache_while_paused` sleeps meanwhile (its KV pool freed for
@@ -69,15 +65,11 @@ class GroupStream(GroupBuffer):
         self._resume = {
             int(g): [SampleRecord.from_json(d) for d in samples] for g, samples in (resume or {}).items()
         }
-        self.engine, self.reward, self.agent = engine, reward, agent
+        self.engine, self.agent = engine, agent
         self.in_flight_updates, self.version = in_flight_updates, version
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
         self._policy_versions = [version]
         self._recomputed_seen = engine.recomputed_tokens
-        self.scoring = threading.Lock()  # one scoring at a time: the stream's groups, validation
-        # finished groups queue here for the scoring lock: in asyncio's shared pool, waiting groups
-        # would fill the threads the engine's steps need (validation, holding the lock, then hangs)
-        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridflow-scoring")
         self.pause_for_training, self.free_cache_while_paused = pause_for_training, free_cache_while_paused
         # the loop's: groups entered (their requests reach the engine at once), groups whose samples all
         # finished, the groups whose generation the trainer waits for (None: it never pauses; empty:
@@ -113,7 +105,7 @@ class GroupStream(GroupBuffer):
             self._wait(asyncio.run_coroutine_threadsafe(self._run_until(set(group_ids)), self.loop))
 
     def poll(self) -> list[tuple[int, Rollouts]]:
-        """The groups finished since the last poll, handed over (a stream without a reward)."""
+        """The groups finished since the last poll, handed over (the controller scores them)."""
         with self._changed:
             self._raise_error()
             done, self._finished = self._finished, {}
@@ -184,7 +176,6 @@ class GroupStream(GroupBuffer):
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=60)
             self.loop.close()
-            self._scorer.shutdown(wait=False)
             if self.pause_for_training:  # the engine outlives the stream (validation after the run)
                 self.engine.resume()
 
@@ -197,7 +188,7 @@ class GroupStream(GroupBuffer):
                     for i, prompt in enumerate(prompts)
                 )
             )
-        except BaseException as e:  # the engine or the reward failed
+        except BaseException as e:  # the engine failed
             self._failed(e)
             raise
 
@@ -214,10 +205,7 @@ class GroupStream(GroupBuffer):
             rollouts = await self._sample(
                 prompt, params, records, group_id, on_generated=lambda: self._group_generated(group_id)
             )
-        outcomes = None
-        if self.reward is not None:  # off the event loop: the engine goes on meanwhile
-            outcomes = await asyncio.get_running_loop().run_in_executor(self._scorer, self._score, rollouts)
-        self._done(group_id, rollouts, outcomes)
+        self._done(group_id, rollouts, None)  # scored where it is handed over (the controller's)
         self._records.pop(group_id, None)
         self._started.discard(group_id)
 
@@ -368,12 +356,6 @@ class GroupStream(GroupBuffer):
             )
         )
         return Rollouts.concat(list(parts))
-
-    def _score(self, rollouts: Rollouts) -> list:
-        """One group at a time, as a synchronous run calls the reward: a function scored in this
-        process need not be thread-safe (a pool of scoring processes still scores in parallel)."""
-        with self.scoring:
-            return self.reward.outcomes(rollouts, self.reward.submit(rollouts))
 
     def _policy_version(self, engine_version: int) -> int:
         """The policy version whose weights the engine held at its weight count `engine_version`."""

@@ -84,13 +84,13 @@ def test_a_fractional_bound_starts_that_share_of_the_next_steps_groups_early(set
 def test_a_step_admitted_in_parts_samples_what_it_would_in_one_call():
     engine = tiny_engine()
     params = SamplingParams(n=2, max_tokens=12, seed=5)
-    whole = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    whole = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=120)
     try:
         whole.submit([prompt(0), prompt(1), prompt(2)], params, first_group=3)
         expected, _ = whole.take([3, 4, 5])
     finally:
         whole.close()
-    parts = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    parts = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=120)
     try:
         parts.submit([prompt(0)], params, first_group=3)
         parts.submit([prompt(1), prompt(2)], params, first_group=3, offset=1)
@@ -255,14 +255,14 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
     """Half-generated samples, kept and handed to a new stream on a new engine (the same weights),
     go on to exactly the tokens of an uninterrupted run, with their log-probs and versions."""
     params = SamplingParams(n=3, max_tokens=300, seed=11)
-    whole = GroupStream(tiny_engine(), Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    whole = GroupStream(tiny_engine(), version=0, in_flight_updates=True, deadline_s=120)
     try:
         whole.submit([prompt(0), prompt(1)], params, first_group=0)
         expected, _ = whole.take([0, 1])
     finally:
         whole.close()
     engine = tiny_engine()
-    cut = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    cut = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=120)
     try:
         cut.submit([prompt(0), prompt(1)], params, first_group=0)
         deadline = time.monotonic() + 60
@@ -277,9 +277,7 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
     assert taken == saved  # copies: generation going on does not reach into a snapshot being written
     lengths = [len(s["ids"]) for g in saved.values() for s in g]
     assert saved.keys() == {"0", "1"} and min(lengths) > 0 and max(lengths) < 300  # cut mid-way
-    resumed = GroupStream(
-        tiny_engine(), Scores(), version=0, in_flight_updates=True, deadline_s=120, resume=saved
-    )
+    resumed = GroupStream(tiny_engine(), version=0, in_flight_updates=True, deadline_s=120, resume=saved)
     try:
         resumed.submit([prompt(0), prompt(1)], params, first_group=0)
         got, _ = resumed.take([0, 1])
@@ -296,7 +294,7 @@ def test_a_snapshot_of_groups_mid_generation_continues_to_the_same_tokens():
         eos_token_ids=[],
         config=EngineConfig(max_context_tokens=4096, share_weights=False),
     )
-    moved = GroupStream(other, Scores(), version=1, in_flight_updates=True, deadline_s=120, resume=saved)
+    moved = GroupStream(other, version=1, in_flight_updates=True, deadline_s=120, resume=saved)
     try:
         moved.submit([prompt(0), prompt(1)], params, first_group=0)
         went_on, _ = moved.take([0, 1])
@@ -339,22 +337,6 @@ def test_what_an_asynchronous_run_cannot_do_is_named(setup, tmp_path, overrides,
 
 
 # ---- the stream itself, on a tiny engine ----------------------------------------------------------
-class Scores:
-    """The Reward's submit/outcomes pair, scoring every row 1 and remembering the order it saw groups."""
-
-    def __init__(self):
-        self.seen = []
-
-    def submit(self, rollouts):
-        self.seen.append(rollouts.group_ids[0])
-        return None, time.perf_counter()
-
-    def outcomes(self, rollouts, pending):
-        from hybridflow.rewards.executor import Outcome
-
-        return [Outcome(score=1.0) for _ in range(len(rollouts))]
-
-
 def tiny_engine():
     model = from_hf_model(tiny_model("qwen2", seed=3)).eval()
     # no stop token: every sample runs to max_tokens
@@ -372,7 +354,7 @@ def generated(engine) -> int:
 def test_a_group_interrupted_by_a_weight_update_carries_both_versions_and_their_log_probs():
     engine = tiny_engine()
     before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
-    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    stream = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=120)
     try:
         stream.submit([prompt(0)], SamplingParams(n=2, max_tokens=1500, seed=7), first_group=0)
         deadline = time.monotonic() + 60
@@ -427,7 +409,7 @@ def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
         engine = tiny_engine()
         before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
         stream = GroupStream(
-            engine, Scores(), version=0, in_flight_updates=True, deadline_s=120, pause_for_training=True,
+            engine, version=0, in_flight_updates=True, deadline_s=120, pause_for_training=True,
             free_cache_while_paused=free_cache,
         )  # fmt: skip
         try:
@@ -462,15 +444,14 @@ def test_an_engine_pausing_for_training_stops_where_its_own_steps_say():
 
 
 def test_the_trainer_takes_every_admitted_group_even_when_later_ones_finish_first():
-    scores = Scores()
-    stream = GroupStream(tiny_engine(), scores, version=0, in_flight_updates=True, deadline_s=120)
+    stream = GroupStream(tiny_engine(), version=0, in_flight_updates=True, deadline_s=120)
     try:
         stream.submit([prompt(0)], SamplingParams(n=2, max_tokens=800, seed=1), first_group=0)  # slow
         stream.submit([prompt(1), prompt(2)], SamplingParams(n=2, max_tokens=8, seed=1), first_group=1)
         groups, _ = stream.take([0, 1, 2])
     finally:
         stream.close()
-    assert scores.seen[0] != 0  # the short groups were scored first, and the slow one was waited for
+    assert groups[0].finished_at > max(g.finished_at for g in groups[1:])  # the slow one was waited for
     assert [g.rollouts.group_ids[0] for g in groups] == [0, 1, 2]
     assert [len(ids) for g in groups for ids in g.rollouts.response_ids] == [800, 800, 8, 8, 8, 8]
 
@@ -479,7 +460,7 @@ def test_generation_beside_the_stream_uses_the_same_seeds_as_a_batch():
     engine = tiny_engine()
     params = SamplingParams(n=2, max_tokens=12, seed=5)
     expected = engine.generate([prompt(0).token_ids, prompt(1).token_ids], params)
-    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=120)
+    stream = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=120)
     try:
         got = stream.generate_now([prompt(0), prompt(1)], params)
     finally:
@@ -489,18 +470,17 @@ def test_generation_beside_the_stream_uses_the_same_seeds_as_a_batch():
 
 
 def test_validation_beside_more_finished_groups_than_threads_does_not_starve_the_engine():
-    """Found on the H200 (one_step, 32 groups a step, validation every 5 steps): validation holds the
-    scoring lock while its batch generates; the stream's groups that finish meanwhile wait to be
-    scored. Waiting in threads of asyncio's default pool (at most 32), they took every thread the
-    engine's steps run in, and the run hung. 40 groups finish here while validation generates."""
+    """Found on the H200 (one_step, 32 groups a step, validation every 5 steps): groups that finished
+    while validation generated once waited for scoring in threads the engine's steps needed, and the
+    run hung. Groups are now scored where they are handed over, never in the engine's stream; 40
+    groups finish here while validation generates."""
     engine = tiny_engine()
-    stream = GroupStream(engine, Scores(), version=0, in_flight_updates=True, deadline_s=30)
+    stream = GroupStream(engine, version=0, in_flight_updates=True, deadline_s=30)
     try:
         stream.submit(
             [prompt(i) for i in range(40)], SamplingParams(n=1, max_tokens=2, seed=1), first_group=0
         )
-        with stream.scoring:  # as the trainer's validation does
-            val = stream.generate_now([prompt(100)], SamplingParams(n=1, max_tokens=400, seed=2))
+        val = stream.generate_now([prompt(100)], SamplingParams(n=1, max_tokens=400, seed=2))
         groups, _ = stream.take(list(range(40)))
     finally:
         stream.close()
