@@ -208,6 +208,22 @@ def test_max_restarts_starts_again_from_the_latest_checkpoint_after_a_worker_die
     _assert_same_step(single[2], rows[2])
 
 
+def _streamed_as_one_process(setup, tmp_path, single, workers):
+    """Streaming at staleness 0 on `workers`: the steps and weights of one synchronous process; one_step
+    trains one update late, its first batch the synchronous one."""
+    single_dir, single = single
+    streamed = _train(
+        setup, tmp_path / "s0", 2, *workers, "trainer.async_mode=streaming", "rollout.max_staleness=0"
+    )
+    for step in (1, 2):
+        _assert_same_step(single[step], streamed[step])
+        assert streamed[step]["async/staleness_max"] == 0.0
+    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
+    late = _train(setup, tmp_path / "one", 2, *workers, "trainer.async_mode=one_step")
+    assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
+    _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+
+
 @pytest.mark.slow
 def test_lora_with_its_engine_on_a_rollout_worker_trains_as_one_process(setup, tmp_path):
     """LoRA disaggregated: the rollout worker's engine starts from the base model and receives the
@@ -240,17 +256,7 @@ def test_an_asynchronous_run_over_two_colocated_workers_trains_as_one_process(se
     writes its gathered weights into its engine between two of its steps. Staleness 0 (each engine
     pausing for its worker's training) is one synchronous process; one_step trains one update late,
     and its checkpoint after step 1 keeps step 2's groups, generated on both workers."""
-    single_dir, single = single
-    streamed = _train(
-        setup, tmp_path / "s0", 2, *TWO, "trainer.async_mode=streaming", "rollout.max_staleness=0"
-    )
-    for step in (1, 2):
-        _assert_same_step(single[step], streamed[step])
-        assert streamed[step]["async/staleness_max"] == 0.0
-    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
-    late = _train(setup, tmp_path / "one", 2, *TWO, "trainer.async_mode=one_step")
-    assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
-    _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+    _streamed_as_one_process(setup, tmp_path, single, TWO)
     state = json.loads((tmp_path / "one/checkpoints/global_step_1/trainer_state.json").read_text())
     assert sorted(int(g) for g in state["in_flight"]) == list(range(8, 16))  # group ids of step 2
     assert all(len(state["in_flight"][str(g)]) == 4 for g in range(8, 16))  # each group's 4 samples
@@ -263,16 +269,7 @@ def test_an_asynchronous_run_with_its_engine_on_a_rollout_worker(setup, tmp_path
     staleness 0 the steps and weights of one colocated process; one_step trains one update late."""
     single_dir, single = single
     workers = ["resources.device=cpu", "resources.num_workers=2", "resources.rollout_workers=1"]
-    streamed = _train(
-        setup, tmp_path / "s0", 2, *workers, "trainer.async_mode=streaming", "rollout.max_staleness=0"
-    )
-    for step in (1, 2):
-        _assert_same_step(single[step], streamed[step])
-        assert streamed[step]["async/staleness_max"] == 0.0
-    _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "s0", 2))
-    late = _train(setup, tmp_path / "one", 2, *workers, "trainer.async_mode=one_step")
-    assert [late[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
-    _assert_same_step(single[1], late[1])  # the first batch is the synchronous one
+    _streamed_as_one_process(setup, tmp_path, (single_dir, single), workers)
     # a fractional bound (verl's staleness_threshold): half of step 2's groups start early, on the
     # rollout worker too; step 1 is still the synchronous one
     half = _train(
