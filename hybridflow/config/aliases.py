@@ -35,7 +35,7 @@ VERL: dict[str, Entry] = {
     f"{_ARR}.model.trust_remote_code": rename("model.trust_remote_code"),
     f"{_ARR}.model.lora_rank": rename(
         "model.lora_rank",
-        "LoRA on the native model, one worker for now; verl's `target_modules: all-linear` is our default `model.lora_target_modules`",
+        "LoRA on the native model (or PEFT's on the transformers path); verl's `target_modules: all-linear` is our default `model.lora_target_modules`",
     ),
     f"{_ARR}.model.lora_alpha": rename("model.lora_alpha"),
     f"{_ARR}.model.lora_adapter_path": rename("model.lora_adapter_path"),

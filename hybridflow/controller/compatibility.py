@@ -154,10 +154,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("async", "hf_backend"): "generates with the built-in engine, not transformers' or vLLM's: use "
     "rollout.backend=native, or trainer.async_mode=off",
     ("async", "server"): "drives the engine itself, not through rollout.server: use trainer.async_mode=off",
-    ("lora", "workers"): "LoRA trains in one worker (its adapters are not sharded with FSDP yet): use one training "
-    "worker (rollout workers may generate beside it)",
-    ("lora", "offload"): "LoRA does not combine with offload_params yet: drop actor.offload_params (the adapters "
-    "leave the base frozen: its memory is the model's alone)",
     ("rollout_workers", "hf_backend"): "rollout workers run the built-in engine, which receives the weights "
     "there; transformers' or vLLM's cannot: use rollout.backend=native",
     ("pause", "rollout_workers"): "pausing shares one device between engine and trainer; rollout workers have "

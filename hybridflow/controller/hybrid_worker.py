@@ -21,9 +21,7 @@ from hybridflow.controller.role_models import (
 )
 from hybridflow.controller.worker_models import build_models
 from hybridflow.devices import resolve_device
-from hybridflow.models.lora import (
-    merged_updates,
-)
+from hybridflow.models.lora import lora_modules
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.reshard import ReshardPlan, part_of
@@ -102,7 +100,8 @@ class HybridWorker:
         # an asynchronous run's local end of the stream of groups, over this worker's engine
         self.stream_host = StreamHost(backend, agent) if self.rollout is not None else None
         if self.lora and self.rollout is not None:  # a loaded adapter: the backend starts from the base
-            self.rollout.update_weights(merged_updates(model))
+            for unit in self._merged_units():
+                self.rollout.update_weights(unit)
         self.weight_sync: WeightSync | None = None  # disaggregated: rank 0's link to the rollout workers
         self.rollout_slices: list[dict] | None = None  # rank 0, engines split over rollout workers
         self._reshard: ReshardPlan | None = None  # an engine split over TP ranks: made at the first sync
@@ -191,14 +190,15 @@ class HybridWorker:
         with self._phase("update_weights"):
             model = self.actor.model
             if self.rollout is not None and self.lora:  # only the adapted layers change: their merged weights
-                self.rollout.update_weights(merged_updates(model))
+                for unit in self._merged_units():
+                    self.rollout.update_weights(unit)
             elif self._split_engine_from_shards():  # each rank receives only what its slice lacks
                 for unit in self._reshard_plan().run(dict(model.named_parameters())):
                     self.rollout.update_weights(unit)
             elif self.rollout is not None and not isinstance(model, FSDPModule):
                 self.rollout.update_weights(model.named_parameters())  # the cached copy plan
             else:  # LoRA on rollout workers: the adapted layers merged, all that changes
-                units = [list(merged_updates(model))] if self.lora else self._gathered_units()
+                units = self._merged_units() if self.lora else self._gathered_units()
                 for unit in units:
                     if self.rollout is not None:
                         self.rollout.update_weights(unit)
@@ -251,14 +251,39 @@ class HybridWorker:
             if sharded:
                 unit.reshard()
 
+    def _merged_units(self):
+        """LoRA: (name, merged weight) pairs of the adapted layers, all that trains, one FSDP unit at
+        a time (sharded, each decoder layer is gathered for its merge, then freed)."""
+        model = self.actor.model
+        adapted, sharded = lora_modules(model), isinstance(model, FSDPModule)
+        if not adapted:  # PEFT's adapters on a transformers model, which the hf backend runs itself
+            return
+        for prefix, unit in _fsdp_units(model):
+            names = [name for name in adapted if _in_unit(name, prefix)]
+            if not names:
+                continue
+            if sharded:
+                unit.unshard()
+            yield [(f"{name}.weight", adapted[name].merged_weight()) for name in names]
+            if sharded:
+                unit.reshard()
+
     def weight_manifest(self) -> tuple[list[list[tuple[str, tuple[int, ...]]]], str]:
         """What `sync_weights` broadcasts: (name, shape) per unit, and the dtype of every tensor (with
-        LoRA one unit: the adapted layers' merged weights, under the engine's names)."""
+        LoRA the adapted layers' merged weights, under the engine's names)."""
         model = self.actor.model
         if self.lora:
-            merged = list(merged_updates(model))
-            dtype = str(merged[0][1].dtype).removeprefix("torch.")
-            return [[(name, tuple(t.shape)) for name, t in merged]], dtype
+            adapted = lora_modules(model)
+            units = [
+                [
+                    (f"{name}.weight", tuple(adapted[name].base.weight.shape))
+                    for name in adapted
+                    if _in_unit(name, prefix)
+                ]
+                for prefix, _ in _fsdp_units(model)
+            ]
+            dtype = str(next(iter(adapted.values())).base.weight.dtype).removeprefix("torch.")
+            return [unit for unit in units if unit], dtype
         units = [
             [(name, tuple(p.shape)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
             for prefix, _ in _fsdp_units(model)

@@ -1,6 +1,6 @@
 """A trained model as a transformers directory, whatever it is: ours (gathered from its FSDP shards,
-a collective every rank joins), ours with LoRA adapters (merged, and the adapter in PEFT's format
-beside it), or a transformers model under PEFT. The RL worker and the offline trainers both use it."""
+a collective every rank joins), ours with LoRA adapters (gathered alike, merged, and the adapter in
+PEFT's format beside it), or a transformers model under PEFT. The RL worker and the offline trainers both use it."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ def export_policy(
 ) -> None:
     """Rank 0 writes `model` to `directory` (a score model, `score`, as a sequence classifier); a
     LoRA model's adapter goes to directory.parent / "policy_adapter"."""
-    if lora_modules(model):  # one worker: the merged policy, and the adapter in PEFT's format beside it
-        save_adapter(model, directory.parent / "policy_adapter", base_model=base_model)
-        model = native.to_hf_model(merged_state_dict(model), hf_config)
+    if lora_modules(model):  # the merged policy, and the adapter in PEFT's format beside it
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            save_adapter(model, directory.parent / "policy_adapter", base_model=base_model, state=state)
+            model = native.to_hf_model(merged_state_dict(model, state), hf_config)
     elif is_peft(model):  # a transformers model under PEFT: the same two, by PEFT
         model.save_pretrained(directory.parent / "policy_adapter")
         model = copy.deepcopy(model).merge_and_unload()

@@ -260,14 +260,15 @@ class RLTrainer:
         if self._closed:
             return
         self._closed = True
-        try:
+        # each part is released even if one before it raises (a stream over a dead worker does): the
+        # first error is raised after, once the workers' devices are given back and the lock released
+        with contextlib.ExitStack() as release:
+            release.callback(self.run_lock.release)
+            release.callback(self.placement.shutdown)
+            release.callback(self.reward.close)
+            release.callback(self.batches.close)
             for sink in self.sinks:
-                sink.close()
-            self.batches.close()
-            self.reward.close()
-            self.placement.shutdown()
-        finally:
-            self.run_lock.release()
+                release.callback(sink.close)
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics (val-core/...) of the current policy on the configured val files."""

@@ -43,9 +43,9 @@ class WorkerLayout:
     @classmethod
     def of(cls, c: Config, world_size: int) -> WorkerLayout:
         needs_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-        # with LoRA in one worker the reference is the policy's base with the adapters off: no copy
-        # of its own to offload (ref.offload_params, in verl's LoRA scripts, has nothing to act on)
-        base_is_ref = lora_reference(c) and world_size == 1
+        # with LoRA the reference is the policy's base with the adapters off (sharded with it): no
+        # copy of its own to offload (ref.offload_params, in verl's LoRA scripts, has nothing to act on)
+        base_is_ref = lora_reference(c)
         return cls(
             needs_ref=needs_ref,
             needs_critic=estimator(c.algorithm.adv_estimator).needs_critic,

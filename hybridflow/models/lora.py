@@ -55,13 +55,19 @@ class LoRALinear(nn.Module):
 
     def _merge(self) -> torch.Tensor:
         """W + scale * B A [out, in] in the base weight's dtype (differentiable in A and B)."""
-        update = (self.lora_B.float() @ self.lora_A.float()) * self.scale
-        return (self.base.weight.float() + update).to(self.base.weight.dtype)
+        return merge(self.base.weight, self.lora_A, self.lora_B, self.scale)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + scale * B A [out, in], in the base weight's dtype: what the engine runs."""
         return self._merge()
+
+
+def merge(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """W [out, in] + scale * B [out, r] A [r, in], B A in fp32, in W's dtype. The sync, its check and
+    the export all merge here, from whole (unsharded) tensors, so the three agree to the bit."""
+    update = (lora_B.float() @ lora_A.float()) * scale
+    return (weight.float() + update).to(weight.dtype)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -127,18 +133,24 @@ def merged_updates(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{name}.weight", m.merged_weight()
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights under plain names (as without LoRA), adapters merged."""
-    state = {}
+def merged_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model's weights under plain names (as without LoRA), adapters merged; from `state`
+    (the model's full state dict, gathered from FSDP shards) where given, else the model's own."""
+    state = model.state_dict(keep_vars=False) if state is None else state
     adapted = lora_modules(model)
-    for name, p in model.state_dict(keep_vars=False).items():
+    out = {}
+    for name, p in state.items():
         owner = next((m for m in adapted if name.startswith(f"{m}.")), None)
         if owner is None:
-            state[name] = p
+            out[name] = p
         elif name == f"{owner}.base.bias":
-            state[f"{owner}.bias"] = p
-    state |= dict(merged_updates(model))
-    return state
+            out[f"{owner}.bias"] = p
+    for name, m in adapted.items():
+        parts = (state[f"{name}.base.weight"], state[f"{name}.lora_A"], state[f"{name}.lora_B"])
+        out[f"{name}.weight"] = merge(*(t.detach() for t in parts), m.scale)
+    return out
 
 
 def merged_model(model: nn.Module) -> nn.Module:
@@ -167,17 +179,22 @@ def peft_lora_config(rank: int, alpha: float, targets):
 
 
 # ---- PEFT's adapter format -------------------------------------------------------------------------
-def save_adapter(model: nn.Module, directory: Path, *, base_model: str | None = None) -> None:
-    """adapter_model.safetensors (PEFT's key names) and adapter_config.json."""
+def save_adapter(model: nn.Module, directory: Path, *, base_model: str | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """adapter_model.safetensors (PEFT's key names) and adapter_config.json; the tensors from `state`
+    (the model's full state dict, gathered from FSDP shards) where given, else the model's own."""
+    state = model.state_dict(keep_vars=False) if state is None else state
     adapted = lora_modules(model)
     if not adapted:
         raise UserError("the model has no LoRA adapters to save")
     first = next(iter(adapted.values()))
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, m in adapted.items():
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().cpu().contiguous()
+    for name in adapted:
+        for part in ("lora_A", "lora_B"):
+            tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = (
+                state[f"{name}.{part}"].detach().cpu().contiguous()
+            )
     save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",

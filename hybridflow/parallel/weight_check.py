@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.models.lora import is_peft, lora_modules
+from hybridflow.models.lora import LoRALinear, is_peft, lora_modules, merge
 
 TENSORS_PER_CHECK = 4
 ELEMENTS_PER_TENSOR = 4096
@@ -50,7 +50,7 @@ def make_plan(tensors: dict[str, torch.Tensor], step: int) -> Plan:
     plan = []
     for i in sorted(chosen):
         value = tensors[names[i]]
-        numel = value.merged_weight().numel() if hasattr(value, "merged_weight") else value.numel()
+        numel = value.base.weight.numel() if isinstance(value, LoRALinear) else value.numel()
         plan.append((names[i], torch.randint(numel, (min(ELEMENTS_PER_TENSOR, numel),), generator=gen)))
     return plan
 
@@ -61,7 +61,11 @@ def sample(tensors: dict, plan: Plan) -> dict[str, torch.Tensor]:
     out = {}
     for name, idx in plan:
         value = tensors[name]
-        value = value.merged_weight() if hasattr(value, "merged_weight") else _full(value)
+        if isinstance(value, LoRALinear):  # gathered whole where sharded, then merged as the sync merges
+            parts = (value.base.weight, value.lora_A, value.lora_B)
+            value = merge(*(_full(t) for t in parts), value.scale)
+        else:
+            value = _full(value)
         flat = value.detach().reshape(-1)
         out[name] = flat[idx.to(flat.device)].cpu()
     return out

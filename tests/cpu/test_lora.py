@@ -6,6 +6,8 @@ import pytest
 import torch
 from peft import PeftModel
 from rl_run import config, read_metrics, whole_batch_fit
+from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
@@ -176,9 +178,28 @@ def setup_run_without_lora(setup, tmp_path):
     return run
 
 
-def test_lora_where_it_does_not_run_yet_is_refused(setup, tmp_path):
-    with pytest.raises(UserError, match="does not combine with offload_params yet"):
-        RLTrainer(config(setup, tmp_path, "model.lora_rank=4", "actor.offload_params=true"))
+@pytest.mark.slow
+def test_lora_with_offloaded_weights_is_the_one_worker_lora_run(setup, tmp_path):
+    """actor.offload_params with LoRA: base and adapters under FSDP2 in one worker (on a GPU their
+    shards wait in CPU memory between uses), the reference the same model with its adapters off, the
+    engine given each gathered layer's merged weights (checked every step): the plain LoRA run."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.kl_loss_coef=0.1", "trainer.save_freq=2",
+            "trainer.guards.weight_sync_check=true"]  # fmt: skip
+    _, plain = _lora_run(setup, tmp_path / "plain", 2, *lora)
+    worker, offloaded = _lora_run(setup, tmp_path / "off", 2, *lora, "actor.offload_params=true")
+    assert isinstance(worker.actor.model, FSDPModule)
+    for a, b in zip(plain, offloaded, strict=True):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert offloaded[-1]["actor/kl_loss"] > 1e-6  # the adapters moved the policy off its base
+    for part in ("policy/model.safetensors", "policy_adapter/adapter_model.safetensors"):
+        want, got = (
+            load_file(run / "checkpoints/global_step_2" / part)
+            for run in (tmp_path / "plain", tmp_path / "off")
+        )
+        assert want.keys() == got.keys()
+        for name in want:
+            assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.slow
