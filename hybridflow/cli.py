@@ -1,4 +1,5 @@
-"""`hybridflow` command line: generate, config, data. Bad input prints one line and exits 2."""
+"""`hybridflow` command line: train, sft, dpo, kto, plan, generate, serve, export, report, config
+(show, --explain) and data (make, preprocess). Bad input prints one line and exits 2."""
 
 from __future__ import annotations
 
