@@ -190,16 +190,15 @@ def test_a_run_that_will_not_fit_hears_the_choice_at_its_start(tmp_path, capsys)
 
 
 def test_a_rung_training_would_refuse_is_passed_over_not_chosen():
-    """LoRA runs in one worker without offload for now: where only offload would fit, the chooser
-    says the offload rungs are refused (naming why) instead of approving a layout training refuses."""
+    """Expert parallelism does not combine with offload yet: where only offload would fit, the chooser
+    says the offload rung is refused (naming why) instead of approving a layout training refuses."""
     shape = _shape(**QWEN_7B)
-    lora = load_config("gsm8k_grpo", [*FP32, "model.lora_rank=16", "actor.use_kl_loss=false"])
-    gpu = 20 * GIB
-    choice = choose_layout(lora, shape, gpu_bytes=gpu, workers=1)
+    ep = load_config("gsm8k_grpo", [*FP32, "actor.expert_parallel_size=2", "actor.use_kl_loss=false"])
+    choice = choose_layout(ep, shape, gpu_bytes=20 * GIB, workers=2)
     assert choice.settings.get("actor.offload_params") is not True
     assert any(
-        "the actor in CPU memory: refused (model.lora_rank=16 with actor.offload_params=true: LoRA does not"
-        in t
+        "the actor in CPU memory: refused (actor.expert_parallel_size=2 with actor.offload_params=true: expert "
+        "parallelism does not combine with offload_params yet" in t
         for t in choice.tried
     )
 
