@@ -76,7 +76,9 @@ def test_dpo_variants_learn_the_preference(data, tmp_path, loss):
     )
     DPOTrainer(run).fit()
     metrics = read_metrics(tmp_path / loss)
-    assert metrics[-1]["rewards/margins"] > metrics[0]["rewards/margins"]
+    # learning: ipo 0.00 -> 0.37, simpo -0.04 -> 1.17; with the loss zeroed AdamW's weight decay alone
+    # moves the margin by less than 0.02 (measured), which a bare `>` let pass
+    assert metrics[-1]["rewards/margins"] > metrics[0]["rewards/margins"] + 0.2
 
 
 @pytest.mark.slow
