@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-vllm trl-venv lint format clean-venv chromium
+.PHONY: demo test test-gpu test-vllm trl-venv lint format clean-venv chromium
 
 # What the demo needs: torch, the project and its runtime dependencies, the embedded model.
 $(VENV)/.demo: pyproject.toml
@@ -29,6 +29,10 @@ test: $(VENV)/.installed chromium
 	$(PY) -m pytest tests/cpu -m "not trials" --durations=25
 	$(PY) -m pytest tests/cpu -m trials
 	$(MAKE) test-vllm
+
+# The GPU tier (tests/gpu): on a machine with CUDA; skipped, not failed, without one
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest tests/gpu -m gpu --durations=10
 
 # Debian's headless Chromium renders the run report in its test
 chromium:
