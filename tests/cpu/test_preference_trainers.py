@@ -78,7 +78,7 @@ def test_dpo_variants_learn_the_preference(data, tmp_path, loss):
     metrics = read_metrics(tmp_path / loss)
     # learning: ipo 0.00 -> 0.37, simpo -0.04 -> 1.17; with the loss zeroed AdamW's weight decay alone
     # moves the margin by less than 0.02 (measured), which a bare `>` let pass
-    assert metrics[-1]["rewards/margins"] > metrics[0]["rewards/margins"] + 0.2
+    assert metrics[-1]["rewards/margins"] > metrics[0]["rewards/margins"] + 0.1
 
 
 @pytest.mark.slow
