@@ -21,7 +21,7 @@ from hybridflow.controller.role_models import (
 )
 from hybridflow.controller.worker_models import build_models
 from hybridflow.devices import resolve_device
-from hybridflow.models.lora import lora_modules
+from hybridflow.models.lora import LoRALinear, lora_modules
 from hybridflow.parallel.checkpoint import load_sharded, save_sharded
 from hybridflow.parallel.offload import CPU, move_optimizer_state, optimizer_state_on
 from hybridflow.parallel.reshard import ReshardPlan, part_of
@@ -254,17 +254,11 @@ class HybridWorker:
     def _merged_units(self):
         """LoRA: (name, merged weight) pairs of the adapted layers, all that trains, one FSDP unit at
         a time (sharded, each decoder layer is gathered for its merge, then freed)."""
-        model = self.actor.model
-        adapted, sharded = lora_modules(model), isinstance(model, FSDPModule)
-        if not adapted:  # PEFT's adapters on a transformers model, which the hf backend runs itself
-            return
-        for prefix, unit in _fsdp_units(model):
-            names = [name for name in adapted if _in_unit(name, prefix)]
-            if not names:
-                continue
+        sharded = isinstance(self.actor.model, FSDPModule)
+        for unit, layers in _adapted_units(self.actor.model):
             if sharded:
                 unit.unshard()
-            yield [(f"{name}.weight", adapted[name].merged_weight()) for name in names]
+            yield [(f"{name}.weight", layer.merged_weight()) for name, layer in layers]
             if sharded:
                 unit.reshard()
 
@@ -273,17 +267,11 @@ class HybridWorker:
         LoRA the adapted layers' merged weights, under the engine's names)."""
         model = self.actor.model
         if self.lora:
-            adapted = lora_modules(model)
-            units = [
-                [
-                    (f"{name}.weight", tuple(adapted[name].base.weight.shape))
-                    for name in adapted
-                    if _in_unit(name, prefix)
-                ]
-                for prefix, _ in _fsdp_units(model)
-            ]
-            dtype = str(next(iter(adapted.values())).base.weight.dtype).removeprefix("torch.")
-            return [unit for unit in units if unit], dtype
+            units = _adapted_units(model)
+            dtype = units[0][1][0][1].base.weight.dtype
+            manifest = [[(f"{name}.weight", tuple(layer.base.weight.shape)) for name, layer in layers]
+                        for _, layers in units]  # fmt: skip
+            return manifest, str(dtype).removeprefix("torch.")
         units = [
             [(name, tuple(p.shape)) for name, p in model.named_parameters() if _in_unit(name, prefix)]
             for prefix, _ in _fsdp_units(model)
@@ -364,6 +352,19 @@ def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(parameter-name prefix, module) of every FSDP unit: each decoder layer, then the root."""
     layers = [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
     return [*layers, ("", model)]
+
+
+def _adapted_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str, LoRALinear]]]]:
+    """(FSDP unit, its LoRA layers by name) of every unit that holds adapters (none for PEFT's
+    adapters on a transformers model, which the hf backend runs itself)."""
+    adapted = lora_modules(model)
+    if not adapted:
+        return []
+    units = [
+        (unit, [(n, m) for n, m in adapted.items() if _in_unit(n, prefix)])
+        for prefix, unit in _fsdp_units(model)
+    ]
+    return [(unit, layers) for unit, layers in units if layers]
 
 
 def _in_unit(name: str, prefix: str) -> bool:
