@@ -16,7 +16,7 @@ import torch
 from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
 from hybridflow.engine.fused_decode import fuse_projections
-from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
 from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampled import SampledRun, params_key
@@ -168,23 +168,11 @@ class Engine:
             self.wake()
 
     def _pool_pages(self) -> int:
+        """The pool's pages, page 0 (reserved) included, from the GPU memory free now (a split engine
+        takes its ranks' smallest)."""
         c = self.config
-        per_seq = -(-c.max_context_tokens // c.page_size)
-        if c.kv_cache_tokens is not None:
-            pages = -(-c.kv_cache_tokens // c.page_size)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            pages = int(free * c.gpu_memory_utilization) // self.page_bytes
-            # never more than the running sequences can hold at full context: a larger pool costs
-            # memory, and time at every wake (allocation), for pages no sequence is ever given
-            pages = min(pages, per_seq * c.max_batch_sequences)
-        else:
-            pages = per_seq * c.max_batch_sequences
-        if pages < per_seq + 1:
-            raise UserError(
-                f"engine KV cache of {pages} pages ({c.page_size} tokens each) cannot hold one sequence of "
-                f"max_context_tokens={c.max_context_tokens}; raise the cache size or lower the context"
-            )
+        on_gpu = c.kv_cache_tokens is None and self.device.type == "cuda"
+        pages = pool_pages(c, self.page_bytes, torch.cuda.mem_get_info(self.device)[0] if on_gpu else None)
         if self.tp is not None:
             pages = self.tp.fewest(pages)
         return pages + 1  # page 0 is reserved

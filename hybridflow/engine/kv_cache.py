@@ -8,6 +8,30 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from hybridflow.engine.config import EngineConfig
+from hybridflow.errors import UserError
+
+
+def pool_pages(config: EngineConfig, page_bytes: int, free_bytes: int | None) -> int:
+    """Pages of a KV pool (page 0, reserved, not counted): kv_cache_tokens where set; else
+    gpu_memory_utilization of `free_bytes` (the GPU's free memory; None off the GPU: room for every
+    running sequence at full context), and never more than the running sequences can hold at full
+    context (a larger pool costs memory, and time at every wake, for pages no sequence is given)."""
+    c = config
+    per_seq = -(-c.max_context_tokens // c.page_size)
+    if c.kv_cache_tokens is not None:
+        pages = -(-c.kv_cache_tokens // c.page_size)
+    elif free_bytes is not None:
+        pages = min(int(free_bytes * c.gpu_memory_utilization) // page_bytes, per_seq * c.max_batch_sequences)
+    else:
+        pages = per_seq * c.max_batch_sequences
+    if pages < per_seq + 1:
+        raise UserError(
+            f"engine KV cache of {pages} pages ({c.page_size} tokens each) cannot hold one sequence of "
+            f"max_context_tokens={c.max_context_tokens}; raise the cache size or lower the context"
+        )
+    return pages
+
 
 class PagePool:
     """Host-side bookkeeping of physical pages: a free list and a reference count per page. Page 0 is

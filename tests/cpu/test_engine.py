@@ -1,6 +1,8 @@
 """The rollout engine against transformers' generate and the trainer's log-probs; paging, sharing,
 preemption, stops, reproducible sampling and its distribution."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -8,7 +10,7 @@ from torch.testing import assert_close
 from hybridflow.batch import TrainingBatch, pad_ragged
 from hybridflow.config.schema import ActorConfig
 from hybridflow.engine import Engine, EngineConfig
-from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.sampler import sample_reference
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
@@ -410,3 +412,17 @@ def test_default_model_greedy_equals_transformers():
         prompts, params
     )
     assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+
+
+def test_the_kv_pool_is_sized_from_free_memory_the_cap_or_the_tokens_asked():
+    """Hand-computed pool sizes: 4,096-token contexts in pages of 64 are 64 pages a sequence."""
+    c = EngineConfig(max_context_tokens=4096, page_size=64, max_batch_sequences=8, gpu_memory_utilization=0.5)
+    mib = 2**20
+    assert pool_pages(c, page_bytes=mib, free_bytes=200 * mib) == 100  # half of 200 MiB, 1 MiB a page
+    assert pool_pages(c, page_bytes=mib, free_bytes=10_000 * mib) == 512  # capped: 8 sequences x 64 pages
+    assert pool_pages(c, page_bytes=mib, free_bytes=None) == 512  # off the GPU: the cap
+    assert (
+        pool_pages(replace(c, kv_cache_tokens=6500), page_bytes=mib, free_bytes=None) == 102
+    )  # ceil(6500 / 64)
+    with pytest.raises(UserError, match="engine KV cache of 50 pages .* cannot hold one sequence"):
+        pool_pages(c, page_bytes=mib, free_bytes=100 * mib)  # 50 pages < 64 + 1
