@@ -26,8 +26,8 @@ demo: $(VENV)/.demo
 test: $(VENV)/.installed chromium
 	$(VENV)/bin/ruff check hybridflow tests bench
 	$(VENV)/bin/ruff format --check hybridflow tests bench
-	$(PY) -m pytest tests/cpu -m "not trials" --durations=25
-	$(PY) -m pytest tests/cpu -m trials
+	$(PY) -m pytest tests/cpu -m "not trials and not alone" -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest tests/cpu -m "trials or alone"
 	$(MAKE) test-vllm
 
 # The GPU tier (tests/gpu): on a machine with CUDA; skipped, not failed, without one

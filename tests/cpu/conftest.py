@@ -24,9 +24,18 @@ def pytest_report_header(config):
 def _fixed_threads():
     """Every run of the suite with torch's thread count as it started: the start's busy-core check
     (devices.follow_free_cores) would give a run fewer threads while another test process loads the
-    machine, and two runs that must agree to the last bit would not."""
+    machine, and two runs that must agree to the last bit would not. Under pytest-xdist the workers
+    share the cores: one worker of two on two cores gets one thread (two each would wait on each
+    other's OpenMP barriers)."""
     import os
 
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        yield
+        return
     if os.environ.get("OMP_NUM_THREADS"):
         yield
         return

@@ -5,7 +5,7 @@ an answer without it is right one time in ten. The model starts from SFT on demo
 half call the tool (and copy its answer) and half guess: it calls the tool about half the time. GRPO
 with `rollout.agent` then raises the rate of (well-formed, successful) tool calls and the reward.
 
-Two choices make this learnable by a 2-layer model in about a minute on two cores: the tool call's
+Two choices make this learnable by a 2-layer model in about half a minute on one core: the tool call's
 pieces are whole tokens of the tokenizer (a 55-byte call sampled byte by byte at temperature 1 is
 rarely well formed), and untied embeddings (with tied ones the copy of the tool's answer was not
 learned within 1,000 SFT steps; untied, it is learned in about 500).
@@ -71,7 +71,7 @@ def test_grpo_raises_tool_use_where_only_the_tool_knows_the_answer(tmp_path):
     )
     (tmp_path / "reveal.py").write_text(REVEAL)
     (tmp_path / "reward.py").write_text(REWARD)
-    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in _demonstrations(25600)))
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in _demonstrations(16000)))
     prompts = [{"prompt": [{"role": "user", "content": "Digit?"}], "data_source": "hidden",
                 "reward_model": {"ground_truth": str(i % 10)}} for i in range(200)]  # fmt: skip
     (tmp_path / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in prompts))
@@ -83,9 +83,9 @@ def test_grpo_raises_tool_use_where_only_the_tool_knows_the_answer(tmp_path):
     SFTTrainer(load_config(None, [
         f"model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'sft.jsonl'}]", "sft.messages_key=messages",
         "sft.batch_size=32", "actor.optim.lr=3e-3", f"trainer.run_dir={tmp_path / 'sft'}",
-        "trainer.total_training_steps=800", *common,
+        "trainer.total_training_steps=500", *common,
     ])).fit()  # fmt: skip
-    policy = tmp_path / "sft" / "checkpoints" / "global_step_800" / "policy"
+    policy = tmp_path / "sft" / "checkpoints" / "global_step_500" / "policy"
     RLTrainer(load_config(None, [
         f"model.path={policy}", f"data.train_files=[{tmp_path / 'rl.jsonl'}]", "data.max_response_tokens=160",
         "data.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.agent.loop=tools",
@@ -99,7 +99,8 @@ def test_grpo_raises_tool_use_where_only_the_tool_knows_the_answer(tmp_path):
     reward = [m["critic/score/mean"] for m in steps]
     first, last = sum(calls[:3]) / 3, sum(calls[-3:]) / 3
     first_reward, last_reward = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
-    # measured on this 2-core machine: calls 0.58 -> 0.98 a step, reward 0.61 -> 0.94
+    # measured on this 2-core machine (one torch thread): calls 0.53 -> 0.93 a step, reward 0.58 -> 0.90
+    # (first three steps -> last three); with the policy loss zeroed calls stay at 0.56 -> 0.57
     assert 0.3 < first < 0.8 and last > 0.85 and last - first > 0.2, calls
     assert last_reward > 0.8 and last_reward - first_reward > 0.2, reward
     assert max(m["agent/tool_failures_mean"] for m in steps) < 0.1  # the calls are well formed and run

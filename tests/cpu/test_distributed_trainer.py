@@ -373,23 +373,34 @@ def test_an_engine_split_over_two_fsdp_workers_trains_as_one_process(setup, tmp_
     _assert_same_weights(_policy(single_dir, 2), _policy(tmp_path / "split", 2))
 
 
-@pytest.mark.slow
-def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
-    """actor.expert_parallel_size=2 on a Qwen3-MoE policy read from its safetensors shard by shard (each
-    rank the experts it keeps): each Ray worker keeps 2 of the 4 experts of every MoE layer for the actor, the reference and the critic made from it (tokens sent to them by
-    all-to-all; micro-batches as small as above, so one rank runs padding passes), FSDP2 for the rest:
-    the steps and the weights of one process, and a checkpoint whose exported policy is whole. With
-    router replay R2 and two mini-batches a step: each rank records its rows' experts in pi_old's pass
-    and they come back to the controller in the batch's order. Then actor.tensor_parallel_size=2 with
-    rollout.tensor_parallel_size=2: the experts split over the TP pair instead, the same three steps."""
+MOE = ["actor.router_replay=R2", "actor.sequences_per_update=16"]
+
+
+@pytest.fixture(scope="module")
+def one_moe(setup, tmp_path_factory):
+    """Three steps of a Qwen3-MoE policy in one process, every checkpoint kept: what its splits over
+    workers reproduce. Returns (its overrides, run directory, metrics by step)."""
     from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
-    save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), tmp_path / "moe")
-    moe = [f"model.path={tmp_path / 'moe'}", "actor.router_replay=R2", "actor.sequences_per_update=16"]
+    root = tmp_path_factory.mktemp("moe")
+    save_hf(tiny_model("qwen3_moe", seed=0), byte_tokenizer(), root / "model")
+    moe = [f"model.path={root / 'model'}", *MOE]
+    return moe, root / "one", _train(setup, root / "one", 3, *moe, "trainer.keep_last_checkpoints=3")
+
+
+@pytest.mark.slow
+def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path, one_moe):
+    """actor.expert_parallel_size=2 on a Qwen3-MoE policy read from its safetensors shard by shard (each
+    rank the experts it keeps): each Ray worker keeps 2 of the 4 experts of every MoE layer for the
+    actor, the reference and the critic made from it (tokens sent to them by all-to-all; micro-batches
+    as small as above, so one rank runs padding passes), FSDP2 for the rest: the steps and the weights
+    of one process, and a checkpoint whose exported policy is whole and from which one process resumes.
+    With router replay R2 and two mini-batches a step: each rank records its rows' experts in pi_old's
+    pass and they come back to the controller in the batch's order."""
+    moe, one_dir, one = one_moe
     c = config(setup, tmp_path / "ep", *ROLES, *moe, *TWO)  # every rank reads its own experts alone
     layout = WorkerLayout.of(c, 2)
     assert sharded_policy_path(c, layout, 2) is not None and sharded_reference_path(c, layout) is not None
-    one = _train(setup, tmp_path / "one", 2, *moe)
     split = _train(setup, tmp_path / "ep", 2, *moe, *TWO, "actor.expert_parallel_size=2")
     assert "experts split over groups of 2 workers" in (tmp_path / "ep" / "step_plan.txt").read_text()
     for step in (1, 2):
@@ -403,22 +414,27 @@ def test_experts_split_over_two_workers_train_as_one_process(setup, tmp_path):
     whole = {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)}
     assert whole <= policy.keys()
     # after step 1's two updates (Adam at lr 1e-2 grows the two-rank sums' last bits to ~1e-4 by step 2)
-    _assert_same_weights(_policy(tmp_path / "one", 1), policy)
+    _assert_same_weights(_policy(one_dir, 1), policy)
     # the split checkpoint (each rank's experts and their Adam state) exports whole, and one process
     # resumes from it and takes step 3 as the one-process run does
     export_checkpoint(tmp_path / "ep", tmp_path / "ep-export")
     _assert_same_weights(_policy(tmp_path / "ep", 2), load_file(tmp_path / "ep-export" / "model.safetensors"))
-    one |= _train(setup, tmp_path / "one", 3, *moe)
     split |= _train(setup, tmp_path / "ep", 3, *moe)
     _assert_same_step(one[3], split[3])
-    # tensor parallelism splits the experts too (over the TP pair, each rank running all tokens through
-    # its own experts), the engine likewise: the same three steps and weights
+
+
+@pytest.mark.slow
+def test_experts_split_over_a_tensor_parallel_pair_train_as_one_process(setup, tmp_path, one_moe):
+    """actor.tensor_parallel_size=2 with rollout.tensor_parallel_size=2 on the Qwen3-MoE policy: the
+    experts split over the TP pair (each rank running all tokens through its own experts), the engine
+    likewise: the three steps and weights of one process."""
+    moe, one_dir, one = one_moe
     tp = _train(setup, tmp_path / "tp", 3, *moe, *TWO, "actor.tensor_parallel_size=2",
                 "rollout.tensor_parallel_size=2")  # fmt: skip
     for step in (1, 2, 3):
         assert tp[step]["router_replay/recorded_fraction"] == 1
         _assert_same_step(one[step], tp[step])
-    ones, tps = _policy(tmp_path / "one", 3), _policy(tmp_path / "tp", 3)
+    ones, tps = _policy(one_dir, 3), _policy(tmp_path / "tp", 3)
     assert ones.keys() == tps.keys()
     for name in ones:  # three steps of Adam at lr 1e-2 (each moving weights by ~1e-2) grow the
         # two-rank sums' last bits to 2.4e-4 at most here (the embedding's)

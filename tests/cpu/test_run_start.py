@@ -168,6 +168,7 @@ def test_a_run_directory_from_before_the_written_list_is_trusted_by_name_once(se
     assert (run / "checkpoints" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.alone
 def test_torchs_threads_follow_the_cores_other_work_leaves_free(monkeypatch):
     """A busy loop on one core takes one of torch's threads (not all of them waiting at every
     barrier); when it ends, the thread comes back. This process's own work is not counted as others'."""
