@@ -14,6 +14,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def config(setup, run_dir, *overrides):
+    return load_config(None, arguments(setup, run_dir, *overrides))
+
+
+def arguments(setup, run_dir, *overrides):
+    """The run's overrides as `hybridflow train` takes them."""
     base = [
         f"model.path={setup / 'model'}",
         f"data.train_files=[{setup / 'prompts.jsonl'}]",
@@ -28,7 +33,7 @@ def config(setup, run_dir, *overrides):
         f"trainer.run_dir={run_dir}",
         "trainer.total_training_steps=20",
     ]
-    return load_config(None, [*base, *overrides])
+    return [*base, *overrides]
 
 
 def read_metrics(run_dir):
