@@ -1,0 +1,101 @@
+"""Do two runs with one config and seed, started as separate processes, give the same weights on a GPU?
+
+A random Qwen2 of the 0.5B shape (byte tokenizer), GRPO for --steps steps on CUDA, synchronous
+(async_mode=off) and streaming (the engine pausing for training, one update stale); each mode twice.
+Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
+largest weight difference after the last step, and the rollout/trainer log-prob gap of each step.
+
+    python bench/repeatable_runs.py --out results.json [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hybridflow.models import byte_tokenizer, save_hf, tiny_model
+
+SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+         "num_key_value_heads": 2}  # fmt: skip
+CLOCKS = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/latency")
+REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return solution_str.count('a') / max(len(solution_str), 1)\n"
+)
+MODES = {
+    "synchronous": ["trainer.async_mode=off"],
+    "streaming": ["trainer.async_mode=streaming", "rollout.max_staleness=1"],
+}
+
+
+def _run(root: Path, name: str, steps: int, mode: list[str], device: str) -> tuple[Path, float]:
+    run_dir = root / name
+    command = [sys.executable, "-m", "hybridflow.cli", "train",
+               f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
+               "data.prompts_per_step=16", "data.max_response_tokens=256", "rollout.samples_per_prompt=8",
+               "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
+               f"resources.device={device}", f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
+               "trainer.logger=[jsonl]", f"trainer.run_dir={run_dir}", *mode, "--quiet"]  # fmt: skip
+    start = time.time()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+    return run_dir, time.time() - start
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(CLOCKS) and not k.endswith("_s")} for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="repeatable-"))
+    tok = byte_tokenizer()
+    shape = SHAPE if args.device == "cuda" else {}
+    save_hf(tiny_model("qwen2", seed=0, **shape), tok, root / "model", overwrite=True)
+    (root / "prompts.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": f"question {i}", "data_source": "synthetic"}) for i in range(512))
+    )
+    (root / "reward.py").write_text(REWARD)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"device": name, "shape": shape, "steps": args.steps, "modes": {}}
+    for mode, overrides in MODES.items():
+        (a, seconds_a), (b, seconds_b) = (
+            _run(root, f"{mode}-{x}", args.steps, overrides, args.device) for x in "ab"
+        )
+        ma, mb = _metrics(a), _metrics(b)
+        first_difference = next(
+            ({"step": ra["step"], "metric": k, "a": ra[k], "b": rb.get(k)}
+             for ra, rb in zip(ma, mb) for k in ra if ra[k] != rb.get(k)),
+            None,
+        )  # fmt: skip
+        policy = Path("checkpoints") / f"global_step_{args.steps}" / "policy" / "model.safetensors"
+        wa, wb = load_file(a / policy), load_file(b / policy)
+        report["modes"][mode] = {
+            "metrics_equal": ma == mb,
+            "first_difference": first_difference,
+            "weights_equal": all(torch.equal(wa[n], wb[n]) for n in wa),
+            "max_weight_difference": max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa),
+            "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in ma],
+            "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in ma],
+            "seconds": [round(seconds_a, 1), round(seconds_b, 1)],
+        }
+        print(mode, json.dumps(report["modes"][mode]), flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
