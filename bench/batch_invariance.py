@@ -102,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=400, help="stop after the shape that passes it")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -176,7 +177,7 @@ def main() -> None:
         report["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
-        if time.time() - started > 400:
+        if time.time() - started > args.budget_s:
             report["stopped_early"] = True
             break
     Path(args.out).write_text(json.dumps(report, indent=1))
