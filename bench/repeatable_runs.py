@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,19 +37,32 @@ MODES = {
 }
 
 
-def _run(root: Path, name: str, steps: int, mode: list[str], device: str) -> tuple[Path, float]:
+# --deterministic: the same CLI with torch's deterministic algorithms asked for (warn_only: each op that
+# has none is named once on stderr), the diagnosis of a GPU run that does not repeat
+DETERMINISTIC = (
+    "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
+    "from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool):
     run_dir = root / name
-    command = [sys.executable, "-m", "hybridflow.cli", "train",
+    start = (
+        [sys.executable, "-c", DETERMINISTIC] if deterministic else [sys.executable, "-m", "hybridflow.cli"]
+    )
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if deterministic else None
+    command = [*start, "train",
                f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
                "data.prompts_per_step=16", "data.max_response_tokens=256", "rollout.samples_per_prompt=8",
                "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
                f"resources.device={device}", f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
                "trainer.logger=[jsonl]", f"trainer.run_dir={run_dir}", *mode, "--quiet"]  # fmt: skip
-    start = time.time()
-    done = subprocess.run(command, capture_output=True, text=True)
+    began = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
-    return run_dir, time.time() - start
+    warned = sorted({line.strip()[:300] for line in done.stderr.splitlines() if "deterministic" in line})
+    return run_dir, time.time() - began, warned
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -61,6 +75,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms, warn_only"
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="repeatable-"))
     tok = byte_tokenizer()
@@ -72,9 +90,10 @@ def main() -> None:
     (root / "reward.py").write_text(REWARD)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"device": name, "shape": shape, "steps": args.steps, "modes": {}}
-    for mode, overrides in MODES.items():
-        (a, seconds_a), (b, seconds_b) = (
-            _run(root, f"{mode}-{x}", args.steps, overrides, args.device) for x in "ab"
+    report["deterministic_algorithms"] = args.deterministic
+    for mode in args.modes.split(","):
+        (a, seconds_a, warned), (b, seconds_b, _) = (
+            _run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic) for x in "ab"
         )
         ma, mb = _metrics(a), _metrics(b)
         first_difference = next(
@@ -92,6 +111,7 @@ def main() -> None:
             "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in ma],
             "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in ma],
             "seconds": [round(seconds_a, 1), round(seconds_b, 1)],
+            "nondeterministic_ops_named": warned,
         }
         print(mode, json.dumps(report["modes"][mode]), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
