@@ -2,7 +2,7 @@
 
 A random Qwen2 of the 0.5B shape (byte tokenizer), GRPO for --steps steps on CUDA, synchronous
 (async_mode=off) and streaming (the engine pausing for training, one update stale); each mode twice.
-Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
+With --deterministic both runs set trainer.deterministic. Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
 largest weight difference after the last step, and the rollout/trainer log-prob gap of each step.
 
     python bench/repeatable_runs.py --out results.json [--steps 10]
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -37,32 +36,28 @@ MODES = {
 }
 
 
-# --deterministic: the same CLI with torch's deterministic algorithms asked for (warn_only: each op that
-# has none is named once on stderr), the diagnosis of a GPU run that does not repeat
-DETERMINISTIC = (
-    "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-    "from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
-
 def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool):
     run_dir = root / name
-    start = (
-        [sys.executable, "-c", DETERMINISTIC] if deterministic else [sys.executable, "-m", "hybridflow.cli"]
-    )
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if deterministic else None
-    command = [*start, "train",
+    command = [sys.executable, "-m", "hybridflow.cli", "train",
                f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
                "data.prompts_per_step=16", "data.max_response_tokens=256", "rollout.samples_per_prompt=8",
                "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
                f"resources.device={device}", f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
-               "trainer.logger=[jsonl]", f"trainer.run_dir={run_dir}", *mode, "--quiet"]  # fmt: skip
+               "trainer.logger=[jsonl]", f"trainer.run_dir={run_dir}", f"trainer.deterministic={deterministic}",
+               *mode, "--quiet"]  # fmt: skip
     began = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
     warned = sorted({line.strip()[:300] for line in done.stderr.splitlines() if "deterministic" in line})
     return run_dir, time.time() - began, warned
+
+
+def _step_seconds(run_dir: Path) -> float:
+    """The mean step time after the first (which compiles and captures)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["timing_s/step"] for r in rows if "timing_s/step" in r][1:]
+    return sum(times) / max(len(times), 1)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -111,6 +106,7 @@ def main() -> None:
             "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in ma],
             "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in ma],
             "seconds": [round(seconds_a, 1), round(seconds_b, 1)],
+            "step_seconds_after_the_first": [round(_step_seconds(a), 3), round(_step_seconds(b), 3)],
             "nondeterministic_ops_named": warned,
         }
         print(mode, json.dumps(report["modes"][mode]), flush=True)

@@ -21,6 +21,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def seed_process(seed: int, *, deterministic: bool) -> None:
+    """Every process of a run (the trainer's, each Ray worker's) starts here, before its first CUDA
+    matmul: torch seeded, and with `deterministic` (trainer.deterministic) torch's deterministic
+    algorithms where torch has them (scatter / index_add / cumsum kernels without atomics; a fixed cuBLAS
+    workspace), warn-only: an op that has none (flash attention's backward among them) is named once in
+    a warning and runs as before."""
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the GPU: a copy from pageable memory larger than
     the driver's staging buffer blocks the host until the stream drains, so CUDA copies go through

@@ -14,7 +14,7 @@ from hybridflow.batch import Prompt, Rollouts
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import policy_model, rollout_backend
 from hybridflow.controller.worker_models import engine_mesh
-from hybridflow.devices import DTYPES, resolve_device
+from hybridflow.devices import DTYPES, resolve_device, seed_process
 from hybridflow.models.loading import load_model
 from hybridflow.parallel.reshard import Box, box_shape, held_box, placed
 from hybridflow.parallel.weight_sync import WeightSync, unpack
@@ -31,7 +31,7 @@ class RolloutWorker:
         c = self.config = config
         self.rank = rank
         self.device = resolve_device(c.resources.device)
-        torch.manual_seed(c.trainer.seed)
+        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
         hf_model, tokenizer = load_model(c.model)
         policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
         if c.rollout.backend == "hf":

@@ -45,7 +45,7 @@ from hybridflow.controller.watchdog import Watchdog
 from hybridflow.controller.worker_group import WorkerError
 from hybridflow.controller.worker_models import WorkerLayout
 from hybridflow.data.sampler import PromptSampler
-from hybridflow.devices import expandable_cuda_segments, follow_free_cores, resolve_device
+from hybridflow.devices import expandable_cuda_segments, follow_free_cores, resolve_device, seed_process
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models.loading import load_model_tokenizer
@@ -92,7 +92,7 @@ class RLTrainer:
         c = self.config
         if write_inputs is not None:
             write_inputs(self.run_dir)
-        torch.manual_seed(c.trainer.seed)
+        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
         self.device = resolve_device(c.resources.device)
         if (
             self.device.type == "cpu"

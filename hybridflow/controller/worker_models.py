@@ -15,7 +15,7 @@ import torch
 from hybridflow.algorithms.estimators import estimator
 from hybridflow.config.schema import Config
 from hybridflow.controller.role_models import lora_policy, policy_model, rollout_backend, value_model
-from hybridflow.devices import DTYPES
+from hybridflow.devices import DTYPES, seed_process
 from hybridflow.errors import UserError
 from hybridflow.models import native
 from hybridflow.models.loading import load_model, load_model_config, load_model_tokenizer
@@ -99,7 +99,7 @@ class WorkerModels:
 def build_models(c: Config, world_size: int, device: torch.device, *, kv_pool_tokens: int | None = None
                  ) -> WorkerModels:  # fmt: skip
     """`kv_pool_tokens`: the engine's KV pool as the memory plan sized it (plan/layout.py plan_run)."""
-    torch.manual_seed(c.trainer.seed)
+    seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
     policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size), world_size)
     if policy_path is not None:
         return _build_read_sharded(c, world_size, device, policy_path, kv_pool_tokens)

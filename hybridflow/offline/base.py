@@ -28,7 +28,7 @@ from hybridflow.controller.role_models import lora_policy, policy_model
 from hybridflow.controller.run_dir import prepare_run_dir
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.tasks import use_task_files
-from hybridflow.devices import follow_free_cores, resolve_device
+from hybridflow.devices import follow_free_cores, resolve_device, seed_process
 from hybridflow.disk_full import disk_full_error
 from hybridflow.errors import UserError
 from hybridflow.models import native
@@ -137,7 +137,7 @@ class OfflineTrainer:
         for target, write in writes:  # the live inputs, once the directory is this run's
             run_manifest.record(self.run_dir, target)
             write()
-        torch.manual_seed(c.trainer.seed)
+        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
         self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_model(c.model)
         self.hf_config = hf_model.config

@@ -1,6 +1,7 @@
 """Runs that repeat: the same config and seed, in two processes started separately, give bit-identical
 weights and metrics after three steps, synchronous (async_mode=off) and streaming (the engine pausing
-for training, one update of staleness); another seed gives another run. On CPU this holds at one torch
+for training, one update of staleness), with or without trainer.deterministic (torch's deterministic
+algorithms: GPUs need them, CPU kernels are so already); another seed gives another run. On CPU this holds at one torch
 thread count: a matmul's summation order depends on it (rows of a K=1536 product differ between one
 and two threads here), so two runs compared must use the same OMP_NUM_THREADS."""
 
@@ -46,8 +47,9 @@ def _weights(run_dir):
     ids=["synchronous", "streaming"],
 )
 def test_two_processes_with_one_seed_give_the_same_run_to_the_bit(setup, tmp_path, mode):
-    runs = {name: _run(setup, tmp_path / name, *mode, *seed) for name, seed in
-            (("a", []), ("b", []), ("other_seed", ["trainer.seed=1"]))}  # fmt: skip
+    # b asks for torch's deterministic algorithms (trainer.deterministic, for GPUs): on CPU the same run
+    runs = {name: _run(setup, tmp_path / name, *mode, *extra) for name, extra in
+            (("a", []), ("b", ["trainer.deterministic=true"]), ("other_seed", ["trainer.seed=1"]))}  # fmt: skip
     for process in runs.values():
         _finish(process)
     a, b = _measured(tmp_path / "a"), _measured(tmp_path / "b")
