@@ -102,8 +102,8 @@ class TrainerConfig:
     """On a GPU, torch's deterministic algorithms in every process of the run (devices.seed_process): two
     runs of one config and seed, started separately, repeat to the bit. Without it a training step's
     atomics let them part in the last bits after a few steps (H100, 0.5B shape: step 4, weights 3e-5
-    apart after 10 steps; with it equal after 10: bench/repeatable_runs.py, docs/benchmarks.md). CPU runs
-    repeat without it, at one torch thread count."""
+    apart after 10 steps; with it equal after 10, synchronous: bench/repeatable_runs.py, docs/benchmarks.md;
+    streaming with it not measured yet). CPU runs repeat without it, at one torch thread count."""
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     """Checks that stop a run training on wrong numbers (GuardsConfig)."""
     watchdog_s: float = 3600.0
