@@ -1,0 +1,167 @@
+"""x [M, K] @ W^T [K, N] (+ b) whose every output's bits are fixed by K alone, never by M.
+
+The K range is cut in chunks of K_CHUNK; a chunk's partial sum starts from zero and runs BLOCK_K at
+a time in order; the partials are added in chunk order, then the bias, then one rounding to the
+output dtype. Small batches (a decode step) compute each chunk in a program of its own and add the
+partials in a second kernel; large ones (prefill, training) loop over the chunks in one program.
+Both are the same sums in the same order, so both give the same bits, and the tile shape in M and N
+does not enter a row's result. cuBLAS gives neither: it splits K by the batch size."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
+
+# A row's bits depend on these two and nothing else; the interpreter's are small for tiny models
+BLOCK_K, K_CHUNK = (16, 32) if interpreted() else (64, 512)
+
+
+@triton.jit
+def _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+           PRECISION: tl.constexpr):  # fmt: skip
+    """One chunk's partial sum [BLOCK_M, BLOCK_N] float32, from zero, k in [k_start, k_start + K_CHUNK)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    rk = tl.arange(0, BLOCK_K)
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+        acc = dot(a, b, acc, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Every chunk in this program, added in order."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = _chunk(x_ptr, w_ptr, rm, rn, M, N, K, 0, stride_xm, stride_wn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
+    for k_start in range(K_CHUNK, K, K_CHUNK):
+        total = total + _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
+    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Chunk program_id(2)'s partial sum into part [chunks, M, N] float32."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    chunk = tl.program_id(2)
+    acc = _chunk(x_ptr, w_ptr, rm, rn, M, N, K, chunk * K_CHUNK, stride_xm, stride_wn,
+                 BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(part_ptr + chunk.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    at = rm[:, None] * N + rn[None, :]
+    total = tl.load(part_ptr + at, mask=mask, other=0.0)
+    for chunk in range(1, chunks):
+        total = total + tl.load(part_ptr + chunk * M * N + at, mask=mask, other=0.0)  # (< 2^31: M <= 64)
+    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for M rows: speed only, the bits do not depend on them."""
+    if interpreted():
+        return 16, 16, 1, 1
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    if m <= 256:
+        return 64, 128, 4, 3
+    return 128, 128, 8, 3
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] (all one dtype, x and weight with unit stride in K) -> [M, N]
+    in that dtype. float32 multiplies in full precision (no TF32)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("linear: x and weight need unit stride along K")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m, block_n, warps, stages = _tiles(m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit inputs)
+    chunks = -(-k // K_CHUNK)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else y
+    if m <= 64 and chunks > 1:  # few rows: the chunks in parallel, their sums added in order after
+        part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
+        _partial_kernel[(*grid, chunks)](
+            x, weight, part, m, n, k, x.stride(0), weight.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK, PRECISION=precision,
+            num_warps=warps, num_stages=stages, **OPTIONS,
+        )  # fmt: skip
+        _sum_partials_kernel[grid](
+            part, bias_arg, y, m, n, chunks, y.stride(0),
+            HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **OPTIONS,
+        )  # fmt: skip
+        return y
+    _linear_kernel[grid](
+        x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK,
+        PRECISION=precision, num_warps=warps, num_stages=stages, **OPTIONS,
+    )  # fmt: skip
+    return y
+
+
+class _Linear(torch.autograd.Function):
+    """The batch-invariant forward; the backward's matmuls are ordinary ones (a gradient's bits
+    need not match anything)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dtype).contiguous()  # [M, K]
+        w = weight.to(dtype).contiguous()  # [N, K]
+        b = bias.to(dtype) if bias is not None else None
+        ctx.save_for_backward(x2, w)
+        ctx.shapes = (shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return linear(x2, w, b).view(*shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w = ctx.saved_tensors
+        shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        g = grad.reshape(-1, w.shape[0]).to(w.dtype)  # [M, N]
+        gx = (g @ w).view(shape).to(x_dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.T @ x2).to(w_dtype) if ctx.needs_input_grad[1] else None
+        gb = g.float().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """nn.Linear's math in the dtype it would run in (autocast's where on, else x's), batch-invariant;
+    differentiable."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _Linear.apply(x, weight, bias, dtype)
