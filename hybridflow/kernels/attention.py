@@ -59,10 +59,10 @@ def _chunk_state(q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_
                  KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                  PRECISION: tl.constexpr):  # fmt: skip
     """Softmax state of keys [chunk_start, chunk_start + KEY_CHUNK) for each row, from scratch:
-    max m [BLOCK_M] (log2 units, -inf where every key is masked), sum l, weighted values acc."""
+    max m [BLOCK_M] (log2 units, -inf where every key is masked), sum denom, weighted values acc."""
     d = tl.arange(0, HEAD_PAD)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     end = tl.minimum(chunk_start + KEY_CHUNK, last + 1)
     for start in range(chunk_start, end, BLOCK_N):
@@ -80,28 +80,28 @@ def _chunk_state(q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, tl.zeros([BLOCK_M, HEAD_PAD], tl.float32),
                                          PRECISION, UPCAST)  # fmt: skip
         m = m_new
-    return m, l, acc
+    return m, denom, acc
 
 
 @triton.jit
-def _merge(m, l, acc, m_c, l_c, acc_c):
+def _merge(m, denom, acc, m_c, denom_c, acc_c):
     """The running state and a later chunk's, merged (a chunk with nothing seen leaves it as is)."""
     m_new = tl.maximum(m, m_c)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m - m_safe)
     b = tl.exp2(m_c - m_safe)
-    return m_new, l * a + l_c * b, acc * a[:, None] + acc_c * b[:, None]
+    return m_new, denom * a + denom_c * b, acc * a[:, None] + acc_c * b[:, None]
 
 
 @triton.jit
-def _store(o_ptr, rows, heads, valid, l, acc, stride_on, stride_oh,
+def _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh,
            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
     d = tl.arange(0, HEAD_PAD)
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     at = rows[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + at, out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
 
@@ -120,14 +120,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, page_size,
         stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, HEAD_PAD)  # fmt: skip
     table_row = table_ptr + seq.to(tl.int64) * stride_table
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for chunk_start in range(0, last + 1, KEY_CHUNK):
-        m_c, l_c, acc_c = _chunk_state(
+        m_c, denom_c, acc_c = _chunk_state(
             q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_size, kv_head,
             stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, KEY_CHUNK, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
-        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
-    _store(o_ptr, rows, heads, valid, l, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
+        m, denom, acc = _merge(m, denom, acc, m_c, denom_c, acc_c)
+    _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
 
 
 @triton.jit(do_not_specialize=["page_size"])
@@ -145,13 +145,13 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
         stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, HEAD_PAD)  # fmt: skip
     if chunk * KEY_CHUNK <= last:
         table_row = table_ptr + seq.to(tl.int64) * stride_table
-        m_c, l_c, acc_c = _chunk_state(
+        m_c, denom_c, acc_c = _chunk_state(
             q, positions, last, chunk * KEY_CHUNK, k_ptr, v_ptr, table_row, page_size, kv_head,
             stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, KEY_CHUNK, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
-        at = ((tile.to(tl.int64) * tl.num_programs(1) + kv_head) * chunks + chunk)
+        at = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * chunks + chunk
         r = tl.arange(0, BLOCK_M)
         tl.store(state_ptr + at * 2 * BLOCK_M + r, m_c)
-        tl.store(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r, l_c)
+        tl.store(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r, denom_c)
         d = tl.arange(0, HEAD_PAD)
         tl.store(acc_ptr + at * BLOCK_M * HEAD_PAD + r[:, None] * HEAD_PAD + d[None, :], acc_c)
 
@@ -174,16 +174,16 @@ def _merge_kernel(state_ptr, acc_ptr, o_ptr, tile_seq_ptr, tile_pos_ptr, tile_ro
     heads = kv_head * GROUP + r % GROUP_PAD
     last = first + count - 1
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     base = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * chunks
     for chunk in range(0, tl.cdiv(last + 1, KEY_CHUNK)):
         at = base + chunk
         m_c = tl.load(state_ptr + at * 2 * BLOCK_M + r)
-        l_c = tl.load(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r)
+        denom_c = tl.load(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r)
         acc_c = tl.load(acc_ptr + at * BLOCK_M * HEAD_PAD + r[:, None] * HEAD_PAD + d[None, :])
-        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
-    _store(o_ptr, rows, heads, valid, l, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
+        m, denom, acc = _merge(m, denom, acc, m_c, denom_c, acc_c)
+    _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
 
 
 @dataclass

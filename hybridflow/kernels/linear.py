@@ -29,8 +29,12 @@ def _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
     k_end = tl.minimum(k_start + K_CHUNK, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0
+        )
         acc = dot(a, b, acc, PRECISION, UPCAST)
     return acc
 
