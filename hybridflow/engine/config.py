@@ -59,6 +59,11 @@ class EngineConfig:
     share_weights: bool = True
     """Run the trainer's module itself when device and dtype match (no copy, nothing to update);
     False keeps a copy (the trainer's module is about to be sharded)."""
+    exact_logprobs: bool = False
+    """Every forward through the batch-invariant kernels (hybridflow/kernels) that the trainer runs too,
+    and each sampled token's log-prob from the trainer's softmax kernel: equal to the trainer's to the
+    bit (plain temperature sampling; top-k / top-p report the truncated distribution's). The model's
+    own layers, nothing fused or compiled; CUDA only (and Triton's interpreter, for tests)."""
     record_routes: bool = False
     """Mixture-of-experts models: keep the experts every token went to in every MoE layer and hand
     them out with each finished sample (`routed_experts`), for router replay (R3) in the trainer."""

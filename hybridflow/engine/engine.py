@@ -85,6 +85,8 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         mc = self.model.config
         kv_dtype = self.compute_dtype
+        if c.exact_logprobs:
+            self._check_exact()
         kv_heads = self.tp.kv_heads(self.model) if self.tp is not None else mc.num_key_value_heads
         routes = None
         if c.record_routes:
@@ -128,6 +130,7 @@ class Engine:
             and mc.head_dim & (mc.head_dim - 1) == 0,
             onednn_layers=c.fused_decode and self.tp is None,
             decode_steps=c.decode_steps,
+            exact=c.exact_logprobs,
             head=self.tp.logits(self.model) if self.tp is not None else None,
             check_capture=self.tp.check_capture if self.tp is not None else None,
         )
@@ -142,6 +145,21 @@ class Engine:
         # stop-id tensors of recent parameter sets, bounded: every distinct set a client sends would
         # otherwise stay for the engine's life
         self._stops: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+
+    def _check_exact(self) -> None:
+        """exact_logprobs' conditions, each refused in one line (ValueError) naming what is not exact yet."""
+        from hybridflow.kernels.launch import supported
+        from hybridflow.models.native.model import exact_kernels_refusal
+
+        if not supported(self.device):
+            raise ValueError(
+                f"exact log-probs run Triton kernels, on CUDA only (this engine is on {self.device})"
+            )
+        if self.tp is not None:
+            raise ValueError("exact log-probs: a tensor-parallel engine is not covered yet")
+        problem = exact_kernels_refusal(self.model)
+        if problem:
+            raise ValueError(f"exact log-probs: {problem}")
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -395,7 +413,9 @@ class Engine:
         logits = logits.index_select(0, rows)  # the samples of a prompt share its logits
         for s in batch:
             s.cached = len(s.tokens)
-        sampled = SampledRun(batch, self._stops_for, steps=1, device=logits.device)
+        sampled = SampledRun(
+            batch, self._stops_for, steps=1, device=logits.device, exact=self.config.exact_logprobs
+        )
         sampled.draw(logits, 0)
         self._record(batch, sampled.fetch(), [1] * len(batch))
         for job in jobs:  # the prompt's full pages, for requests that arrive while these run
@@ -417,7 +437,9 @@ class Engine:
         if self.tp is not None:
             self.tp.check_same_step("decode", batch)
         limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
-        sampled = SampledRun(batch, self._stops_for, steps=max(limits), device=self.device)
+        sampled = SampledRun(
+            batch, self._stops_for, steps=max(limits), device=self.device, exact=self.config.exact_logprobs
+        )
         self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
         self._record(batch, sampled.fetch(), limits)
         return batch

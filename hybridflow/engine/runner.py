@@ -26,7 +26,7 @@ from hybridflow.engine.fused_decode import FusedDecode
 from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.sampled import SampledRun
 from hybridflow.engine.sequence import PrefillJob, Sequence
-from hybridflow.models.native.model import NativeCausalLM, PackedLayout
+from hybridflow.models.native.model import NativeCausalLM, PackedLayout, project
 from hybridflow.models.native.rope import rope_cos_sin
 
 
@@ -51,14 +51,21 @@ class Runner:
         fused_decode: bool = False,
         onednn_layers: bool = False,
         decode_steps: int = 8,
+        exact: bool = False,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
         check_capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         """head: hidden [N, H] -> logits [N, V] where the model's own LM head does not give them whole
         (a tensor-parallel copy). check_capture(eager, replayed): told the logits of a decode graph's
         warm-up and of its first replay on the same inputs (a tensor-parallel copy: raises on every rank
-        when a collective did not make it into the graph)."""
+        when a collective did not make it into the graph). exact: the model's own layers on the
+        batch-invariant kernels (model.use_exact_kernels), attention over the pages in every step."""
         self.model, self.cache, self.page_size = model, cache, cache.page_size
+        self.exact = exact
+        if exact:  # the trainer's layers, rounded as it rounds them: nothing fused or compiled
+            if not model.exact_kernels:
+                model.use_exact_kernels()
+            compile_layers = fused_decode = onednn_layers = False
         self.head = head or model.lm_head
         self.check_capture = check_capture
         self.device = cache.device
@@ -125,6 +132,8 @@ class Runner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, V] in the compute dtype: the sampler reads them in float32, as the trainer does."""
+        if self.exact:
+            return project(self.model.lm_head, hidden, True)
         if self.cpu_layers is not None:
             return self.cpu_layers.logits(hidden)
         return self.head(hidden)
@@ -137,7 +146,7 @@ class Runner:
     def prefill(self, jobs: list[PrefillJob]) -> torch.Tensor:
         """K/V of every job's tokens into its pages; logits at each job's last token [J, V]. A job
         whose sequences start with `cached` tokens (the prefix cache) computes only the rest."""
-        if any(job.seqs[0].cached for job in jobs):
+        if self.exact or any(job.seqs[0].cached for job in jobs):
             return self._prefill_after_prefix(jobs)
         packed = pack_sequences([job.tokens for job in jobs])
         slots = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
@@ -186,9 +195,21 @@ class Runner:
             torch.tensor(k_bounds, dtype=torch.int32, device=dev),
         )
 
-        def read_back(i, q):  # the whole context's K/V, the new tokens' just stored
-            k_all, v_all = cache.k[i].index_select(0, every_t), cache.v[i].index_select(0, every_t)
-            return prefix_prefill_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), q_bounds, k_bounds, cu)
+        if self.exact:  # the batch-invariant kernel reads the pages itself, as in a decode step
+            from hybridflow.kernels.attention import paged_attention
+
+            table, tiles = self._exact_pages(jobs, starts, q_bounds)
+
+            def read_back(i, q):
+                return paged_attention(q, cache.k[i], cache.v[i], table, self.page_size, tiles)
+
+        else:
+
+            def read_back(i, q):  # the whole context's K/V, the new tokens' just stored
+                k_all, v_all = cache.k[i].index_select(0, every_t), cache.v[i].index_select(0, every_t)
+                return prefix_prefill_attention(
+                    q, k_all.to(q.dtype), v_all.to(q.dtype), q_bounds, k_bounds, cu
+                )
 
         def attend(i, q, k, v):
             store_kv(cache.k[i], cache.v[i], new_t, k, v)
@@ -202,6 +223,21 @@ class Runner:
         with self._autocast():
             hidden = self._hidden(ids_t, pos_t, attend, new_t)
             return self._logits(hidden.index_select(0, last))
+
+    def _exact_pages(self, jobs: list[PrefillJob], starts: list[int], q_bounds: list[int]):
+        """The jobs' page table [J, pages] int32 and the exact kernel's tiles over their new tokens."""
+        from hybridflow.kernels.attention import Tiles
+
+        width = max(len(job.seqs[0].pages) for job in jobs)
+        table = np.zeros((len(jobs), width), dtype=np.int32)
+        for j, job in enumerate(jobs):
+            table[j, : len(job.seqs[0].pages)] = job.seqs[0].pages
+        counts = [b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])]
+        c = self.model.config
+        tiles = Tiles.of_runs(
+            starts, q_bounds[:-1], counts, c.num_attention_heads // c.num_key_value_heads, self.device
+        )
+        return torch.from_numpy(table).to(self.device, non_blocking=True), tiles
 
     def _decode_inputs(
         self, seqs: list[Sequence], table: np.ndarray, rows: int, limits: list[int]
@@ -225,9 +261,15 @@ class Runner:
         if self.fused is not None:
             return self.fused.forward(ids, pos, slots, ctx, table)
         cache, ps = self.cache, self.page_size
+        if self.exact:  # one query a tile; few tiles: each key chunk a program of its own (same bits)
+            from hybridflow.kernels.attention import Tiles, paged_attention
+
+            tiles, split = Tiles.of_decode(ctx), ctx.shape[0] * cache.k[0].shape[1] <= 128
 
         def attend(i, q, k, v):
             store_kv(cache.k[i], cache.v[i], slots, k, v)
+            if self.exact:
+                return paged_attention(q, cache.k[i], cache.v[i], table, ps, tiles, split=split)
             return paged_decode_attention(q, cache.k[i], cache.v[i], table, ctx, ps)
 
         with self._autocast():

@@ -12,14 +12,28 @@ from hybridflow.engine.sequence import Sequence
 from hybridflow.rollout.sampling import SamplingParams
 
 
+def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """logits [b, V], tokens [b] -> log-probs [b] of the tokens at `temperature` and at 1, each from
+    the kernel that computes the trainer's (a row per program, the same bits for the same logits)."""
+    from hybridflow.models.native.triton_logprobs import chunk_stats
+
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    unscaled = chunk_stats(logits, tokens, 1.0)[0]
+    if temperature in (0.0, 1.0):  # greedy reports the model's own distribution
+        return unscaled, unscaled
+    return chunk_stats(logits, tokens, 1.0 / temperature)[0], unscaled
+
+
 def params_key(p: SamplingParams) -> tuple:
     """What decides how a sequence samples and stops (seeds are per sequence)."""
     return (p.temperature, p.top_p, p.top_k, tuple(sorted(p.stop_token_ids)))
 
 
 class SampledRun:
-    def __init__(self, batch: list[Sequence], stops_for, *, steps: int, device) -> None:
-        """`stops_for(params)` -> the stop token ids [S] on the device for sequences of those params."""
+    def __init__(self, batch: list[Sequence], stops_for, *, steps: int, device, exact: bool = False) -> None:
+        """`stops_for(params)` -> the stop token ids [S] on the device for sequences of those params.
+        exact: a plain temperature draw's log-probs from the trainer's softmax kernel (exact_logprobs)."""
+        self.exact = exact
         self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
         generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
         self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
@@ -43,10 +57,11 @@ class SampledRun:
         mode = "greedy" if params.greedy else "unit" if params.temperature == 1.0 else "scaled"
         return mode, params.temperature, stops
 
-    @staticmethod
-    def _draw(logits, params, stops, seeds, generated, k) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, logits, params, stops, seeds, generated, k) -> tuple[torch.Tensor, torch.Tensor]:
         """-> tokens [b], and [4, b]: token, log-prob, unscaled log-prob, stop flag."""
         tokens, logp, unscaled = sample(logits, params, seeds, generated + k)
+        if self.exact and params.top_k <= 0 and params.top_p >= 1.0:
+            logp, unscaled = exact_logprobs(logits, tokens, params.temperature)
         stopped = torch.isin(tokens, stops) if stops.numel() else torch.zeros_like(tokens)
         return tokens, torch.stack([tokens.double(), logp.double(), unscaled.double(), stopped.double()])
 

@@ -271,3 +271,40 @@ def paged_attention(
         num_warps=WARPS, **meta, **OPTIONS,
     )  # fmt: skip
     return out
+
+
+def packed_pages(bounds: list[int], group: int, device) -> tuple[torch.Tensor, Tiles]:
+    """A packed batch (sequence b is rows bounds[b]:bounds[b + 1] of q, k and v) as pages of one
+    token: table [B, longest] int32 of each sequence's rows, and tiles over all its queries."""
+    starts = np.asarray(bounds[:-1], dtype=np.int64)
+    lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+    longest = int(lengths.max()) if len(lengths) else 0
+    table = torch.from_numpy((starts[:, None] + np.arange(longest)[None, :]).astype(np.int32))
+    return table.to(device, non_blocking=True), Tiles.of_runs(
+        np.zeros_like(starts), starts, lengths, group, device
+    )
+
+
+class _PackedAttention(torch.autograd.Function):
+    """The batch-invariant forward; the backward differentiates `reference` (the model's own
+    attention, recomputed: flash attention's backward on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, tiles, reference):
+        ctx.save_for_backward(q, k, v)
+        ctx.reference = reference
+        return paged_attention(q, k, v, table, 1, tiles)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            grads = torch.autograd.grad(ctx.reference(*inputs), inputs, grad)
+        return (*grads, None, None, None)
+
+
+def exact_packed_attention(q, k, v, table: torch.Tensor, tiles: Tiles, reference) -> torch.Tensor:
+    """Causal attention within each packed sequence (packed_pages' table and tiles), batch-invariant
+    and equal to the engine's for the same tokens; differentiable through `reference(q, k, v)`."""
+    return _PackedAttention.apply(q, k, v, table, tiles, reference)

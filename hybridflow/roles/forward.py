@@ -79,8 +79,11 @@ def response_logprobs(
 
 def shares_prompts(model) -> bool:
     """Whether the model's log-prob forward packs a prompt once for all its responses (the native
-    model, unless sequence parallelism splits the packing)."""
-    return hasattr(model, "hidden_states") and model.model.sequence_parallel is None
+    model, unless sequence parallelism splits the packing or the exact kernels run: their attention
+    is per whole sequence)."""
+    return (
+        hasattr(model, "hidden_states") and model.model.sequence_parallel is None and not model.exact_kernels
+    )
 
 
 def microbatches(
@@ -194,7 +197,7 @@ def packed_response_logprobs(
     with autocast(device, compute_dtype):
         chosen = model.hidden_states(*inputs).index_select(0, index)  # [R, H]
         logp, entropy = chunked_token_logprobs(
-            chosen, model.lm_head.weight, targets, temperature=temperature
+            chosen, model.lm_head.weight, targets, temperature=temperature, exact=model.exact_kernels
         )  # [R] each
         # differentiable entropy needs the [R, V] logits; a tensor-parallel head's carries its gradient
         if with_entropy and entropy_grad and not isinstance(model.lm_head.weight, DTensor):

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from interpreter import in_triton_interpreter
 from torch.testing import assert_close
 
 from hybridflow.batch import TrainingBatch, pad_ragged
@@ -333,24 +334,8 @@ def test_update_weights_copies_into_the_engines_own_weights():
         engine.update_weights([("nope", torch.zeros(1))])
 
 
-def _in_triton_interpreter(script: str) -> str:
-    """Run tests/cpu/scripts/`script` with TRITON_INTERPRET=1 (Triton's kernels on CPU tensors; it must
-    be set before triton is imported, hence a process of its own) -> its stdout."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    path = Path(__file__).parent / "scripts" / script
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
 def test_triton_kernels_match_their_references_in_the_interpreter():
-    stdout = _in_triton_interpreter("triton_kernels_check.py")
+    stdout = in_triton_interpreter("triton_kernels_check.py")
     # 5 attention cases (one split and several), 6 sampler (a row in one program and in slices),
     # the fused step's norm, rotary + store and SwiGLU for two families, its on-device draw
     assert stdout.count("max abs err") == 18
@@ -363,7 +348,7 @@ def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
     """The engine's fused decode (engine/fused_decode.py) end to end on CPU tensors, in Triton's
     interpreter: the same tokens, stops and log-probs as the trainer's modules, with fused
     projections (and after a weight update into them) and with the trainer's own module."""
-    stdout = _in_triton_interpreter("fused_decode_check.py")
+    stdout = in_triton_interpreter("fused_decode_check.py")
     assert stdout.count("same tokens and stops True") == 6
     assert stdout.count("from the prefix cache (True)") == 2
     assert "same tokens as a fresh engine True" in stdout

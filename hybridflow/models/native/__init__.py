@@ -79,6 +79,8 @@ def sequence_log_probs(
     ids = packed.input_ids.to(device)
     hidden = model.hidden_states(ids, packed.position_ids.to(device), packed.cu_seqlens.to(device))  # [N, H]
     targets = torch.roll(ids, -1)  # next token; the last position of each sequence is dropped below
-    logp, _ = chunked_token_logprobs(hidden, model.lm_head.weight, targets, chunk=chunk)
+    logp, _ = chunked_token_logprobs(
+        hidden, model.lm_head.weight, targets, chunk=chunk, exact=model.exact_kernels
+    )
     bounds = packed.cu_seqlens.tolist()
     return [logp[s : e - 1] for s, e in zip(bounds[:-1], bounds[1:])]

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float):
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float, exact: bool = False):
     """One chunk's raw logits [c, V] (the matmul's dtype) and targets [c] -> log p(target), entropy and
-    log-sum-exp [c] each, float32, of softmax(logits * scale)."""
-    if logits.is_cuda:
+    log-sum-exp [c] each, float32, of softmax(logits * scale). exact: the Triton kernel wherever it
+    runs (a row per program: the engine's sampled log-probs come from it too)."""
+    if logits.is_cuda or exact:
         from hybridflow.models.native.triton_logprobs import chunk_stats
 
         return chunk_stats(logits, targets, scale)
@@ -40,17 +41,28 @@ def _chunk_grad(
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, scale: float
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        scale: float,
+        exact: bool,
     ):
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)  # matmuls run in the activations' dtype (bf16 under autocast)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N], for the backward
+        if exact:
+            from hybridflow.kernels.linear import linear
+
+            w = w.contiguous()
         for s in range(0, n, chunk):
-            logits = hidden[s : s + chunk] @ w.T  # [c, V]
+            rows = hidden[s : s + chunk]
+            logits = linear(rows.contiguous(), w) if exact else rows @ w.T  # [c, V]
             logp[s : s + chunk], entropy[s : s + chunk], lse[s : s + chunk] = _chunk_stats(
-                logits, targets[s : s + chunk], scale
+                logits, targets[s : s + chunk], scale, exact
             )
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.scale = chunk, scale
@@ -81,6 +93,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -91,11 +104,12 @@ def chunked_token_logprobs(
     *,
     chunk: int = 2048,
     temperature: float = 1.0,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], lm-head weight [V, H], targets [N] -> (log p(target) [N] float32, entropy [N]
     float32, no gradient) of softmax(logits / temperature). Peak extra memory: one [chunk, V] block of
     logits (on CUDA in the matmul's dtype; elsewhere a float32 copy too). Under autocast the matmuls run in the autocast dtype (the final norm hands over float32
-    activations)."""
+    activations). exact: the LM head and softmax through the batch-invariant kernels (the engine's)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(weight, DTensor):  # a tensor-parallel head: each rank holds rows of the vocabulary
@@ -110,4 +124,4 @@ def chunked_token_logprobs(
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         hidden = hidden.to(torch.get_autocast_dtype(device))
-    return _ChunkedLogProbs.apply(hidden, weight, targets, chunk, 1.0 / temperature)
+    return _ChunkedLogProbs.apply(hidden, weight, targets, chunk, 1.0 / temperature, exact)

@@ -8,6 +8,7 @@ checkpoints load and save without renaming.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,16 +23,31 @@ from hybridflow.models.native.rope import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
+    exact = False  # the batch-invariant kernel (NativeModule.use_exact_kernels)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            from hybridflow.kernels.rms_norm import exact_rms_norm
+
+            return exact_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def project(linear: nn.Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """linear(x), or the same math through the batch-invariant matmul."""
+    if exact:
+        from hybridflow.kernels.linear import exact_linear
+
+        return exact_linear(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +64,7 @@ class PackedLayout:
     max_len: int
     sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
     shared: object = None  # shared_prefix.SharedPrefix: prompts packed once for their responses
+    pages: tuple | None = None  # the exact kernels' (table, tiles) over the packed rows
 
 
 @lru_cache(maxsize=1)
@@ -68,6 +85,12 @@ def packed_causal_attention(
         from hybridflow.models.native.shared_prefix import shared_prefix_attention
 
         return shared_prefix_attention(q, k, v, layout)
+    if layout.pages is not None:  # batch-invariant: a token's bits as the engine computes them
+        from hybridflow.kernels.attention import exact_packed_attention
+
+        plain = PackedLayout(layout.cu_seqlens, layout.bounds, layout.max_len)
+        reference = functools.partial(packed_causal_attention, layout=plain)  # its backward
+        return exact_packed_attention(q, k, v, *layout.pages, reference)
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -91,6 +114,8 @@ def packed_causal_attention(
 
 
 class Attention(nn.Module):
+    exact = False  # projections through the batch-invariant matmul
+
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -104,9 +129,9 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [N, H] -> q [N, Hq, D], k and v [N, Hkv, D], RoPE applied."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = project(self.q_proj, x, self.exact).view(n, self.heads, self.head_dim)
+        k = project(self.k_proj, x, self.exact).view(n, self.kv_heads, self.head_dim)
+        v = project(self.v_proj, x, self.exact).view(n, self.kv_heads, self.head_dim)
         return self.position(q, k, v, cos, sin)
 
     def position(
@@ -122,6 +147,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    exact = False  # projections through the batch-invariant matmul
+
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
@@ -129,7 +156,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        e = self.exact
+        return project(self.down_proj, F.silu(project(self.gate_proj, x, e)) * project(self.up_proj, x, e), e)
 
 
 class DecoderLayer(nn.Module):
@@ -154,7 +182,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] -> next residual stream [N, H]. routes [N, k]:
         an MoE layer's experts to replay per token (SparseMoE.forward); None elsewhere."""
-        x = x + self.self_attn.o_proj(attn.flatten(1))
+        x = x + project(self.self_attn.o_proj, attn.flatten(1), self.self_attn.exact)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
 
@@ -201,6 +229,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gradient_checkpointing = False
         self.sequence_parallel = None  # set by parallel.ulysses.apply_sequence_parallel
+        self.exact_kernels = False  # set by NativeModule.use_exact_kernels
 
     def forward(
         self,
@@ -232,6 +261,11 @@ class Backbone(nn.Module):
         layout = PackedLayout(
             cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp, shared
         )
+        if self.exact_kernels:
+            from hybridflow.kernels.attention import packed_pages
+
+            c = self.config
+            layout.pages = packed_pages(bounds, c.num_attention_heads // c.num_key_value_heads, x.device)
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
         sparse = 0
         for layer in self.layers:
@@ -248,6 +282,24 @@ class Backbone(nn.Module):
         return x if sp is None else sp.gather(x, total)
 
 
+def exact_kernels_refusal(model: nn.Module) -> str | None:
+    """What in `model` the exact kernels do not cover yet, in words; None when they cover it all."""
+    backbone = model.model
+    if any(layer.sparse for layer in backbone.layers):
+        return "mixture-of-experts layers are not covered yet (their grouped expert matmuls split by load)"
+    if any(layer.compiled is not None for layer in backbone.layers):
+        return "the layers are compiled (torch.compile rounds its own way): leave compile off"
+    if backbone.sequence_parallel is not None:
+        return "sequence parallelism is not covered yet (attention over a group's slices)"
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            return f"LoRA adapters ({name}) are not covered yet: train the full model, or leave it off"
+        mesh = getattr(getattr(module, "weight", None), "device_mesh", None)  # a DTensor's
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # (parallel.tensor.TP_MESH)
+            return f"tensor-parallel weights ({name}) are not covered yet"
+    return None
+
+
 class NativeModule(nn.Module):
     """What every native model shares: a `model` backbone, checkpointing and compile switches."""
 
@@ -262,8 +314,26 @@ class NativeModule(nn.Module):
         self.model.gradient_checkpointing = on
 
     def compile_layers(self, **options) -> None:
+        if self.model.exact_kernels:
+            raise ValueError("the exact kernels' layers are not compiled (torch.compile rounds its own way)")
         for layer in self.model.layers:
             layer.compile(**options)
+
+    @property
+    def exact_kernels(self) -> bool:
+        return self.model.exact_kernels
+
+    def use_exact_kernels(self) -> None:
+        """Every matmul, norm and attention of the forward through the batch-invariant kernels
+        (hybridflow/kernels): a token's log-prob the same bits in the trainer and in the engine
+        (rollout.exact_logprobs). Raises ValueError naming what they do not cover yet."""
+        problem = exact_kernels_refusal(self)
+        if problem:
+            raise ValueError(f"exact log-probs: {problem}")
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.exact = True
+        self.model.exact_kernels = True
 
     def hidden_states(
         self,
