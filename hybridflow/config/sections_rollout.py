@@ -134,6 +134,15 @@ class RolloutConfig:
     that pauses for training then keeps its KV pool while paused (the memory plan holds it beside
     training). A resume recomputes the K/V of the sequences in flight (a checkpoint holds tokens,
     not K/V), so it is not the uninterrupted run token for token."""
+    exact_logprobs: bool = False
+    """Native engine and model, on CUDA: the engine and the trainer run every forward through the same
+    batch-invariant kernels (hybridflow/kernels: matmuls with K in fixed chunks, RMSNorm a row per
+    program, attention over key blocks from position 0 in fixed chunks), so each sampled token's
+    log-prob is the trainer's to the bit: pi_old is the engine's (no recompute pass), the rollout
+    corrections are exactly 1, and every step checks training/rollout_probs_diff_max == 0 (fresh
+    tokens of an asynchronous run), stopping with one line if a token differs. Not yet with LoRA,
+    mixture-of-experts models, tensor or sequence parallelism, compiled layers, top-k / top-p (the
+    trainer scores the whole distribution); what it costs is in docs/benchmarks.md."""
     tensor_parallel_size: int = 1
     """Native engine: split each engine over this many consecutive training workers (heads, KV heads,
     MLP channels, vocabulary rows, whole experts of an MoE layer; the same prompts on each, one
@@ -197,6 +206,17 @@ class RolloutConfig:
         check_positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise UserError(f"config rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.exact_logprobs and (self.top_p < 1 or self.top_k > 0):
+            raise UserError(
+                f"config rollout.exact_logprobs=true with rollout.top_p={self.top_p}, rollout.top_k={self.top_k}: "
+                "the trainer's log-probs are of the whole distribution, a truncated draw's are not: "
+                "set top_p=1 and top_k=-1, or exact_logprobs=false"
+            )
+        if self.exact_logprobs and self.temperature == 0:
+            raise UserError(
+                "config rollout.exact_logprobs=true with rollout.temperature=0: greedy rollouts have no "
+                "sampling distribution to train on; set a temperature > 0"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(
                 f"config rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

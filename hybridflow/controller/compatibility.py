@@ -139,6 +139,11 @@ FEATURES: dict[str, Feature] = {
         lambda c: f"actor.tensor_parallel_size={c.actor.tensor_parallel_size}",
         ("actor.tensor_parallel_size=2", "resources.device=cpu", "resources.num_workers=2"),
     ),
+    "exact": Feature(
+        "exact rollout log-probs", "rollout.exact_logprobs=true",
+        lambda c, w: c.rollout.exact_logprobs, lambda c: "rollout.exact_logprobs=true",
+        ("rollout.exact_logprobs=true",),
+    ),
     "ep": Feature(
         "expert parallelism", "actor.expert_parallel_size > 1",
         lambda c, w: c.actor.expert_parallel_size > 1,
@@ -170,6 +175,16 @@ REFUSED: dict[tuple[str, str], str] = {
     ("r2", "sp"): "R2 does not split its routes for actor.sequence_parallel_size > 1 yet: set one of them back",
     ("tp", "sp"): "tensor parallelism does not combine with sequence parallelism yet: set one of them to 1",
     ("tp", "offload"): "tensor parallelism does not combine with offload_params yet: drop one of them",
+    ("exact", "lora"): "the exact kernels do not cover LoRA's adapters yet (the engine runs merged weights): "
+    "train the full model, or set rollout.exact_logprobs=false",
+    ("exact", "hf_backend"): "exact log-probs come from the built-in engine's kernels: set rollout.backend=native",
+    ("exact", "rollout_tp"): "the exact kernels do not cover an engine split over workers yet: use "
+    "rollout.tensor_parallel_size=1, or rollout.exact_logprobs=false",
+    ("exact", "tp"): "the exact kernels do not cover tensor-parallel training yet: set actor.tensor_parallel_size=1, "
+    "or rollout.exact_logprobs=false",
+    ("exact", "sp"): "the exact kernels do not cover sequence parallelism yet: set actor.sequence_parallel_size=1, "
+    "or rollout.exact_logprobs=false",
+    ("exact", "ep"): "the exact kernels do not cover mixture-of-experts layers yet: set rollout.exact_logprobs=false",
     ("ep", "tp"): "tensor parallelism already splits the experts over its ranks: set one of the two",
     ("ep", "sp"): "expert parallelism does not combine with sequence parallelism yet: set one of them to 1",
     ("ep", "offload"): "expert parallelism does not combine with offload_params yet (the experts would stay on "

@@ -9,7 +9,9 @@ disagreed and how to turn it off (trainer.guards.*):
   moved yet): `max_first_ppo_kl`;
 - the rollout/trainer gap growing step after step (weights drifting apart slowly) is warned about
   once, with the step where it began;
-- the weight-sync check (parallel/weight_check.py) after every sync.
+- the weight-sync check (parallel/weight_check.py) after every sync;
+- with rollout.exact_logprobs, a gap of exactly 0 on the tokens the training policy sampled (always on:
+  it is what the setting promises).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class GuardTripped(UserError):
 
 
 class TrainingGuards:
-    def __init__(self, config) -> None:
+    def __init__(self, config, *, exact: bool = False) -> None:
         self.config = config
+        self.exact = exact  # rollout.exact_logprobs: the gap must be 0
         self.gaps: list[tuple[int, float]] = []  # (step, mean gap)
         self.growth_from: int | None = None
         self.warned = False
@@ -49,6 +52,8 @@ class TrainingGuards:
                 "policy (weights not synced, another tokenizer or chat template, a numerics bug). "
                 "trainer.guards.max_probs_gap=0 turns this check off"
             )
+        if self.exact:
+            self._check_exact(step, metrics)
         first_kl = metrics.get("training/first_minibatch_ppo_kl")
         if first_kl is not None and g.max_first_ppo_kl > 0 and abs(first_kl) > g.max_first_ppo_kl:
             raise GuardTripped(
@@ -59,6 +64,20 @@ class TrainingGuards:
             )
         if gap is not None and g.gap_growth_warning:
             self._watch_growth(step, gap)
+
+    @staticmethod
+    def _check_exact(step: int, metrics: dict[str, float]) -> None:
+        key = "training/rollout_probs_diff_max"
+        if metrics.get("async/staleness_max", 0.0) > 0:  # the training policy's own tokens
+            key = "training/rollout_probs_diff_fresh_max"
+        top = metrics.get(key)
+        if top is not None and top != 0:
+            raise GuardTripped(
+                f"step {step}: rollout.exact_logprobs=true, and the engine's token probabilities differ from the "
+                f"trainer's by up to {top:.3g} ({key}) on tokens of the same weights: a computation outside the "
+                "exact kernels ran on one side (please report it with the model); rollout.exact_logprobs=false "
+                "trains with the gap measured and the old log-probs recomputed"
+            )
 
     def _watch_growth(self, step: int, gap: float) -> None:
         self.gaps.append((step, gap))

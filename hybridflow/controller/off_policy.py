@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 
 from hybridflow.algorithms.rollout_correction import importance_weights, rejection_mask
-from hybridflow.batch import TrainingBatch
+from hybridflow.batch import GapScope, TrainingBatch
 from hybridflow.config import Config
 from hybridflow.controller.metrics import scoped_probs_diff
+from hybridflow.stream.admission import max_staleness
 
 
 def needs_old_logprobs(c: Config, batch_size: int, *, stale: bool) -> bool:
@@ -21,6 +22,17 @@ def needs_old_logprobs(c: Config, batch_size: int, *, stale: bool) -> bool:
     return not on_policy or stale or c.algorithm.use_kl_in_reward or c.algorithm.rollout_correction.enabled
 
 
+def engine_is_pi_old(c: Config, batch: TrainingBatch) -> bool:
+    """rollout.exact_logprobs, and the policy about to train sampled every token over its own K/V: the
+    engine's log-probs are the trainer's to the bit, so they are pi_old (nothing to recompute; the
+    rollout corrections are exactly 1). A batch with older policies' tokens is recomputed as ever."""
+    if not c.rollout.exact_logprobs or batch.rollout_logprobs is None:
+        return False
+    if max_staleness(c) == 0:
+        return True
+    return bool((batch.gap_scopes[batch.response_mask > 0] == GapScope.FRESH).all())
+
+
 def set_old_logprobs(
     c: Config, batch: TrainingBatch, recompute: Callable[[TrainingBatch], torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -28,7 +40,9 @@ def set_old_logprobs(
     response mask less rejected tokens) and the correction's metrics, with the rollout/trainer gap
     over batch.gap_scopes where pi_old is recomputed (in bypass mode the update's forward measures it)."""
     corr, mask = c.algorithm.rollout_correction, batch.response_mask
-    if corr.bypass_mode:  # two policies: the PPO ratio is against the sampler itself
+    # bypass: two policies, the PPO ratio against the sampler itself; exact: the sampler's are the bits
+    # a recompute would give. Either way the update's first forward measures the gap (gap_scopes kept)
+    if corr.bypass_mode or engine_is_pi_old(c, batch):
         batch.old_logprobs = batch.rollout_logprobs
         return mask, {}
     batch.old_logprobs = recompute(batch)

@@ -19,6 +19,7 @@ from hybridflow.models.lora import (
     peft_lora_config,
     read_adapter_config,
 )
+from hybridflow.models.native.model import exact_kernels_refusal
 from hybridflow.roles.critic import load_value_model, value_model_from_policy
 from hybridflow.rollout.hf import HFBackend
 
@@ -28,7 +29,18 @@ def policy_model(config: Config, hf_model):
     supported, else the transformers model itself."""
     impl = config.model.impl
     if impl in ("native", "auto") and native.supports(hf_model.config):
-        return native.from_hf_model(hf_model, share=True)  # the caller moves ours to its device
+        model = native.from_hf_model(hf_model, share=True)  # the caller moves ours to its device
+        if config.rollout.exact_logprobs:  # the engine's kernels, in every forward of the trainer
+            problem = exact_kernels_refusal(model)
+            if problem:
+                raise UserError(f"rollout.exact_logprobs=true: {problem}")
+            model.use_exact_kernels()
+        return model
+    if config.rollout.exact_logprobs:
+        raise UserError(
+            f"rollout.exact_logprobs=true runs our model in the trainer and the engine; model type "
+            f"{hf_model.config.model_type!r} has none here (or model.impl=hf)"
+        )
     if impl == "native":
         raise UserError(
             f"model.impl=native: model type {hf_model.config.model_type!r} has no native implementation"
@@ -186,6 +198,7 @@ def rollout_backend(
         keep_kv_on_weight_update=r.keep_kv_on_weight_update,
         progress=c.trainer.progress,
         record_routes=replay,
+        exact_logprobs=c.rollout.exact_logprobs,
     )
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
         policy = merged_model(policy)

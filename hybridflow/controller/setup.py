@@ -47,6 +47,20 @@ def check_config(config: Config, workers: int | None = None) -> None:
         workers = worker_count(config.resources, resolve_device(config.resources.device))
         workers -= config.resources.rollout_workers
     refuse_incompatible(config, workers)
+    if config.rollout.exact_logprobs:
+        from hybridflow.kernels.launch import supported
+
+        device = resolve_device(config.resources.device)
+        if not supported(device):
+            raise UserError(
+                f"rollout.exact_logprobs=true runs Triton kernels, on CUDA only, and this run is on {device.type}: "
+                "run it on a GPU, or set rollout.exact_logprobs=false"
+            )
+        if config.model.compile:
+            raise UserError(
+                "rollout.exact_logprobs=true with model.compile=true: torch.compile rounds in its own way, "
+                "the exact kernels in theirs; set model.compile=false"
+            )
     per_step = sequences_per_step(config)
     per_update = actor.sequences_per_update
     if per_update is not None and (per_update <= 0 or per_step % per_update):

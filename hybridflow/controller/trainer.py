@@ -21,7 +21,7 @@ from hybridflow.controller.divergence import count_bad_step, diverged
 from hybridflow.controller.graceful_stop import GracefulStop, stop_with_checkpoint
 from hybridflow.controller.guards import TrainingGuards
 from hybridflow.controller.metrics import Timer, step_metrics
-from hybridflow.controller.off_policy import needs_old_logprobs, set_old_logprobs
+from hybridflow.controller.off_policy import engine_is_pi_old, needs_old_logprobs, set_old_logprobs
 from hybridflow.controller.perf import peak_flops
 from hybridflow.controller.placement import Placement
 from hybridflow.controller.role_calls import RoleCalls
@@ -113,7 +113,7 @@ class RLTrainer:
         self.stop_at = self.total_steps  # fit(max_steps) may stop sooner or go on
         self._closed = False
         self.watchdog = Watchdog(0, self.run_dir)  # fit() runs one that is on
-        self.guards = TrainingGuards(c.trainer.guards)
+        self.guards = TrainingGuards(c.trainer.guards, exact=c.rollout.exact_logprobs)
         self._weight_check_unavailable_said = False
         self.reward = Reward(
             self.tokenizer,
@@ -310,7 +310,8 @@ class RLTrainer:
             batch = training_batch(c, taken.rollouts, step=self.state.step)
             actor_mask = batch.response_mask  # less the tokens a rollout correction rejects
             if needs_old_logprobs(c, len(batch), stale=max_staleness(c) > 0):
-                bypass = c.algorithm.rollout_correction.bypass_mode  # nothing to recompute, nothing to time
+                # nothing to recompute, nothing to time
+                bypass = c.algorithm.rollout_correction.bypass_mode or engine_is_pi_old(c, batch)
                 with contextlib.nullcontext() if bypass else timer("old_log_prob"):
                     actor_mask, corrections = set_old_logprobs(c, batch, self._old_logprobs)
                 metrics |= corrections

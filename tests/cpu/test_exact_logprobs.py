@@ -1,7 +1,12 @@
 """rollout.exact_logprobs: the engine's sampled log-probs equal the trainer's to the bit (the
 batch-invariant kernels in hybridflow/kernels, run on CPU tensors by Triton's interpreter)."""
 
+import os
+import subprocess
+import sys
+
 from interpreter import in_triton_interpreter
+from rl_run import arguments, read_metrics
 
 
 def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
@@ -17,3 +22,25 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert stdout.count("alone as in the batch: ok") == 2
     assert stdout.count("from the prefix cache: ok (hit True)") == 2
     assert "gradients through the exact kernels: ok" in stdout
+
+
+def test_an_rl_run_with_exact_log_probs_skips_the_recompute_and_sees_no_gap(setup, tmp_path):
+    """`hybridflow train rollout.exact_logprobs=true` (its kernels in the interpreter): every step the
+    update's first forward finds the engine's probabilities equal to its own (the max gap is 0, which
+    the run's guard requires), and no old-log-prob pass runs: the engine's are pi_old, with two
+    mini-batches a step (a recompute would otherwise be needed) and a KL loss against the reference."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "hybridflow.cli", "train",
+               *arguments(setup, run_dir, "rollout.exact_logprobs=true", "trainer.total_training_steps=2",
+                          "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.max_response_tokens=6",
+                          "actor.sequences_per_update=2", "actor.use_kl_loss=true", "trainer.val_before_train=false"),
+               "--quiet"]  # fmt: skip
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["training/rollout_probs_diff_max"] == 0.0
+        assert row["training/first_minibatch_ppo_kl"] == 0.0  # the update's ratio starts at exactly 1
+        assert "timing_s/old_log_prob" not in row  # pi_old is the engine's
