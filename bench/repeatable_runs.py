@@ -2,7 +2,8 @@
 
 A random Qwen2 of the 0.5B shape (byte tokenizer), GRPO for --steps steps on CUDA, synchronous
 (async_mode=off) and streaming (the engine pausing for training, one update stale); each mode twice.
-With --deterministic both runs set trainer.deterministic. Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
+With --deterministic both runs set trainer.deterministic; with --exact, rollout.exact_logprobs (and
+--baseline adds one ordinary run per mode: its step time and gaps beside them, in the same lease). Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
 largest weight difference after the last step, and the rollout/trainer log-prob gap of each step.
 
     python bench/repeatable_runs.py --out results.json [--steps 10]
@@ -36,7 +37,7 @@ MODES = {
 }
 
 
-def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool):
+def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool, extra=()):
     run_dir = root / name
     command = [sys.executable, "-m", "hybridflow.cli", "train",
                f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
@@ -44,7 +45,7 @@ def _run(root: Path, name: str, steps: int, mode: list[str], device: str, determ
                "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
                f"resources.device={device}", f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
                "trainer.logger=[jsonl]", f"trainer.run_dir={run_dir}", f"trainer.deterministic={deterministic}",
-               *mode, "--quiet"]  # fmt: skip
+               *mode, *extra, "--quiet"]  # fmt: skip
     began = time.time()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -74,6 +75,8 @@ def main() -> None:
         "--deterministic", action="store_true", help="torch.use_deterministic_algorithms, warn_only"
     )
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--exact", action="store_true", help="rollout.exact_logprobs=true in both runs")
+    parser.add_argument("--baseline", action="store_true", help="and one run without it (or --deterministic)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="repeatable-"))
     tok = byte_tokenizer()
@@ -86,9 +89,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"device": name, "shape": shape, "steps": args.steps, "modes": {}}
     report["deterministic_algorithms"] = args.deterministic
+    report["exact_logprobs"] = args.exact
+    extra = ["rollout.exact_logprobs=true"] if args.exact else []
     for mode in args.modes.split(","):
         (a, seconds_a, warned), (b, seconds_b, _) = (
-            _run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic) for x in "ab"
+            _run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic, extra)
+            for x in "ab"
         )
         ma, mb = _metrics(a), _metrics(b)
         first_difference = next(
@@ -105,10 +111,20 @@ def main() -> None:
             "max_weight_difference": max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa),
             "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in ma],
             "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in ma],
+            "rollout_probs_diff_fresh_max": [r.get("training/rollout_probs_diff_fresh_max") for r in ma],
             "seconds": [round(seconds_a, 1), round(seconds_b, 1)],
             "step_seconds_after_the_first": [round(_step_seconds(a), 3), round(_step_seconds(b), 3)],
             "nondeterministic_ops_named": warned,
         }
+        if args.baseline:
+            base, seconds, _ = _run(root, f"{mode}-ordinary", args.steps, MODES[mode], args.device, False)
+            rows = _metrics(base)
+            report["modes"][mode]["ordinary_run"] = {
+                "seconds": round(seconds, 1),
+                "step_seconds_after_the_first": round(_step_seconds(base), 3),
+                "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in rows],
+                "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in rows],
+            }
         print(mode, json.dumps(report["modes"][mode]), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
 

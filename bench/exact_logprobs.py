@@ -1,0 +1,273 @@
+"""rollout.exact_logprobs on a GPU: do the batch-invariant kernels hold their promise there, and what
+do they cost? One process, every figure beside its baseline from the same run:
+
+  kernels   each matmul shape of the 0.5B/1.5B/7B Qwen2.5 layers: a row's bits alone, in 3, 16, 64,
+            65, 300 and 4096 rows (cuBLAS beside it); its time against cuBLAS at 1, 64 and 4096 rows;
+            attention: a decode query (one chunk program or split chunks) against the same query in
+            a packed prefill; time against flash attention (varlen) and the engine's decode kernel
+  engine    a random 0.5B-shaped model (fp32 master, the engine's bf16 copy, as in training): tokens/s
+            at --sequences sequences and at batch 1, exact and ordinary; every sampled token's
+            log-prob against the trainer's packed forward (exact: the trainer on the exact kernels)
+  training  packed forward + backward (chunked LM-head log-probs, bf16 autocast over fp32 weights):
+            tokens/s exact and ordinary
+
+    PYTHONPATH=.:bench python bench/exact_logprobs.py --out exact.json [--sections kernels,engine,training]
+A section that fails records its error and the others still run."""
+
+# ruff: noqa: B023 (each closure is timed at once, inside its loop iteration)
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from rollout import SHAPES, _fp32_master, random_model  # bench/ is the script's own directory
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.kernels.attention import Tiles, packed_pages, paged_attention
+from hybridflow.kernels.linear import linear
+from hybridflow.rollout.sampling import SamplingParams
+
+
+def _time(fn, repeat: int = 20) -> float:
+    """Median seconds of fn() on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def kernels() -> dict:
+    out = {"linear": {}, "attention": {}}
+    shapes = set()
+    for name in ("0.5b", "1.5b", "7b"):
+        s = SHAPES[name]
+        h, i = s["hidden_size"], s["intermediate_size"]
+        q = h + 2 * s["num_key_value_heads"] * (h // s["num_attention_heads"])
+        shapes |= {(h, q), (h, h), (h, 2 * i), (i, h)}
+    shapes.add((896, 151936))  # the LM head
+    torch.manual_seed(0)
+    for k, n in sorted(shapes):
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        full = linear(x, w)
+        row = {"invariant": all(torch.equal(linear(x[:m].contiguous(), w), full[:m]) for m in (1, 3, 16, 64, 65, 300)),
+               "cublas_invariant": all(torch.equal(F.linear(x[:m], w), F.linear(x, w)[:m]) for m in (1, 3, 16, 64, 65, 300)),
+               "max_err_vs_fp32": (full.float() - x.float() @ w.float().T).abs().max().item()}  # fmt: skip
+        for m in (1, 64, 4096):
+            xs = x[:m].contiguous()
+            exact, cublas = _time(lambda: linear(xs, w)), _time(lambda: F.linear(xs, w))
+            row[f"m{m}_us"] = {"exact": exact * 1e6, "cublas": cublas * 1e6, "ratio": exact / cublas}
+        out["linear"][f"{k}x{n}"] = row
+    # attention: packed sequences of the 0.5B and 7B shapes' heads
+    from torch.nn.attention.varlen import varlen_attn
+
+    from hybridflow.engine.triton_decode import paged_decode_attention_triton
+
+    for heads, kv_heads, dim in ((14, 2, 64), (28, 4, 128)):
+        lens = [1000, 37, 513, 2048, 700]
+        bounds = [0]
+        for length in lens:
+            bounds.append(bounds[-1] + length)
+        n = bounds[-1]
+        q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        table, tiles = packed_pages(bounds, heads // kv_heads, "cuda")
+        packed = paged_attention(q, k, v, table, 1, tiles)
+        cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+        ref = varlen_attn(q, k, v, cu, cu, max(lens), max(lens), window_size=(-1, 0), enable_gqa=True)
+        # the decode form: each sequence's query at a few positions, through a paged copy (page 64)
+        page = 64
+        pages = [-(-length // page) for length in lens]
+        order = torch.randperm(sum(pages)) + 1
+        k_cache = torch.zeros((sum(pages) + 1) * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        page_table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+        at = 0
+        for b, length in enumerate(lens):
+            ids = order[at : at + pages[b]].cuda()
+            page_table[b, : pages[b]] = ids.int()
+            slots = (ids[:, None] * page + torch.arange(page, device="cuda")).flatten()[:length]
+            k_cache[slots], v_cache[slots] = k[bounds[b] : bounds[b + 1]], v[bounds[b] : bounds[b + 1]]
+            at += pages[b]
+        same = True
+        for back in (1, 2, 100, 511):
+            ctx = torch.tensor([max(length - back, 1) for length in lens], device="cuda")
+            rows = torch.tensor([b0 + c - 1 for b0, c in zip(bounds[:-1], ctx.tolist())], device="cuda")
+            for split in (False, True):
+                got = paged_attention(
+                    q[rows], k_cache, v_cache, page_table, page, Tiles.of_decode(ctx), split=split
+                )
+                same &= torch.equal(got, packed[rows])
+        entry = {
+            "decode_equals_packed": same,
+            "max_err_vs_flash": (packed.float() - ref.float()).abs().max().item(),
+        }
+        exact_s = _time(lambda: paged_attention(q, k, v, table, 1, tiles), 10)
+        flash_s = _time(
+            lambda: varlen_attn(q, k, v, cu, cu, max(lens), max(lens), window_size=(-1, 0), enable_gqa=True),
+            10,
+        )
+        entry["prefill_ms"] = {
+            "exact": exact_s * 1e3,
+            "flash_varlen": flash_s * 1e3,
+            "ratio": exact_s / flash_s,
+        }
+        for rows_n in (1, 64, 256):  # decode at ~1,000 tokens of context
+            ctx = torch.full((rows_n,), 1000, device="cuda")
+            tab = page_table[:1].expand(rows_n, -1).contiguous()
+            qd = q[:rows_n].contiguous()
+            split = rows_n * kv_heads <= 128
+            e = _time(
+                lambda: paged_attention(qd, k_cache, v_cache, tab, page, Tiles.of_decode(ctx), split=split)
+            )
+            o = _time(lambda: paged_decode_attention_triton(qd, k_cache, v_cache, tab, ctx.int(), page))
+            entry[f"decode_b{rows_n}_us"] = {"exact": e * 1e6, "engine_kernel": o * 1e6, "ratio": e / o}
+        out["attention"][f"{heads}x{kv_heads}x{dim}"] = entry
+    return out
+
+
+def engine(args) -> dict:
+    rng = random.Random(0)
+    model = random_model("0.5b", torch.device("cuda"), torch.float32)  # the trainer's fp32 master
+    prompts = [
+        [rng.randrange(151936) for _ in range(rng.randint(128, 512))] for _ in range(args.sequences // 8)
+    ]
+    out = {}
+    for name, exact in (("ordinary", False), ("exact", True)):
+        config = EngineConfig(max_batch_sequences=1024, max_context_tokens=512 + args.response + 1,
+                              gpu_memory_utilization=0.6, exact_logprobs=exact, share_weights=False)  # fmt: skip
+        eng = Engine(model, eos_token_ids=[], config=config, device=torch.device("cuda"))
+        eng.generate(prompts[:4], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, capture
+        result = {}
+        for label, batch, n in (("many", prompts, 8), ("batch1", prompts[:1], 1)):
+            params = SamplingParams(n=n, temperature=1.0, max_tokens=args.response, seed=0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            gens = eng.generate(batch, params)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(g.token_ids) for g in gens)
+            result[label] = {
+                "sequences": len(gens),
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+            }
+            if label == "many":
+                sample = gens[:64]
+        eng.sleep()
+        torch.cuda.empty_cache()
+        # the trainer's log-probs of the sampled tokens (fp32 master, bf16 autocast)
+        from hybridflow.roles.forward import packed_response_logprobs
+
+        trainer = _fp32_master(model)
+        if exact:
+            trainer.use_exact_kernels()
+        with torch.no_grad():
+            lp, _ = packed_response_logprobs(
+                trainer, [prompts[g.prompt_index] for g in sample], [g.token_ids for g in sample],
+                device=torch.device("cuda"), compute_dtype="auto",
+            )  # fmt: skip
+        gaps = torch.cat(
+            [
+                (lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.logprobs).float()).abs()
+                for i, g in enumerate(sample)
+            ]
+        )
+        prob_gaps = torch.cat(
+            [
+                (lp[i, : len(g.token_ids)].cpu().exp() - torch.tensor(g.logprobs).float().exp()).abs()
+                for i, g in enumerate(sample)
+            ]
+        )
+        result["logprob_gap_vs_trainer"] = {"tokens": gaps.numel(), "max": gaps.max().item(), "mean": gaps.mean().item(),
+                                            "equal_tokens": int((gaps == 0).sum()), "prob_diff_max": prob_gaps.max().item()}  # fmt: skip
+        del trainer, eng
+        torch.cuda.empty_cache()
+        out[name] = result
+        print(name, json.dumps(result), flush=True)
+    for label in ("many", "batch1"):
+        out[f"{label}_exact_over_ordinary"] = (
+            out["exact"][label]["tokens_per_s"] / out["ordinary"][label]["tokens_per_s"]
+        )
+    return out
+
+
+def training(args) -> dict:
+    from hybridflow.batch import pack_sequences
+    from hybridflow.models.native import chunked_token_logprobs
+
+    rng = random.Random(1)
+    out = {}
+    for name, exact in (("ordinary", False), ("exact", True)):
+        model = random_model("0.5b", torch.device("cuda"), torch.float32).train()
+        if exact:
+            model.use_exact_kernels()
+        seqs, total = [], 0
+        while total < 16384 - 1024:
+            length = rng.randint(300, 1000)
+            seqs.append([rng.randrange(151936) for _ in range(length)])
+            total += length
+        packed = pack_sequences(seqs)
+        ids, pos = packed.input_ids.cuda(), packed.position_ids.cuda()
+        cu = packed.cu_seqlens
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                hidden = model.hidden_states(ids, pos, cu)
+                logp, _ = chunked_token_logprobs(
+                    hidden, model.lm_head.weight, torch.roll(ids, -1), chunk=4096, exact=exact
+                )
+            logp.sum().backward()
+
+        seconds = _time(step, 5)
+        out[name] = {"tokens": int(ids.numel()), "seconds": seconds, "tokens_per_s": ids.numel() / seconds}
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            fwd = _time(lambda: chunked_token_logprobs(model.hidden_states(ids, pos, cu), model.lm_head.weight,
+                                                       torch.roll(ids, -1), chunk=4096, exact=exact), 5)  # fmt: skip
+        out[name]["forward_tokens_per_s"] = ids.numel() / fwd
+        model = None  # its memory back before the next
+        torch.cuda.empty_cache()
+    out["exact_over_ordinary"] = out["exact"]["tokens_per_s"] / out["ordinary"]["tokens_per_s"]
+    out["forward_exact_over_ordinary"] = (
+        out["exact"]["forward_tokens_per_s"] / out["ordinary"]["forward_tokens_per_s"]
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sections", default="kernels,engine,training")
+    parser.add_argument("--sequences", type=int, default=1024)
+    parser.add_argument("--response", type=int, default=256)
+    args = parser.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    for name in args.sections.split(","):
+        began = time.time()
+        try:
+            result[name] = {"kernels": kernels, "engine": engine, "training": training}[name](
+                *([] if name == "kernels" else [args])
+            )
+        except Exception:
+            result[name] = {"error": traceback.format_exc()[-3000:]}
+        result[name]["wall_s"] = time.time() - began
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(name, "done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
