@@ -16,7 +16,7 @@ import triton.language as tl
 from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
 
 # A row's bits depend on these two and nothing else; the interpreter's are small for tiny models
-BLOCK_K, K_CHUNK = (32, 64) if interpreted() else (64, 512)
+BLOCK_K, K_CHUNK = (64, 64) if interpreted() else (64, 512)
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
 def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for M rows: speed only, the bits do not depend on them."""
     if interpreted():
-        return 16, 64, 1, 1
+        return 16, 128, 1, 1
     if m <= 16:
         return 16, 64, 4, 4
     if m <= 64:

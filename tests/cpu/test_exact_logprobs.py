@@ -32,7 +32,7 @@ def test_an_rl_run_with_exact_log_probs_skips_the_recompute_and_sees_no_gap(setu
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "hybridflow.cli", "train",
                *arguments(setup, run_dir, "rollout.exact_logprobs=true", "trainer.total_training_steps=2",
-                          "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.max_response_tokens=6",
+                          "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.max_response_tokens=5",
                           "actor.sequences_per_update=2", "actor.use_kl_loss=true", "trainer.val_before_train=false"),
                "--quiet"]  # fmt: skip
     env = os.environ | {"TRITON_INTERPRET": "1"}

@@ -56,7 +56,7 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
                           share_weights=not own_copy, exact_logprobs=True)  # fmt: skip
     engine = Engine(model, eos_token_ids=[1], config=config)
     model.use_exact_kernels()  # the trainer's side (a shared module: the engine's call made it so)
-    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, seed=5)
+    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=10, seed=5)
     outs = engine.generate(PROMPTS, params)
     prompts = [p for p in PROMPTS for _ in range(params.n)]
     ok, gap = same_bits(outs, trainer_logprobs(model, prompts, outs, dtype))
