@@ -18,22 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.native.model import NativeCausalLM
-
-
-def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One [sum of rows, ...] tensor viewing `tensors` if they lie back to back in one storage."""
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    view = first.new_empty(0)
-    view.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
-    return view
+from hybridflow.models.native.model import NativeCausalLM, adjacent_rows
 
 
 def _fuse(linears: list[nn.Linear]) -> None:
@@ -76,12 +61,12 @@ class LayerWeights:
 def _group(linears: list[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """One (weight, bias) over `linears` where their weights, and biases if any, lie back to back
     (fuse_projections made them so); else one pair per module."""
-    weight = _adjacent([m.weight for m in linears])
+    weight = adjacent_rows([m.weight for m in linears])
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         bias, fused = None, weight is not None
     else:
-        bias = _adjacent(biases) if all(b is not None for b in biases) else None
+        bias = adjacent_rows(biases) if all(b is not None for b in biases) else None
         fused = weight is not None and bias is not None
     return [(weight, bias)] if fused else [(m.weight, m.bias) for m in linears]
 

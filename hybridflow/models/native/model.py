@@ -41,6 +41,42 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [sum of rows, ...] tensor viewing `tensors` if they lie back to back in one storage."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    view = first.new_empty(0)
+    view.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
+    return view
+
+
+def project_group(linears: list[nn.Linear], x: torch.Tensor, exact: bool) -> list[torch.Tensor]:
+    """Each of `linears` on x. Exact: one matmul where their weights (and biases) lie back to back in
+    one tensor (the engine's copy, engine/fused_decode.fuse_projections), the outputs column views of
+    it; an output column's bits do not depend on its neighbours, so this is the separate matmuls' result."""
+    if exact:
+        weight = adjacent_rows([m.weight for m in linears])
+        biases = [m.bias for m in linears]
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else adjacent_rows(biases)
+            if all(b is not None for b in biases)
+            else False
+        )
+        if weight is not None and bias is not False:
+            from hybridflow.kernels.linear import exact_linear
+
+            return list(exact_linear(x, weight, bias).split([m.weight.shape[0] for m in linears], dim=-1))
+    return [project(m, x, exact) for m in linears]
+
+
 def project(linear: nn.Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
     """linear(x), or the same math through the batch-invariant matmul."""
     if exact:
@@ -129,9 +165,10 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [N, H] -> q [N, Hq, D], k and v [N, Hkv, D], RoPE applied."""
         n = x.shape[0]
-        q = project(self.q_proj, x, self.exact).view(n, self.heads, self.head_dim)
-        k = project(self.k_proj, x, self.exact).view(n, self.kv_heads, self.head_dim)
-        v = project(self.v_proj, x, self.exact).view(n, self.kv_heads, self.head_dim)
+        q, k, v = project_group([self.q_proj, self.k_proj, self.v_proj], x, self.exact)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
         return self.position(q, k, v, cos, sin)
 
     def position(
@@ -156,8 +193,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.exact
-        return project(self.down_proj, F.silu(project(self.gate_proj, x, e)) * project(self.up_proj, x, e), e)
+        gate, up = project_group([self.gate_proj, self.up_proj], x, self.exact)
+        return project(self.down_proj, F.silu(gate) * up, self.exact)
 
 
 class DecoderLayer(nn.Module):
