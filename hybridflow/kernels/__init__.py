@@ -9,6 +9,7 @@ rounds the same way in any of them.
   linear.py     x @ W^T + b: K in fixed chunks, each chunk's sum from zero, the chunks added in
                 order (one program, or one program per chunk plus an ordered reduction: same bits)
   rms_norm.py   one row per program, the row's whole width in one block
+  rope.py       rotary on q and k in one launch (elementwise: the PyTorch form's bits)
   attention.py  causal attention over paged (or packed) K/V: key blocks from position 0 in order,
                 the same tile shape for a decode step's one query as for a prompt's thousands
 """
