@@ -15,8 +15,10 @@ import triton.language as tl
 
 from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
 
-# A row's bits depend on these two and nothing else; the interpreter's are small for tiny models
-BLOCK_K, K_CHUNK = (64, 64) if interpreted() else (64, 512)
+# A row's bits depend on these two and nothing else. 1024: a 0.5B-1.5B model's hidden size is one
+# chunk (one launch at any batch), the MLP's down projection a few (a decode step's parallelism); the
+# interpreter's are small for tiny models
+BLOCK_K, K_CHUNK = (64, 64) if interpreted() else (64, 1024)
 
 
 @triton.jit
@@ -89,12 +91,12 @@ def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
+def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for M rows: speed only, the bits do not depend on them."""
     if interpreted():
         return 16, 128, 1, 1
-    if m <= 16:
-        return 16, 64, 4, 4
+    if m <= 16:  # weight-read bound: narrow tiles where N is small, for programs on every SM
+        return 16, 32 if n <= 4096 else 64, 4, 4
     if m <= 64:
         return 64, 64, 4, 4
     if m <= 256:
@@ -112,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m, block_n, warps, stages = _tiles(m)
+    block_m, block_n, warps, stages = _tiles(m, n)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit inputs)
     chunks = -(-k // K_CHUNK)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
