@@ -5,8 +5,16 @@ import os
 import subprocess
 import sys
 
+import pytest
 from interpreter import in_triton_interpreter
 from rl_run import arguments, read_metrics
+
+from hybridflow.config import load_config
+from hybridflow.controller.setup import check_config
+from hybridflow.errors import UserError
+from hybridflow.models import tiny_model
+from hybridflow.models.lora import apply_lora
+from hybridflow.models.native import from_hf_model
 
 
 def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
@@ -44,3 +52,35 @@ def test_an_rl_run_with_exact_log_probs_skips_the_recompute_and_sees_no_gap(setu
         assert row["training/rollout_probs_diff_max"] == 0.0
         assert row["training/first_minibatch_ppo_kl"] == 0.0  # the update's ratio starts at exactly 1
         assert "timing_s/old_log_prob" not in row  # pi_old is the engine's
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rollout.top_p=0.9"], "the trainer's log-probs are of the whole distribution"),
+        (["rollout.top_k=20"], "the trainer's log-probs are of the whole distribution"),
+        (["rollout.temperature=0"], "greedy rollouts have no sampling distribution"),
+    ],
+)
+def test_settings_that_cannot_be_exact_are_refused_in_one_line(overrides, words):
+    with pytest.raises(UserError, match=words) as e:
+        load_config(None, ["rollout.exact_logprobs=true", *overrides])
+    assert "\n" not in str(e.value)
+
+
+def test_a_cpu_run_is_refused_in_one_line(monkeypatch):
+    """The kernels are Triton's: outside its interpreter a CPU run stops before anything loads."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = load_config(None, ["rollout.exact_logprobs=true", "resources.device=cpu"])
+    with pytest.raises(UserError, match="on CUDA only, and this run is on cpu"):
+        check_config(config, 1)
+
+
+def test_models_the_kernels_do_not_cover_are_named():
+    moe = from_hf_model(tiny_model("qwen3_moe", seed=0))
+    with pytest.raises(ValueError, match="mixture-of-experts layers are not covered yet"):
+        moe.use_exact_kernels()
+    dense = from_hf_model(tiny_model("qwen2", seed=0))
+    apply_lora(dense, rank=2, alpha=4, targets=["q_proj"])
+    with pytest.raises(ValueError, match=r"LoRA adapters \(.*q_proj\) are not covered yet"):
+        dense.use_exact_kernels()
