@@ -48,6 +48,28 @@ def _time(fn, repeat: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def smoke() -> dict:
+    """Each kernel once on small inputs (a compile error shows here whole)."""
+    from hybridflow.kernels.rms_norm import rms_norm
+    from hybridflow.kernels.rope import rope
+
+    out = {}
+    x = torch.randn(100, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16)
+    out["linear"] = torch.equal(linear(x[:1].contiguous(), w), linear(x, w)[:1])
+    out["rms_norm"] = bool(rms_norm(x.float(), torch.ones(896, device="cuda"), 1e-6).isfinite().all())
+    q = torch.randn(100, 14, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(100, 64, device="cuda"), torch.randn(100, 64, device="cuda")
+    out["rope"] = bool(rope(q, cos, sin, torch.bfloat16).isfinite().all())
+    k = torch.randn(100, 2, 64, device="cuda", dtype=torch.bfloat16)
+    table, tiles = packed_pages([0, 60, 100], 7, "cuda")
+    packed = paged_attention(q, k, k, table, 1, tiles)
+    ctx = torch.tensor([60, 40], device="cuda")
+    got = paged_attention(q[[59, 99]], k, k, table, 1, Tiles.of_decode(ctx), split=True)
+    out["attention"] = torch.equal(got, packed[[59, 99]])
+    return out
+
+
 def kernels() -> dict:
     out = {"linear": {}, "attention": {}}
     shapes = set()
@@ -152,6 +174,7 @@ def engine(args) -> dict:
                               gpu_memory_utilization=0.6, exact_logprobs=exact, share_weights=False)  # fmt: skip
         eng = Engine(model, eos_token_ids=[], config=config, device=torch.device("cuda"))
         eng.generate(prompts[:4], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, capture
+        eng.generate(prompts[:1], SamplingParams(n=1, max_tokens=16, seed=1))  # batch 1's graphs
         result = {}
         for label, batch, n in (("many", prompts, 8), ("batch1", prompts[:1], 1)):
             params = SamplingParams(n=n, temperature=1.0, max_tokens=args.response, seed=0)
@@ -251,7 +274,7 @@ def training(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sections", default="kernels,engine,training")
+    parser.add_argument("--sections", default="smoke,kernels,engine,training")
     parser.add_argument("--sequences", type=int, default=1024)
     parser.add_argument("--response", type=int, default=256)
     args = parser.parse_args()
@@ -259,11 +282,12 @@ def main() -> None:
     for name in args.sections.split(","):
         began = time.time()
         try:
-            result[name] = {"kernels": kernels, "engine": engine, "training": training}[name](
-                *([] if name == "kernels" else [args])
+            result[name] = {"smoke": smoke, "kernels": kernels, "engine": engine, "training": training}[name](
+                *([] if name in ("smoke", "kernels") else [args])
             )
         except Exception:
-            result[name] = {"error": traceback.format_exc()[-3000:]}
+            result[name] = {"error": traceback.format_exc()[:12000]}  # the root cause comes first
+            traceback.print_exc()
         result[name]["wall_s"] = time.time() - began
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

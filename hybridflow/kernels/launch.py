@@ -36,4 +36,6 @@ def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b (float32), as tl.dot; the interpreter's operands upcast first."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    if PRECISION == "ieee":  # float32 operands in full precision
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)

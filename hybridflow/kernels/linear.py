@@ -56,9 +56,8 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     """Every chunk in this program, added in order."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = _chunk(x_ptr, w_ptr, rm, rn, M, N, K, 0, stride_xm, stride_wn,
-                   BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
-    for k_start in range(K_CHUNK, K, K_CHUNK):
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # 0 + the first chunk, as the ordered sum starts
+    for k_start in range(0, K, K_CHUNK):
         total = total + _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
@@ -85,8 +84,8 @@ def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     at = rm[:, None] * N + rn[None, :]
-    total = tl.load(part_ptr + at, mask=mask, other=0.0)
-    for chunk in range(1, chunks):
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (as the looping kernel: from 0)
+    for chunk in range(0, chunks):
         total = total + tl.load(part_ptr + chunk * M * N + at, mask=mask, other=0.0)  # (< 2^31: M <= 64)
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 

@@ -20,7 +20,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, width, stride_x, stride_y, eps, BLOCK:
     x_raw = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
     x = x_raw.to(tl.float32)
     mean_square = tl.sum(x * x, 0) / width
-    normed = (x * tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))).to(x_raw.dtype).to(tl.float32)
+    normed = (x * (1.0 / tl.sqrt_rn(mean_square + eps))).to(x_raw.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=inside)
 
