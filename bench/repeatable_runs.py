@@ -116,6 +116,7 @@ def main() -> None:
             "step_seconds_after_the_first": [round(_step_seconds(a), 3), round(_step_seconds(b), 3)],
             "nondeterministic_ops_named": warned,
         }
+        Path(args.out).write_text(json.dumps(report, indent=1))  # (before the baseline's run)
         if args.baseline:
             base, seconds, _ = _run(root, f"{mode}-ordinary", args.steps, MODES[mode], args.device, False)
             rows = _metrics(base)
