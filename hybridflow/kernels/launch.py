@@ -28,7 +28,7 @@ OPTIONS = {} if interpreted() else {"enable_fp_fusion": False}
 
 # The interpreter multiplies 16-bit floats' stored bits in tl.dot: its kernels take the product of
 # the values, upcast (exact in float32 for bfloat16 and float16 inputs)
-UPCAST = interpreted()
+UPCAST = tl.constexpr(interpreted())  # a constexpr: a jit function reads no other global
 
 
 @triton.jit
