@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.native.model import NativeCausalLM, adjacent_rows
+from hybridflow.models.native.model import NativeCausalLM, stacked
 
 
 def _fuse(linears: list[nn.Linear]) -> None:
@@ -59,16 +59,10 @@ class LayerWeights:
 
 
 def _group(linears: list[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """One (weight, bias) over `linears` where their weights, and biases if any, lie back to back
-    (fuse_projections made them so); else one pair per module."""
-    weight = adjacent_rows([m.weight for m in linears])
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        bias, fused = None, weight is not None
-    else:
-        bias = adjacent_rows(biases) if all(b is not None for b in biases) else None
-        fused = weight is not None and bias is not None
-    return [(weight, bias)] if fused else [(m.weight, m.bias) for m in linears]
+    """One (weight, bias) over `linears` where they are `stacked` (fuse_projections made them so);
+    else one pair per module."""
+    pair = stacked(linears)
+    return [pair] if pair is not None else [(m.weight, m.bias) for m in linears]
 
 
 def layer_weights(model: NativeCausalLM) -> list[LayerWeights]:

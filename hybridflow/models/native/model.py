@@ -56,24 +56,25 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return view
 
 
-def project_group(linears: list[nn.Linear], x: torch.Tensor, exact: bool) -> list[torch.Tensor]:
-    """Each of `linears` on x. Exact: one matmul where their weights (and biases) lie back to back in
-    one tensor (the engine's copy, engine/fused_decode.fuse_projections), the outputs column views of
-    it; an output column's bits do not depend on its neighbours, so this is the separate matmuls' result."""
-    if exact:
-        weight = adjacent_rows([m.weight for m in linears])
-        biases = [m.bias for m in linears]
-        bias = (
-            None
-            if all(b is None for b in biases)
-            else adjacent_rows(biases)
-            if all(b is not None for b in biases)
-            else False
-        )
-        if weight is not None and bias is not False:
-            from hybridflow.kernels.linear import exact_linear
+def stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of one matmul computing all of `linears`, where their weights, and biases if any,
+    lie back to back in one tensor (the engine's copy: engine/fused_decode.fuse_projections); else None."""
+    weight = adjacent_rows([m.weight for m in linears])
+    biases = [m.bias for m in linears]
+    if weight is None or all(b is None for b in biases):
+        return None if weight is None else (weight, None)
+    bias = adjacent_rows(biases) if all(b is not None for b in biases) else None
+    return None if bias is None else (weight, bias)
 
-            return list(exact_linear(x, weight, bias).split([m.weight.shape[0] for m in linears], dim=-1))
+
+def project_group(linears: list[nn.Linear], x: torch.Tensor, exact: bool) -> list[torch.Tensor]:
+    """Each of `linears` on x. Exact: one matmul where they are `stacked`, the outputs column views of
+    it; an output column's bits do not depend on its neighbours, so this is the separate matmuls' result."""
+    pair = stacked(linears) if exact else None
+    if pair is not None:
+        from hybridflow.kernels.linear import exact_linear
+
+        return list(exact_linear(x, *pair).split([m.weight.shape[0] for m in linears], dim=-1))
     return [project(m, x, exact) for m in linears]
 
 
