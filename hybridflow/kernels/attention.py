@@ -16,6 +16,7 @@ of one token."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,13 +108,14 @@ def _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh,
 
 
 @triton.jit(do_not_specialize=["page_size"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, page_size,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, table_ptr, page_size,
                       tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh, stride_table, scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """One tile, every chunk in order."""
+                      HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):  # fmt: skip
+    """One tile, every chunk in order; STORE_LSE: each row's log2-sum-exp2 into lse [N, Hq] too (the
+    backward's)."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     q, positions, valid, rows, heads, seq, last = _load_queries(
         q_ptr, tile, kv_head, tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
@@ -128,6 +130,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, page_size,
             stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, KEY_CHUNK, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
         m, denom, acc = _merge(m, denom, acc, m_c, denom_c, acc_c)
     _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
+    if STORE_LSE:
+        tl.store(lse_ptr + rows * (tl.num_programs(1) * GROUP) + heads, m + tl.log2(denom), mask=valid)
 
 
 @triton.jit(do_not_specialize=["page_size"])
@@ -186,6 +190,105 @@ def _merge_kernel(state_ptr, acc_ptr, o_ptr, tile_seq_ptr, tile_pos_ptr, tile_ro
     _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
 
 
+# The backward, for the trainer's packed rows (sequence b: rows bounds[b]:bounds[b + 1], positions from
+# 0). Each gradient is summed in one fixed order, so a backward repeats to the bit: a key block's dK/dV
+# loops over the group's query heads and then the query blocks in order, a query block's dQ over the key
+# blocks in order. No atomics, no split of a sum over programs.
+
+
+@triton.jit
+def _block_probs(q, k, lse, i, j, scale, PRECISION: tl.constexpr):
+    """Softmax probabilities [BLOCK_M, BLOCK_N] of queries at positions i over keys at j (causal; 0
+    outside), from the forward's log2-sum-exp2."""
+    s = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), PRECISION, UPCAST) * scale
+    p = tl.exp2(s - lse[:, None])
+    return tl.where(j[None, :] <= i[:, None], p, 0.0)
+
+
+@triton.jit
+def _backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                          block_row_ptr, block_first_ptr, block_count_ptr, block_length_ptr,
+                          stride_qn, stride_qh, stride_kn, stride_kh, stride_don, stride_doh,
+                          stride_dkn, stride_dkh, scale, sm_scale, heads,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dK, dV of one key block (program_id 0) of one KV head (program_id 1)."""
+    block, kv_head = tl.program_id(0), tl.program_id(1)
+    row0 = tl.load(block_row_ptr + block).to(tl.int64)  # the sequence's first row
+    first = tl.load(block_first_ptr + block)
+    count = tl.load(block_count_ptr + block)
+    length = tl.load(block_length_ptr + block)
+    d = tl.arange(0, HEAD_PAD)
+    dims = d[None, :] < HEAD_DIM
+    j = first + tl.arange(0, BLOCK_N)
+    key_valid = tl.arange(0, BLOCK_N) < count
+    at_k = (row0 + j)[:, None] * stride_kn + kv_head * stride_kh + d[None, :]
+    k = tl.load(k_ptr + at_k, mask=key_valid[:, None] & dims, other=0.0)  # [BLOCK_N, HEAD_PAD]
+    v = tl.load(v_ptr + at_k, mask=key_valid[:, None] & dims, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_PAD], tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for start in range(first, length, BLOCK_M):  # the queries that see this block
+            i = start + tl.arange(0, BLOCK_M)
+            query_valid = i < length
+            rows = row0 + i
+            mask = query_valid[:, None] & dims
+            q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0)
+            do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask,
+                         other=0.0)  # fmt: skip
+            lse = tl.load(lse_ptr + rows * heads + head, mask=query_valid, other=0.0)
+            delta = tl.load(delta_ptr + rows * heads + head, mask=query_valid, other=0.0)
+            p = _block_probs(q, k, lse, i, j, scale, PRECISION)
+            p = tl.where(query_valid[:, None], p, 0.0)
+            dv = dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, UPCAST)
+            dp = dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dk = dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, UPCAST)
+    at = (row0 + j)[:, None] * stride_dkn + kv_head * stride_dkh + d[None, :]
+    tl.store(dk_ptr + at, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_valid[:, None] & dims)
+    tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=key_valid[:, None] & dims)
+
+
+@triton.jit
+def _backward_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                        block_row_ptr, block_first_ptr, block_count_ptr,
+                        stride_qn, stride_qh, stride_kn, stride_kh, stride_don, stride_doh,
+                        stride_dqn, stride_dqh, scale, sm_scale, heads,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dQ of one query block (program_id 0) of one query head (program_id 1)."""
+    block, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // GROUP
+    row0 = tl.load(block_row_ptr + block).to(tl.int64)
+    first = tl.load(block_first_ptr + block)
+    count = tl.load(block_count_ptr + block)
+    d = tl.arange(0, HEAD_PAD)
+    dims = d[None, :] < HEAD_DIM
+    i = first + tl.arange(0, BLOCK_M)
+    query_valid = tl.arange(0, BLOCK_M) < count
+    rows = row0 + i
+    mask = query_valid[:, None] & dims
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask, other=0.0)
+    lse = tl.load(lse_ptr + rows * heads + head, mask=query_valid, other=0.0)
+    delta = tl.load(delta_ptr + rows * heads + head, mask=query_valid, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    last = first + count - 1
+    for start in range(0, last + 1, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        key_mask = (j <= last)[:, None] & dims
+        at_k = (row0 + j)[:, None] * stride_kn + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + at_k, mask=key_mask, other=0.0)
+        v = tl.load(v_ptr + at_k, mask=key_mask, other=0.0)
+        p = _block_probs(q, k, lse, i, j, scale, PRECISION)
+        dp = dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq = dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
+    at = rows[:, None] * stride_dqn + head * stride_dqh + d[None, :]
+    tl.store(dq_ptr + at, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass
 class Tiles:
     """Query tiles: each `count` consecutive positions from `first` of table row `seq`, whose queries
@@ -199,15 +302,7 @@ class Tiles:
     @staticmethod
     def of_runs(firsts, rows, counts, group: int, device) -> Tiles:
         """Tiles over runs of queries: run i is counts[i] positions from firsts[i] (rows from rows[i])."""
-        per_tile = BLOCK_M // _pad(group)[0]
-        firsts, rows, counts = (np.asarray(a, dtype=np.int64) for a in (firsts, rows, counts))
-        n = -(-counts // per_tile)  # tiles per run
-        seq = np.repeat(np.arange(len(counts)), n)
-        within = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # tile index inside its run
-        offset = within * per_tile
-        count = np.minimum(per_tile, counts[seq] - offset)
-        parts = (seq, firsts[seq] + offset, rows[seq] + offset, count)
-        return Tiles(*(torch.from_numpy(p.astype(np.int32)).to(device, non_blocking=True) for p in parts))
+        return Tiles(*_split_runs(firsts, rows, counts, BLOCK_M // _pad(group)[0], device))
 
     @staticmethod
     def of_decode(context_lens: torch.Tensor) -> Tiles:
@@ -215,6 +310,19 @@ class Tiles:
         context is 0: a padded row). Device ops only (inside a decode graph)."""
         rows = torch.arange(context_lens.shape[0], dtype=torch.int32, device=context_lens.device)
         return Tiles(rows, context_lens.int() - 1, rows, (context_lens > 0).int())
+
+
+def _split_runs(firsts, rows, counts, size: int, device) -> list[torch.Tensor]:
+    """Runs (counts[i] positions from firsts[i], rows from rows[i]) cut into blocks of `size`
+    positions: each block's (run, first position, first row, positions) [blocks] int32 on `device`."""
+    firsts, rows, counts = (np.asarray(a, dtype=np.int64) for a in (firsts, rows, counts))
+    n = -(-counts // size)  # blocks per run
+    run = np.repeat(np.arange(len(counts)), n)
+    within = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # block index inside its run
+    offset = within * size
+    count = np.minimum(size, counts[run] - offset)
+    parts = (run, firsts[run] + offset, rows[run] + offset, count)
+    return [torch.from_numpy(p.astype(np.int32)).to(device, non_blocking=True) for p in parts]
 
 
 def _pad(group: int) -> tuple[int, int]:
@@ -232,10 +340,12 @@ def paged_attention(
     tiles: Tiles,
     *,
     split: bool = False,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [S, Hkv, D] (slot s of key position j of table row b: table[b, j // page_size]
     * page_size + j % page_size); table [B, P] int32 -> [N, Hq, D] in q's dtype (rows no tile covers
-    are left as they are). split: one program per key chunk and a merge (few tiles): the same bits."""
+    are left as they are). split: one program per key chunk and a merge (few tiles): the same bits.
+    lse: [N, Hq] float32, written with each row's log2-sum-exp2 of the scaled scores (not with split)."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -253,11 +363,14 @@ def paged_attention(
     tile_args = (tiles.seq, tiles.first, tiles.row, tiles.count)
     if not split:
         _attention_kernel[(tile_count, kv_heads)](
-            q, k, v, out, table, page_size, *tile_args,
+            q, k, v, out, out if lse is None else lse, table, page_size, *tile_args,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), table.stride(0),
-            scale, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=WARPS, **meta, **OPTIONS,
+            scale, BLOCK_N=BLOCK_N, PRECISION=precision, STORE_LSE=lse is not None, num_warps=WARPS,
+            **meta, **OPTIONS,
         )  # fmt: skip
         return out
+    if lse is not None:
+        raise ValueError("paged_attention: lse is written by the looping form only (split=False)")
     chunks = -(-table.shape[1] * page_size // KEY_CHUNK)  # enough for the longest context the table holds
     state = torch.empty(tile_count, kv_heads, chunks, 2, block_m, dtype=torch.float32, device=q.device)
     acc = torch.empty(tile_count, kv_heads, chunks, block_m, head_pad, dtype=torch.float32, device=q.device)
@@ -273,38 +386,89 @@ def paged_attention(
     return out
 
 
-def packed_pages(bounds: list[int], group: int, device) -> tuple[torch.Tensor, Tiles]:
-    """A packed batch (sequence b is rows bounds[b]:bounds[b + 1] of q, k and v) as pages of one
-    token: table [B, longest] int32 of each sequence's rows, and tiles over all its queries."""
+@dataclass
+class PackedPages:
+    """A packed batch (sequence b is rows bounds[b]:bounds[b + 1] of q, k and v) as pages of one token:
+    table [B, longest] int32 of each sequence's rows and the forward's tiles over all its queries; the
+    backward's key and query blocks are made when a backward first asks."""
+
+    bounds: list[int]
+    group: int
+    table: torch.Tensor
+    tiles: Tiles
+
+    @functools.cached_property
+    def backward_blocks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(key blocks of BLOCK_N positions: first row, first position, count, sequence length;
+        query blocks of BLOCK_M positions: first row, first position, count), [blocks] int32 each."""
+        starts = np.asarray(self.bounds[:-1], dtype=np.int64)
+        lengths = np.diff(np.asarray(self.bounds, dtype=np.int64))
+        zeros, device = np.zeros_like(starts), self.table.device
+        run, first, _, count = _split_runs(zeros, starts, lengths, BLOCK_N, device)
+        keys = [_on(starts, run), first, count, _on(lengths, run)]
+        run, first, _, count = _split_runs(zeros, starts, lengths, BLOCK_M, device)
+        return keys, [_on(starts, run), first, count]
+
+
+def _on(values: np.ndarray, index: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(values.astype(np.int32)).to(index.device)[index.long()]
+
+
+def packed_pages(bounds: list[int], group: int, device) -> PackedPages:
     starts = np.asarray(bounds[:-1], dtype=np.int64)
     lengths = np.diff(np.asarray(bounds, dtype=np.int64))
     longest = int(lengths.max()) if len(lengths) else 0
     table = torch.from_numpy((starts[:, None] + np.arange(longest)[None, :]).astype(np.int32))
-    return table.to(device, non_blocking=True), Tiles.of_runs(
-        np.zeros_like(starts), starts, lengths, group, device
-    )
+    tiles = Tiles.of_runs(np.zeros_like(starts), starts, lengths, group, device)
+    return PackedPages(list(bounds), group, table.to(device, non_blocking=True), tiles)
+
+
+def packed_attention_backward(q, k, v, out, lse, grad_out, pages: PackedPages):
+    """Gradients (dq, dk, dv) of the packed causal attention, each summed in one fixed order (the
+    same bits every run). lse: the forward's [N, Hq] float32."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    head_pad = max(16, triton.next_power_of_2(dim))
+    sm_scale = dim**-0.5
+    scale = sm_scale * 1.4426950408889634
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grad_out = grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)  # [N, Hq]: rowsum(dO * O)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    keys, queries = pages.backward_blocks
+    meta = dict(GROUP=heads // kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim, HEAD_PAD=head_pad,
+                PRECISION=precision, num_warps=WARPS, **OPTIONS)  # fmt: skip
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), grad_out.stride(0), grad_out.stride(1))
+    if keys[0].shape[0]:
+        _backward_dkdv_kernel[(keys[0].shape[0], kv_heads)](
+            q, k, v, grad_out, lse, delta, dk, dv, *keys, *strides, dk.stride(0), dk.stride(1),
+            scale, sm_scale, heads, **meta,
+        )  # fmt: skip
+        _backward_dq_kernel[(queries[0].shape[0], heads)](
+            q, k, v, grad_out, lse, delta, dq, *queries, *strides, dq.stride(0), dq.stride(1),
+            scale, sm_scale, heads, **meta,
+        )  # fmt: skip
+    return dq, dk, dv
 
 
 class _PackedAttention(torch.autograd.Function):
-    """The batch-invariant forward; the backward differentiates `reference` (the model's own
-    attention, recomputed: flash attention's backward on CUDA)."""
+    """The batch-invariant forward and a fixed-order backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, tiles, reference):
-        ctx.save_for_backward(q, k, v)
-        ctx.reference = reference
-        return paged_attention(q, k, v, table, 1, tiles)
+    def forward(ctx, q, k, v, pages):
+        k, v = k.contiguous(), v.contiguous()
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [N, Hq]
+        out = paged_attention(q, k, v, pages.table, 1, pages.tiles, lse=lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pages = pages
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            grads = torch.autograd.grad(ctx.reference(*inputs), inputs, grad)
-        return (*grads, None, None, None)
+        return (*packed_attention_backward(*ctx.saved_tensors, grad, ctx.pages), None)
 
 
-def exact_packed_attention(q, k, v, table: torch.Tensor, tiles: Tiles, reference) -> torch.Tensor:
-    """Causal attention within each packed sequence (packed_pages' table and tiles), batch-invariant
-    and equal to the engine's for the same tokens; differentiable through `reference(q, k, v)`."""
-    return _PackedAttention.apply(q, k, v, table, tiles, reference)
+def exact_packed_attention(q, k, v, pages: PackedPages) -> torch.Tensor:
+    """Causal attention within each packed sequence, batch-invariant and equal to the engine's for the
+    same tokens; differentiable, its backward repeating to the bit."""
+    return _PackedAttention.apply(q, k, v, pages)

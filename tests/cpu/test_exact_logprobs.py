@@ -23,7 +23,8 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     the same tokens, bit for bit; the ordinary kernels give a small nonzero gap on the same tokens
     (so the equality is not vacuous); with the engine's own copy, a prompt alone gets its batch's bits,
     and a prefix-cache hit too;
-    gradients through the exact kernels equal the ordinary model's to float32 rounding."""
+    gradients through the exact kernels equal the ordinary model's to float32 rounding, and the packed
+    attention's own backward in bfloat16 is as close to float64 as PyTorch's bfloat16 attention."""
     stdout = in_triton_interpreter("exact_logprobs_check.py", timeout=600)
     assert stdout.count("engine and trainer log-probs: ok") == 2
     assert stdout.count("max gap 0.0e+00") == 2
@@ -31,6 +32,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert stdout.count("alone as in the batch: ok") == 1
     assert stdout.count("from the prefix cache: ok (hit True)") == 1
     assert "gradients through the exact kernels: ok" in stdout
+    assert "packed attention backward, bfloat16: ok" in stdout
 
 
 def test_an_rl_run_with_exact_log_probs_skips_the_recompute_and_sees_no_gap(setup, tmp_path):

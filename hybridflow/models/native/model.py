@@ -8,7 +8,6 @@ checkpoints load and save without renaming.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
@@ -101,7 +100,7 @@ class PackedLayout:
     max_len: int
     sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
     shared: object = None  # shared_prefix.SharedPrefix: prompts packed once for their responses
-    pages: tuple | None = None  # the exact kernels' (table, tiles) over the packed rows
+    pages: object = None  # kernels.attention.PackedPages: the exact kernels' view of the packed rows
 
 
 @lru_cache(maxsize=1)
@@ -125,9 +124,7 @@ def packed_causal_attention(
     if layout.pages is not None:  # batch-invariant: a token's bits as the engine computes them
         from hybridflow.kernels.attention import exact_packed_attention
 
-        plain = PackedLayout(layout.cu_seqlens, layout.bounds, layout.max_len)
-        reference = functools.partial(packed_causal_attention, layout=plain)  # its backward
-        return exact_packed_attention(q, k, v, *layout.pages, reference)
+        return exact_packed_attention(q, k, v, layout.pages)
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
