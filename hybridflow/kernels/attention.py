@@ -234,7 +234,9 @@ def _backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
             query_valid = i < length
             rows = row0 + i
             mask = query_valid[:, None] & dims
-            q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0)
+            q = tl.load(
+                q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0
+            )
             do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask,
                          other=0.0)  # fmt: skip
             lse = tl.load(lse_ptr + rows * heads + head, mask=query_valid, other=0.0)

@@ -36,6 +36,17 @@ def arguments(setup, run_dir, *overrides):
     return [*base, *overrides]
 
 
+# wall-clock figures differ between any two runs; everything else repeats
+CLOCKS = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/latency")
+
+
+def measured(rows):
+    """Metrics rows without their clock figures."""
+    return [
+        {k: v for k, v in row.items() if not k.startswith(CLOCKS) and not k.endswith("_s")} for row in rows
+    ]
+
+
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

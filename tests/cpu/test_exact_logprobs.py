@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from interpreter import in_triton_interpreter
-from rl_run import arguments, read_metrics
+from rl_run import arguments, measured, read_metrics
 
 from hybridflow.config import load_config
 from hybridflow.controller.setup import check_config
@@ -35,26 +35,42 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert "packed attention backward, bfloat16: ok" in stdout
 
 
-def test_an_rl_run_with_exact_log_probs_skips_the_recompute_and_sees_no_gap(setup, tmp_path):
+def test_an_rl_run_with_exact_log_probs_skips_the_recompute_sees_no_gap_and_repeats(setup, tmp_path):
     """`hybridflow train rollout.exact_logprobs=true` (its kernels in the interpreter): every step the
     update's first forward finds the engine's probabilities equal to its own (the max gap is 0, which
     the run's guard requires), and no old-log-prob pass runs: the engine's are pi_old, with two
-    mini-batches a step (a recompute would otherwise be needed) and a KL loss against the reference."""
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "hybridflow.cli", "train",
-               *arguments(setup, run_dir, "rollout.exact_logprobs=true", "trainer.total_training_steps=2",
-                          "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.max_response_tokens=5",
-                          "actor.sequences_per_update=2", "actor.use_kl_loss=true", "trainer.val_before_train=false"),
-               "--quiet"]  # fmt: skip
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = read_metrics(run_dir)
+    mini-batches a step (a recompute would otherwise be needed) and a KL loss against the reference.
+    A second process started beside it with the same config gives the same metrics and weights to the
+    bit (the attention's backward is the kernels' own, summed in a fixed order)."""
+
+    def start(run_dir):
+        command = [sys.executable, "-m", "hybridflow.cli", "train",
+                   *arguments(setup, run_dir, "rollout.exact_logprobs=true", "trainer.total_training_steps=2",
+                              "data.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                              "data.max_response_tokens=5", "actor.sequences_per_update=2", "actor.use_kl_loss=true",
+                              "trainer.val_before_train=false", "trainer.save_freq=2"),
+                   "--quiet"]  # fmt: skip
+        env = os.environ | {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    runs = {name: start(tmp_path / name) for name in ("a", "b")}
+    for process in runs.values():
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+    rows = read_metrics(tmp_path / "a")
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["training/rollout_probs_diff_max"] == 0.0
         assert row["training/first_minibatch_ppo_kl"] == 0.0  # the update's ratio starts at exactly 1
         assert "timing_s/old_log_prob" not in row  # pi_old is the engine's
+
+    def weights(name):
+        return (
+            tmp_path / name / "checkpoints" / "global_step_2" / "policy" / "model.safetensors"
+        ).read_bytes()
+
+    assert measured(rows) == measured(read_metrics(tmp_path / "b"))
+    assert rows[1]["actor/grad_norm"] > 0 and weights("a") == weights("b")
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,12 @@ algorithms: GPUs need them, CPU kernels are so already); another seed gives anot
 thread count: a matmul's summation order depends on it (rows of a K=1536 product differ between one
 and two threads here), so two runs compared must use the same OMP_NUM_THREADS."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-from rl_run import arguments
-
-# wall-clock figures differ between any two runs; everything else is compared
-CLOCKS = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/latency")
+from rl_run import arguments, measured, read_metrics
 
 
 def _run(setup, run_dir, *extra):
@@ -31,10 +27,7 @@ def _finish(process):
 
 
 def _measured(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {k: v for k, v in row.items() if not k.startswith(CLOCKS) and not k.endswith("_s")} for row in rows
-    ]
+    return measured(read_metrics(run_dir))
 
 
 def _weights(run_dir):

@@ -119,7 +119,9 @@ def reference_grads(dtype):
 
 
 inputs = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-ours = torch.autograd.grad(exact_packed_attention(*inputs, packed_pages(bounds, 2, "cpu")), inputs, g.bfloat16())
+ours = torch.autograd.grad(
+    exact_packed_attention(*inputs, packed_pages(bounds, 2, "cpu")), inputs, g.bfloat16()
+)
 truth, torch_bf16 = reference_grads(torch.float64), reference_grads(torch.bfloat16)
 errors = [((a.double() - t).norm() / t.norm()).item() for a, t in zip(ours, truth)]
 torch_errors = [((a.double() - t).norm() / t.norm()).item() for a, t in zip(torch_bf16, truth)]
