@@ -1,12 +1,14 @@
 """Do two runs with one config and seed, started as separate processes, give the same weights on a GPU?
 
-A random Qwen2 of the 0.5B shape (byte tokenizer), GRPO for --steps steps on CUDA, synchronous
+A random Qwen2 of the 0.5B (or --shape 1.5b) shape (byte tokenizer), GRPO for --steps steps on CUDA, synchronous
 (async_mode=off) and streaming (the engine pausing for training, one update stale); each mode twice.
 With --deterministic both runs set trainer.deterministic; with --exact, rollout.exact_logprobs (and
 --baseline adds one ordinary run per mode: its step time and gaps beside them, in the same lease). Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
 largest weight difference after the last step, and the rollout/trainer log-prob gap of each step.
 
-    python bench/repeatable_runs.py --out results.json [--steps 10]
+    python bench/repeatable_runs.py --out results.json [--steps 10] [--shape 1.5b] [--runs 1]
+
+(--runs 1: one run a mode, its gaps and step time, no comparison.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from safetensors.torch import load_file
 
 from hybridflow.models import byte_tokenizer, save_hf, tiny_model
 
-SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-         "num_key_value_heads": 2}  # fmt: skip
+SHAPES = {
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2},
+}  # fmt: skip
 CLOCKS = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/latency")
 REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -77,45 +83,51 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--exact", action="store_true", help="rollout.exact_logprobs=true in both runs")
     parser.add_argument("--baseline", action="store_true", help="and one run without it (or --deterministic)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--runs", type=int, choices=(1, 2), default=2)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="repeatable-"))
     tok = byte_tokenizer()
-    shape = SHAPE if args.device == "cuda" else {}
+    shape = SHAPES[args.shape] if args.device == "cuda" else {}
     save_hf(tiny_model("qwen2", seed=0, **shape), tok, root / "model", overwrite=True)
     (root / "prompts.jsonl").write_text(
         "\n".join(json.dumps({"prompt": f"question {i}", "data_source": "synthetic"}) for i in range(512))
     )
     (root / "reward.py").write_text(REWARD)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"device": name, "shape": shape, "steps": args.steps, "modes": {}}
+    report = {"device": name, "shape": args.shape if shape else "tiny", "config": shape, "steps": args.steps, "modes": {}}
     report["deterministic_algorithms"] = args.deterministic
     report["exact_logprobs"] = args.exact
     extra = ["rollout.exact_logprobs=true"] if args.exact else []
     for mode in args.modes.split(","):
-        (a, seconds_a, warned), (b, seconds_b, _) = (
-            _run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic, extra)
-            for x in "ab"
-        )
-        ma, mb = _metrics(a), _metrics(b)
-        first_difference = next(
-            ({"step": ra["step"], "metric": k, "a": ra[k], "b": rb.get(k)}
-             for ra, rb in zip(ma, mb) for k in ra if ra[k] != rb.get(k)),
-            None,
-        )  # fmt: skip
-        policy = Path("checkpoints") / f"global_step_{args.steps}" / "policy" / "model.safetensors"
-        wa, wb = load_file(a / policy), load_file(b / policy)
+        runs = [_run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic, extra)
+                for x in "ab"[: args.runs]]  # fmt: skip
+        a, seconds_a, warned = runs[0]
+        ma = _metrics(a)
         report["modes"][mode] = {
-            "metrics_equal": ma == mb,
-            "first_difference": first_difference,
-            "weights_equal": all(torch.equal(wa[n], wb[n]) for n in wa),
-            "max_weight_difference": max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa),
             "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in ma],
             "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in ma],
             "rollout_probs_diff_fresh_max": [r.get("training/rollout_probs_diff_fresh_max") for r in ma],
-            "seconds": [round(seconds_a, 1), round(seconds_b, 1)],
-            "step_seconds_after_the_first": [round(_step_seconds(a), 3), round(_step_seconds(b), 3)],
+            "seconds": [round(run[1], 1) for run in runs],
+            "step_seconds_after_the_first": [round(_step_seconds(run[0]), 3) for run in runs],
             "nondeterministic_ops_named": warned,
         }
+        if args.runs == 2:
+            b = runs[1][0]
+            mb = _metrics(b)
+            first_difference = next(
+                ({"step": ra["step"], "metric": k, "a": ra[k], "b": rb.get(k)}
+                 for ra, rb in zip(ma, mb) for k in ra if ra[k] != rb.get(k)),
+                None,
+            )  # fmt: skip
+            policy = Path("checkpoints") / f"global_step_{args.steps}" / "policy" / "model.safetensors"
+            wa, wb = load_file(a / policy), load_file(b / policy)
+            report["modes"][mode] |= {
+                "metrics_equal": ma == mb,
+                "first_difference": first_difference,
+                "weights_equal": all(torch.equal(wa[n], wb[n]) for n in wa),
+                "max_weight_difference": max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa),
+            }
         Path(args.out).write_text(json.dumps(report, indent=1))  # (before the baseline's run)
         if args.baseline:
             base, seconds, _ = _run(root, f"{mode}-ordinary", args.steps, MODES[mode], args.device, False)
