@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from rollout import SHAPES, _fp32_master, random_model  # bench/ is the script's own directory
 
 from hybridflow.engine import Engine, EngineConfig
-from hybridflow.kernels.attention import Tiles, packed_pages, paged_attention
+from hybridflow.kernels.attention import Tiles, exact_packed_attention, packed_pages, paged_attention
 from hybridflow.kernels.linear import linear
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -62,11 +62,23 @@ def smoke() -> dict:
     cos, sin = torch.randn(100, 64, device="cuda"), torch.randn(100, 64, device="cuda")
     out["rope"] = bool(rope(q, cos, sin, torch.bfloat16).isfinite().all())
     k = torch.randn(100, 2, 64, device="cuda", dtype=torch.bfloat16)
-    table, tiles = packed_pages([0, 60, 100], 7, "cuda")
-    packed = paged_attention(q, k, k, table, 1, tiles)
+    pages = packed_pages([0, 60, 100], 7, "cuda")
+    packed = paged_attention(q, k, k, pages.table, 1, pages.tiles)
     ctx = torch.tensor([60, 40], device="cuda")
-    got = paged_attention(q[[59, 99]], k, k, table, 1, Tiles.of_decode(ctx), split=True)
+    got = paged_attention(q[[59, 99]], k, k, pages.table, 1, Tiles.of_decode(ctx), split=True)
     out["attention"] = torch.equal(got, packed[[59, 99]])
+    # the backward: twice the same bits, and near flash attention's
+    from hybridflow.models.native.model import PackedLayout, packed_causal_attention
+
+    inputs = [t.clone().requires_grad_() for t in (q, k, torch.randn_like(k))]
+    grad = torch.randn_like(q)
+    first, second = (torch.autograd.grad(exact_packed_attention(*inputs, pages), inputs, grad) for _ in "ab")
+    layout = PackedLayout(torch.tensor([0, 60, 100], device="cuda", dtype=torch.int32), [0, 60, 100], 60)
+    flash = torch.autograd.grad(packed_causal_attention(*inputs, layout), inputs, grad)
+    out["attention_backward_repeats"] = all(torch.equal(a, b) for a, b in zip(first, second))
+    out["attention_backward_vs_flash_relative"] = [
+        ((a.float() - f.float()).norm() / f.float().norm()).item() for a, f in zip(first, flash)
+    ]
     return out
 
 
@@ -105,7 +117,8 @@ def kernels() -> dict:
         q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-        table, tiles = packed_pages(bounds, heads // kv_heads, "cuda")
+        pages = packed_pages(bounds, heads // kv_heads, "cuda")
+        table, tiles = pages.table, pages.tiles
         packed = paged_attention(q, k, v, table, 1, tiles)
         cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
         layout = PackedLayout(cu, bounds, max(lens))
@@ -147,6 +160,19 @@ def kernels() -> dict:
             "exact": exact_s * 1e3,
             "flash_varlen": flash_s * 1e3,
             "ratio": exact_s / flash_s,
+        }
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn_like(q)
+        exact_out, flash_out = (
+            exact_packed_attention(*inputs, pages),
+            packed_causal_attention(*inputs, layout),
+        )
+        exact_b = _time(lambda: torch.autograd.grad(exact_out, inputs, grad, retain_graph=True), 10)
+        flash_b = _time(lambda: torch.autograd.grad(flash_out, inputs, grad, retain_graph=True), 10)
+        entry["backward_ms"] = {
+            "exact": exact_b * 1e3,
+            "flash_varlen": flash_b * 1e3,
+            "ratio": exact_b / flash_b,
         }
         for rows_n in (1, 64, 256):  # decode at ~1,000 tokens of context
             ctx = torch.full((rows_n,), 1000, device="cuda")

@@ -95,7 +95,13 @@ def main() -> None:
     )
     (root / "reward.py").write_text(REWARD)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"device": name, "shape": args.shape if shape else "tiny", "config": shape, "steps": args.steps, "modes": {}}
+    report = {
+        "device": name,
+        "shape": args.shape if shape else "tiny",
+        "config": shape,
+        "steps": args.steps,
+        "modes": {},
+    }
     report["deterministic_algorithms"] = args.deterministic
     report["exact_logprobs"] = args.exact
     extra = ["rollout.exact_logprobs=true"] if args.exact else []
