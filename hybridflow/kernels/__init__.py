@@ -11,5 +11,6 @@ rounds the same way in any of them.
   rms_norm.py   one row per program, the row's whole width in one block
   rope.py       rotary on q and k in one launch (elementwise: the PyTorch form's bits)
   attention.py  causal attention over paged (or packed) K/V: key blocks from position 0 in order,
-                the same tile shape for a decode step's one query as for a prompt's thousands
+                the same tile shape for a decode step's one query as for a prompt's thousands;
+                the packed form's backward sums each gradient in one fixed order (runs repeat)
 """
