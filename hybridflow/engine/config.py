@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hybridflow.engine.drafter import SpeculativeConfig
 
 
 def page_size_for(device) -> int:
@@ -64,6 +66,11 @@ class EngineConfig:
     and each sampled token's log-prob from the trainer's softmax kernel: equal to the trainer's to the
     bit (plain temperature sampling; top-k / top-p report the truncated distribution's). The model's
     own layers, nothing fused or compiled; CUDA only (and Triton's interpreter, for tests)."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding from the engine's own history (engine/drafter.py): while few sequences run,
+    each step checks a sequence's drafted tokens in one forward and keeps those the plain engine would
+    have drawn, then one more; the tokens and log-probs are the plain engine's (the same noise at the
+    same position), only fewer forwards."""
     record_routes: bool = False
     """Mixture-of-experts models: keep the experts every token went to in every MoE layer and hand
     them out with each finished sample (`routed_experts`), for router replay (R3) in the trainer."""

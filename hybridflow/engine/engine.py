@@ -15,6 +15,7 @@ import torch
 
 from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
+from hybridflow.engine.drafter import Drafter
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
@@ -134,6 +135,15 @@ class Engine:
             head=self.tp.logits(self.model) if self.tp is not None else None,
             check_capture=self.tp.check_capture if self.tp is not None else None,
         )
+        if c.speculative.enabled and self.tp is not None:
+            raise ValueError(
+                "speculative decoding: a tensor-parallel engine is not covered yet (set "
+                "num_speculative_tokens 0, or rollout.tensor_parallel_size 1)"
+            )
+        self.drafter = Drafter(c.speculative) if c.speculative.enabled else None
+        # since the engine was made: speculative steps, tokens drafted, drafted tokens accepted, tokens
+        # those steps produced
+        self.speculation = {"steps": 0, "drafted": 0, "accepted": 0, "tokens": 0}
         self.asleep = False
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
@@ -266,6 +276,8 @@ class Engine:
                 continue
             if s.seq_id in self.scheduler.running:
                 self.scheduler.finish(s)
+            if self.drafter is not None:
+                self.drafter.finished(s)
             s.finish_reason = "abort"
             outputs.append(RequestOutput(request_id, s.sample, finish_reason="abort"))
         return outputs
@@ -331,6 +343,7 @@ class Engine:
         preempted, start, steps = scheduler.preemptions, time.perf_counter(), 0
         captured = self.runner.capture_seconds
         admitted, cached = scheduler.admitted_tokens, scheduler.cached_tokens
+        speculated = dict(self.speculation)
         finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
         mine, left = set(ids), len(seqs)
         while left:  # straight on the sequences: the trainer's path builds no per-step outputs
@@ -350,6 +363,8 @@ class Engine:
             "seconds": time.perf_counter() - start,
             "graph_capture_seconds": self.runner.capture_seconds - captured,  # included in seconds
         }
+        if self.drafter is not None:
+            self.stats.update({f"speculative_{k}": v - speculated[k] for k, v in self.speculation.items()})
         return [
             Generation(
                 s.prompt_index,
@@ -425,7 +440,15 @@ class Engine:
         return batch
 
     def _decode(self) -> list[Sequence]:
-        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end."""
+        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
+        (or, with drafts to check, one speculative step)."""
+        if (
+            self.drafter is not None
+            and len(self.scheduler.running) <= self.config.speculative.max_batch_sequences
+        ):
+            batch = self._speculate()
+            if batch is not None:
+                return batch
         ps, k, scheduler = self.cache.page_size, self.config.decode_steps, self.scheduler
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
@@ -442,6 +465,50 @@ class Engine:
         )
         self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
         self._record(batch, sampled.fetch(), limits)
+        return batch
+
+    def _speculate(self) -> list[Sequence] | None:
+        """One step that feeds each running sequence its last token and its draft, and draws at every
+        fed position with the noise the plain engine would use there (SampledRun's `ahead`): a
+        sequence keeps its drafted tokens up to the first that differs from the draw, and the draw
+        after them. So its tokens and log-probs are those of plain decoding: the draft only decides
+        how many positions one forward checks. None: nothing drafted (a plain decode run instead)."""
+        scheduler, drafter, ps = self.scheduler, self.drafter, self.cache.page_size
+        drafts = {s.seq_id: drafter.draft(s, s.end - len(s.tokens) - 1) for s in scheduler.running.values()}
+        if not any(drafts.values()):
+            return None
+        batch = scheduler.schedule_decode(lambda s: len(drafts.get(s.seq_id, ())) + 1)
+        if not batch:
+            raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
+        fed = [min(len(drafts.get(s.seq_id, ())) + 1, len(s.pages) * ps - s.cached) for s in batch]
+        proposed = [drafts.get(s.seq_id, [])[: n - 1] for s, n in zip(batch, fed)]
+        logits = self.runner.extend(
+            [(s.tokens + d, s.cached, s.pages) for s, d in zip(batch, proposed)], every_position=True
+        )  # [sum(fed), V]
+        rows = [s for s, n in zip(batch, fed) for _ in range(n)]
+        sampled = SampledRun(
+            rows, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs,
+            ahead=[i for n in fed for i in range(n)],
+        )  # fmt: skip
+        sampled.draw(logits, 0)
+        drawn = sampled.fetch()[0]  # [4, sum(fed)]: token, log-prob, unscaled, stop
+        run = np.zeros((max(fed), 4, len(batch)))
+        kept, at = [], 0
+        for j, (s, n, draft) in enumerate(zip(batch, fed, proposed)):
+            run[:n, :, j] = drawn[:, at : at + n].T
+            accepted = 0
+            while accepted < len(draft) and int(drawn[0, at + accepted]) == draft[accepted]:
+                accepted += 1
+            kept.append(accepted + 1)
+            drafter.accepted(s, len(draft), accepted)
+            at += n
+        before = sum(len(s.tokens) for s in batch)
+        self._record(batch, run, kept)
+        stats = self.speculation
+        stats["steps"] += 1
+        stats["drafted"] += sum(len(d) for d in proposed)
+        stats["accepted"] += sum(kept) - len(kept)
+        stats["tokens"] += sum(len(s.tokens) for s in batch) - before
         return batch
 
     def _record(self, batch, run: np.ndarray, limits: list[int]) -> None:
@@ -480,6 +547,8 @@ class Engine:
                 s.routes = routes
         for s in finished:
             self.scheduler.finish(s)
+            if self.drafter is not None:
+                self.drafter.finished(s)
 
     def pause(self) -> None:
         """Stop scheduling: `step()` does nothing until `resume()`; running requests keep their tokens."""

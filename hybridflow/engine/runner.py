@@ -147,7 +147,7 @@ class Runner:
         """K/V of every job's tokens into its pages; logits at each job's last token [J, V]. A job
         whose sequences start with `cached` tokens (the prefix cache) computes only the rest."""
         if self.exact or any(job.seqs[0].cached for job in jobs):
-            return self._prefill_after_prefix(jobs)
+            return self.extend([(job.tokens, job.seqs[0].cached, job.seqs[0].pages) for job in jobs])
         packed = pack_sequences([job.tokens for job in jobs])
         slots = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
         dev = self.device
@@ -175,19 +175,25 @@ class Runner:
             hidden = self._hidden(ids, pos, attend, slots_t)
             return self._logits(hidden.index_select(0, last))
 
-    def _prefill_after_prefix(self, jobs: list[PrefillJob]) -> torch.Tensor:
-        """The new tokens of each job (from its `cached` on) attend to its whole context, read back
-        from the pages: the cached prefix's K/V and the new ones just stored."""
+    @torch.no_grad()
+    def extend(
+        self, feeds: list[tuple[list[int], int, list[int]]], *, every_position: bool = False
+    ) -> torch.Tensor:
+        """feeds: (tokens, start, pages) each, whose tokens[:start] have their K/V in `pages` already:
+        the new tokens[start:] are stored there and attend to the whole context, read back from the
+        pages -> logits [F, V] at each feed's last token, or [new tokens, V] at every new token
+        (`every_position`: a speculative step's verification). A prefix-cache hit's prefill, and every
+        prefill of the exact kernels."""
         dev, cache = self.device, self.cache
-        starts = [job.seqs[0].cached for job in jobs]
-        ids = [t for job, a in zip(jobs, starts) for t in job.tokens[a:]]
-        pos = [p for job, a in zip(jobs, starts) for p in range(a, len(job.tokens))]
-        new = [s for job, a in zip(jobs, starts) for s in self._slots(job.seqs[0].pages, a, len(job.tokens))]
-        every = [s for job in jobs for s in self._slots(job.seqs[0].pages, 0, len(job.tokens))]
+        starts = [start for _, start, _ in feeds]
+        ids = [t for tokens, a, _ in feeds for t in tokens[a:]]
+        pos = [p for tokens, a, _ in feeds for p in range(a, len(tokens))]
+        new = [s for tokens, a, pages in feeds for s in self._slots(pages, a, len(tokens))]
+        every = [s for tokens, _, pages in feeds for s in self._slots(pages, 0, len(tokens))]
         q_bounds, k_bounds = [0], [0]
-        for job, a in zip(jobs, starts):
-            q_bounds.append(q_bounds[-1] + len(job.tokens) - a)
-            k_bounds.append(k_bounds[-1] + len(job.tokens))
+        for tokens, a, _ in feeds:
+            q_bounds.append(q_bounds[-1] + len(tokens) - a)
+            k_bounds.append(k_bounds[-1] + len(tokens))
         new_t = torch.tensor(new, dtype=torch.int64, device=dev)
         every_t = torch.tensor(every, dtype=torch.int64, device=dev)
         cu = (
@@ -198,7 +204,7 @@ class Runner:
         if self.exact:  # the batch-invariant kernel reads the pages itself, as in a decode step
             from hybridflow.kernels.attention import paged_attention
 
-            table, tiles = self._exact_pages(jobs, starts, q_bounds)
+            table, tiles = self._exact_pages([pages for _, _, pages in feeds], starts, q_bounds)
 
             def read_back(i, q):
                 return paged_attention(q, cache.k[i], cache.v[i], table, self.page_size, tiles)
@@ -216,22 +222,26 @@ class Runner:
             return read_back(i, q)
 
         ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
-        last = torch.tensor(q_bounds[1:], device=dev) - 1
         if self.fused is not None:
             hidden = self.fused.hidden(ids_t, pos_t, new_t, lambda i, q, k, v: read_back(i, q))
-            return self.fused.logits(hidden.index_select(0, last))
+        else:
+            with self._autocast():
+                hidden = self._hidden(ids_t, pos_t, attend, new_t)
+        if not every_position:
+            hidden = hidden.index_select(0, torch.tensor(q_bounds[1:], device=dev) - 1)
+        if self.fused is not None:
+            return self.fused.logits(hidden)
         with self._autocast():
-            hidden = self._hidden(ids_t, pos_t, attend, new_t)
-            return self._logits(hidden.index_select(0, last))
+            return self._logits(hidden)
 
-    def _exact_pages(self, jobs: list[PrefillJob], starts: list[int], q_bounds: list[int]):
-        """The jobs' page table [J, pages] int32 and the exact kernel's tiles over their new tokens."""
+    def _exact_pages(self, pages: list[list[int]], starts: list[int], q_bounds: list[int]):
+        """The feeds' page table [F, pages] int32 and the exact kernel's tiles over their new tokens."""
         from hybridflow.kernels.attention import Tiles
 
-        width = max(len(job.seqs[0].pages) for job in jobs)
-        table = np.zeros((len(jobs), width), dtype=np.int32)
-        for j, job in enumerate(jobs):
-            table[j, : len(job.seqs[0].pages)] = job.seqs[0].pages
+        width = max(len(p) for p in pages)
+        table = np.zeros((len(pages), width), dtype=np.int32)
+        for j, p in enumerate(pages):
+            table[j, : len(p)] = p
         counts = [b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])]
         c = self.model.config
         tiles = Tiles.of_runs(

@@ -30,12 +30,18 @@ def params_key(p: SamplingParams) -> tuple:
 
 
 class SampledRun:
-    def __init__(self, batch: list[Sequence], stops_for, *, steps: int, device, exact: bool = False) -> None:
+    def __init__(
+        self, batch: list[Sequence], stops_for, *, steps: int, device, exact: bool = False, ahead=None
+    ) -> None:
         """`stops_for(params)` -> the stop token ids [S] on the device for sequences of those params.
-        exact: a plain temperature draw's log-probs from the trainer's softmax kernel (exact_logprobs)."""
+        exact: a plain temperature draw's log-probs from the trainer's softmax kernel (exact_logprobs).
+        ahead: per row, how many tokens past the sequence's own this row draws (a speculative step
+        checks several positions of one sequence at once: each draws with that position's noise)."""
         self.exact = exact
         self.seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64).to(device, non_blocking=True)
         generated = torch.tensor([s.num_generated for s in batch], dtype=torch.int64)
+        if ahead is not None:
+            generated += torch.as_tensor(ahead, dtype=torch.int64)
         self.generated = generated.to(device, non_blocking=True)  # [B] tokens before the run
         rows: dict[int, list[int]] = {}
         for i, s in enumerate(batch):

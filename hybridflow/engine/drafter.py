@@ -1,0 +1,202 @@
+"""Drafts for speculative decoding from the RL history itself, no draft model: an n-gram index over
+what the engine has seen of a prompt (the prompt, every sample of it in flight, and the responses
+to it in earlier calls: an earlier epoch, an earlier turn's request). A sequence's draft is what
+followed the latest earlier occurrence of its last n tokens (the longest n that occurs), up to k
+tokens. The engine verifies drafts in one forward (engine.py); a draft only decides how many
+tokens that forward may accept, never which: the output is the plain engine's.
+
+Adaptive: a sequence whose draft was rejected at its first token drafts again only after 1, 2, 4 ...
+steps (up to MAX_BACKOFF), so text with nothing to reuse costs nothing but the lookups."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridflow.engine.sequence import Sequence
+
+MAX_BACKOFF = 64  # steps a sequence waits at most before drafting again
+
+
+@dataclass
+class SpeculativeConfig:
+    num_speculative_tokens: int = 0
+    """Tokens drafted per sequence and checked in one forward (vLLM's name); 0: off."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram matched (vLLM's name for its prompt lookup); shorter ones are tried in turn."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram matched."""
+    max_batch_sequences: int = 32
+    """Speculate only while at most this many sequences run (the tail of a batch, where a step is
+    bound by reading the weights, not by arithmetic); more: plain decode runs."""
+    history_tokens: int = 4_000_000
+    """Tokens of finished responses kept as drafts for the same prompts' later requests (an epoch
+    later), the least recently seen prompts dropped first (4 bytes a token)."""
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0 or self.max_batch_sequences < 1 or self.history_tokens < 0:
+            raise ValueError(
+                "speculative decoding: num_speculative_tokens and history_tokens take 0 or more, "
+                "max_batch_sequences 1 or more"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative decoding: prompt_lookup_min ({self.prompt_lookup_min}) must be at least 1 "
+                f"and at most prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
+@dataclass(eq=False)
+class _Pool:
+    """What the engine has of one prompt: the sources of drafts and, while any sample of it runs,
+    their n-gram table."""
+
+    prompt: list[int]
+    history: list[np.ndarray] = field(
+        default_factory=list
+    )  # earlier responses after the prompt's tail (int32)
+    live: dict[int, Sequence] = field(default_factory=dict)  # samples in flight, by seq_id
+    # n-gram -> (source, end): the tokens after it are source[end:]. Sources: the prompt, each
+    # history array, each live sequence's token list (its prompt part not indexed again)
+    table: dict[tuple, tuple[object, int]] | None = None
+    indexed: dict[int, int] = field(default_factory=dict)  # id(source) -> positions indexed so far
+
+    @property
+    def history_tokens(self) -> int:
+        return sum(len(h) for h in self.history)
+
+
+class Drafter:
+    """The index over the engine's history and each running sequence's drafting state."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._pools: collections.OrderedDict[tuple, _Pool] = collections.OrderedDict()  # LRU order
+        self._pool_of: dict[int, _Pool] = {}  # seq_id -> its pool, while it runs
+        self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (steps to wait, next wait)
+        self._history_tokens = 0
+
+    def _pool(self, seq: Sequence) -> _Pool:
+        pool = self._pool_of.get(seq.seq_id)
+        if pool is None:
+            key = tuple(seq.tokens[: seq.prompt_len])
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _Pool(list(key))
+            self._pools.move_to_end(key)
+            pool.live[seq.seq_id] = seq  # indexed from the next draft on
+            self._pool_of[seq.seq_id] = pool
+        return pool
+
+    def _index(self, pool: _Pool, source, start: int) -> None:
+        """Index the n-grams of `source` that end before its last token (so each has a continuation),
+        from position `start` on (n-grams ending at start or later)."""
+        table, lo, hi = pool.table, self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        tokens = source if isinstance(source, list) else source.tolist()
+        begin = max(pool.indexed.get(id(source), start), start)
+        end = len(tokens) - 1
+        for i in range(begin, end):  # the n-grams ending at token i; what follows starts at i + 1
+            for n in range(lo, min(hi, i + 1) + 1):
+                table[tuple(tokens[i + 1 - n : i + 1])] = (source, i + 1)
+        pool.indexed[id(source)] = max(begin, end)
+
+    def _table(self, pool: _Pool) -> dict:
+        if pool.table is None:  # (re)built: the prompt, the history, then the samples in flight
+            pool.table, pool.indexed = {}, {}
+            self._index(pool, pool.prompt, 0)
+            for response in pool.history:
+                self._index(pool, response, 0)
+        for seq in pool.live.values():  # the tokens sampled since the last draft
+            self._index(pool, seq.tokens, max(len(pool.prompt) - self.config.prompt_lookup_max, 0))
+        return pool.table
+
+    def draft(self, seq: Sequence, most: int) -> list[int]:
+        """Up to `most` tokens to propose after the sequence's last one ([] when nothing matches, the
+        sequence waits out a back-off, or most <= 0)."""
+        if most <= 0:
+            return []
+        wait = self._backoff.get(seq.seq_id)
+        if wait is not None and wait[0] > 0:
+            self._backoff[seq.seq_id] = (wait[0] - 1, wait[1])
+            return []
+        table = self._table(self._pool(seq))
+        tokens = seq.tokens
+        most = min(most, self.config.num_speculative_tokens)
+        for n in range(
+            min(self.config.prompt_lookup_max, len(tokens)), self.config.prompt_lookup_min - 1, -1
+        ):
+            hit = table.get(tuple(tokens[-n:]))
+            if hit is not None:
+                source, end = hit
+                following = source[end : end + most]
+                return following if isinstance(following, list) else following.tolist()
+        return []
+
+    def accepted(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """After a verify step: a draft rejected at its first token backs the sequence off."""
+        if not drafted:
+            return
+        if accepted:
+            self._backoff.pop(seq.seq_id, None)
+            return
+        _, wait = self._backoff.get(seq.seq_id, (0, 1))
+        self._backoff[seq.seq_id] = (wait, min(2 * wait, MAX_BACKOFF))
+
+    def finished(self, seq: Sequence) -> None:
+        """A sample ended (or was aborted): its response joins its prompt's history."""
+        self._backoff.pop(seq.seq_id, None)
+        pool = self._pool_of.pop(seq.seq_id, None)
+        if pool is None:
+            return
+        del pool.live[seq.seq_id]
+        self._keep(pool, seq.tokens[seq.prompt_len :])
+
+    def remember(self, prompt: list[int], response: list[int]) -> None:
+        """A response to `prompt` from elsewhere (a dataset's reference answer, an earlier engine's
+        sample), drafted from as the engine's own are."""
+        key = tuple(prompt)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(list(key))
+        self._pools.move_to_end(key)
+        kept = self._keep(pool, response)
+        if kept is not None and pool.table is not None:  # a table in use takes it in now
+            self._index(pool, kept, 0)
+
+    def _keep(self, pool: _Pool, response) -> np.ndarray | None:
+        """The response into the pool's history; once no sample of the prompt runs, its table goes
+        (rebuilt when the prompt comes back); the least recently seen prompts' history goes past
+        `history_tokens`."""
+        kept = None
+        if self.config.history_tokens and len(response):
+            # after the prompt's last tokens, so that the n-grams that begin in the prompt draft too
+            tail = pool.prompt[-self.config.prompt_lookup_max :]
+            kept = np.asarray([*tail, *response], dtype=np.int32)
+            pool.history.append(kept)
+            self._history_tokens += len(kept)
+        if not pool.live:
+            pool.table, pool.indexed = None, {}  # the memory of a table goes with the prompt's last sample
+            if not pool.history:
+                self._pools.pop(tuple(pool.prompt), None)
+        self._trim()
+        return kept
+
+    def _trim(self) -> None:
+        for key in list(self._pools):  # least recently seen first
+            if self._history_tokens <= self.config.history_tokens:
+                break
+            if not self._pools[key].live:
+                self._history_tokens -= self._pools.pop(key).history_tokens
+
+    def clear(self) -> None:
+        """Forget everything (the engine's pool was rebuilt: no sequence runs)."""
+        self._pools.clear()
+        self._pool_of.clear()
+        self._backoff.clear()
+        self._history_tokens = 0
