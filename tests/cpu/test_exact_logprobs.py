@@ -22,7 +22,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     module): every sampled token's log-prob from the engine equals the trainer's packed forward over
     the same tokens, bit for bit; the ordinary kernels give a small nonzero gap on the same tokens
     (so the equality is not vacuous); with the engine's own copy, a prompt alone gets its batch's bits,
-    and a prefix-cache hit too;
+    and a prefix-cache hit too, and speculative decoding's verified positions too;
     gradients through the exact kernels equal the ordinary model's to float32 rounding, and the packed
     attention's own backward in bfloat16 is as close to float64 as PyTorch's bfloat16 attention."""
     stdout = in_triton_interpreter("exact_logprobs_check.py", timeout=600)
@@ -31,6 +31,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert stdout.count("the ordinary kernels differ: ok") == 2
     assert stdout.count("alone as in the batch: ok") == 1
     assert stdout.count("from the prefix cache: ok (hit True)") == 1
+    assert stdout.count("speculative, the plain engine's bits: ok") == 1
     assert "gradients through the exact kernels: ok" in stdout
     assert "packed attention backward, bfloat16: ok" in stdout
 

@@ -13,6 +13,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch  # noqa: E402
 
 from hybridflow.engine import Engine, EngineConfig  # noqa: E402
+from hybridflow.engine.drafter import SpeculativeConfig  # noqa: E402
 from hybridflow.models import tiny_model  # noqa: E402
 from hybridflow.models.native import from_hf_model  # noqa: E402
 from hybridflow.roles.forward import packed_response_logprobs  # noqa: E402
@@ -79,6 +80,18 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
     hit = engine.prefix_cache_stats()["cached_tokens"] > before
     same = [o.logprobs for o in again] == [o.logprobs for o in outs]
     check(f"{family} {dtype}: from the prefix cache", hit and same, f"(hit {hit})")
+    # speculative decoding (drafts from the samples in flight, then from the first call's responses):
+    # a verified position's logits are a decode step's to the bit, so tokens and log-probs are too
+    spec = Engine(model, eos_token_ids=[1], config=replace(config, speculative=SpeculativeConfig(3)))
+    calls = [spec.generate(PROMPTS, params) for _ in range(2)]
+    check(
+        f"{family} {dtype}: speculative, the plain engine's bits",
+        all(
+            [(o.token_ids, o.logprobs) for o in c] == [(o.token_ids, o.logprobs) for o in outs] for c in calls
+        )
+        and spec.speculation["accepted"] > 0,
+        f"({spec.speculation})",
+    )
 
 # the update's forward: the exact kernels' gradients are the ordinary model's (float32: to rounding)
 hf = tiny_model("qwen2", seed=7)

@@ -1,0 +1,170 @@
+"""Speculative decoding from the engine's own history (engine/drafter.py, Engine._speculate): drafts
+from the prompt, the samples in flight and earlier responses; a verified step keeps what the plain
+engine would have drawn, so outputs are the plain engine's token for token, greedy or sampled, and the
+sampled distribution is the model's."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hybridflow.engine import Engine, EngineConfig
+from hybridflow.engine.drafter import Drafter, SpeculativeConfig
+from hybridflow.engine.sequence import Sequence
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 200, 17, 3, 8] * 3, list(range(30, 66)), [250, 1, 2]]
+
+
+def _sequence(seq_id, prompt, generated=()):
+    return Sequence(seq_id, 0, [*prompt, *generated], len(prompt), seed=0)
+
+
+def test_drafts_come_from_the_prompt_the_siblings_and_earlier_responses():
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2))
+    prompt = [1, 2, 3, 4, 5, 6, 2, 3]
+    # the prompt: "2 3" was followed by "4 5 6"
+    assert drafter.draft(_sequence(0, prompt), 3) == [4, 5, 6]
+    # at most `most`, and never more than num_speculative_tokens
+    assert drafter.draft(_sequence(1, prompt), 2) == [4, 5]
+    assert drafter.draft(_sequence(2, prompt, [9]), 5) == []  # "3 9" occurs nowhere
+    # a sibling in flight: what it sampled after the prompt drafts for another sample
+    sibling = _sequence(3, prompt, [7, 8, 9, 10])
+    drafter.draft(sibling, 3)
+    other = _sequence(4, prompt, [7])
+    assert drafter.draft(other, 3) == [8, 9, 10]  # the 2-gram (3, 7) spans the prompt's end
+    # earlier responses: a finished sample's response drafts for the prompt's next request
+    for s in (sibling, other):
+        drafter.finished(s)
+    again = _sequence(5, prompt, [7, 8])
+    assert drafter.draft(again, 3) == [9, 10]
+    # a response remembered from elsewhere, and a prompt never seen
+    drafter.remember([42, 43], [44, 45, 46])
+    assert drafter.draft(_sequence(6, [42, 43]), 3) == [44, 45, 46]  # kept after the prompt's tail
+    assert drafter.draft(_sequence(7, [42, 43], [44]), 3) == [45, 46]
+    assert drafter.draft(_sequence(8, [99, 98], [97]), 3) == []
+
+
+def test_a_rejected_draft_backs_the_sequence_off_and_history_is_bounded():
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, history_tokens=12))
+    seq = _sequence(0, [1, 2, 3, 1, 2], [3])
+    assert drafter.draft(seq, 2) == [1, 2]
+    drafter.accepted(seq, 2, 0)  # rejected at the first token: wait 1 step
+    assert drafter.draft(seq, 2) == []
+    assert drafter.draft(seq, 2) == [1, 2]
+    drafter.accepted(seq, 2, 0)  # again: wait 2
+    assert [drafter.draft(seq, 2) for _ in range(3)] == [[], [], [1, 2]]
+    drafter.accepted(seq, 2, 1)  # accepted: drafting every step again
+    assert drafter.draft(seq, 2) == [1, 2]
+    # history past its budget: the least recently seen prompt's goes first
+    for prompt in ([10, 11], [20, 21], [30, 31]):
+        drafter.remember(prompt, [5, 6, 7, 8])  # 2 + 4 tokens each (the prompt's tail kept with it)
+    assert drafter.draft(_sequence(1, [10, 11], [5]), 2) == []
+    assert drafter.draft(_sequence(2, [30, 31], [5]), 2) == [6, 7]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_model("qwen2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(hf_model):
+    return from_hf_model(hf_model)
+
+
+def _engine(model, k, eos=(1,), batch=256, context=256):
+    config = EngineConfig(
+        max_context_tokens=context,
+        max_batch_sequences=batch,
+        speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=batch),
+    )
+    return Engine(model, eos_token_ids=list(eos), config=config)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=40, n=3),
+        SamplingParams(temperature=0.8, max_tokens=40, n=4, seed=11),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=40, n=4, seed=5),
+    ],
+    ids=["greedy", "temperature", "top-k-top-p"],
+)
+def test_speculative_outputs_are_the_plain_engines_token_for_token(model, params):
+    """Epochs of the same prompts, each drafting from the earlier ones' responses: greedy twice;
+    sampled with a seed, another seed (drafts mostly wrong: random text) and the first again (drafts
+    right). Every token, finish reason and log-prob is the plain engine's (log-probs to float32
+    rounding: a verified position's logits come from a forward over several tokens, the plain
+    engine's from a decode step)."""
+    epochs = [params, params] if params.greedy else [params, replace(params, seed=99), params]
+    plain, spec = _engine(model, 0), _engine(model, 4)
+    for p in epochs:
+        want, got = plain.generate(PROMPTS, p), spec.generate(PROMPTS, p)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs))
+        assert worst < 1e-5
+    stats = spec.stats  # the last epoch's: drafts used, forwards saved
+    assert stats["speculative_tokens"] > 1.5 * stats["speculative_steps"] > 0
+    if not params.greedy:
+        assert spec.speculation["drafted"] > spec.speculation["accepted"]  # some drafts were wrong
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probs, the categories of fewer than 5 expected pooled."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed, expected = counts[~small], expected[~small]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum()[None]])
+        expected = torch.cat([expected, (probs[small].sum() * counts.sum())[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((observed.numel() - 1) / 2.0), statistic / 2).item()
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """A tiny model whose next-token distributions are far from uniform (its LM head scaled up): a
+    likely draft is accepted often, an unlikely one almost never. (transformers', native)"""
+    hf = tiny_model("qwen2", seed=5)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4)
+    return hf, from_hf_model(hf)
+
+
+@pytest.mark.parametrize("draft", ["right", "wrong"])
+def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peaked, draft):
+    """4,000 samples of a prompt's first two tokens at temperature 0.9; every sample's second token is
+    verified against a remembered draft for whatever its first token was: the likeliest next token
+    (mostly accepted) or the least likely (mostly rejected, the token then drawn from the rest). The
+    second token's histogram is the model's distribution (chi-square against the mixture over first
+    tokens), and a draft is accepted as often as the model would draw it."""
+    hf_model, model = peaked
+    prompt, temperature, n = [7, 100, 3, 250, 12], 0.9, 4000
+    with torch.no_grad():
+        first = torch.softmax(
+            hf_model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1
+        )  # [V]
+        after = torch.tensor([[*prompt, t] for t in range(first.numel())])
+        second = torch.softmax(
+            hf_model(after).logits[:, -1].double() / temperature, -1
+        )  # [V, V]: p(. | first)
+    drafts = second.argmax(-1) if draft == "right" else second.argmin(-1)  # [V]
+    # all at once: when they are verified, no sample has a token after its first to draft from
+    engine = _engine(model, 1, eos=(), batch=n, context=32)
+    for t, d in enumerate(drafts.tolist()):
+        engine.drafter.remember(prompt, [t, d])
+    outs = engine.generate([prompt], SamplingParams(temperature=temperature, max_tokens=3, n=n, seed=3))
+    pairs = torch.tensor([o.token_ids[:2] for o in outs])  # [n, 2]
+    assert engine.stats["speculative_drafted"] == n  # every sample's second token was a verified draft
+    counts = torch.bincount(pairs[:, 1], minlength=first.numel()).double()
+    assert _chi_square_p(counts, first @ second) > 1e-3
+    accepted = (pairs[:, 1] == drafts[pairs[:, 0]]).double().mean().item()
+    expected = (first * second.gather(1, drafts[:, None])[:, 0]).sum().item()
+    assert abs(accepted - expected) < 5 * math.sqrt(expected * (1 - expected) / n) + 1e-4
+    assert engine.stats["speculative_accepted"] == round(accepted * n)
+    assert (expected > 0.2) if draft == "right" else (expected < 0.01)  # (the model is peaked)
