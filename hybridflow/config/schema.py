@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from hybridflow.config.sections_model_data import DataConfig, ModelConfig
 from hybridflow.config.sections_offline import PreferenceConfig, SFTConfig
 from hybridflow.config.sections_reward import OverlongBufferConfig, RewardConfig
-from hybridflow.config.sections_rollout import AgentConfig, RolloutConfig
+from hybridflow.config.sections_rollout import AgentConfig, RolloutConfig, SpeculativeRolloutConfig
 from hybridflow.config.sections_run import GuardsConfig, ResourcesConfig, TrainerConfig
 from hybridflow.config.sections_training import (
     ActorConfig,
@@ -42,6 +42,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
+    "SpeculativeRolloutConfig",
     "TrainerConfig",
     "Config",
 ]

@@ -88,6 +88,44 @@ class AgentConfig:
 
 
 @dataclass
+class SpeculativeRolloutConfig:
+    """Native engine: speculative decoding with drafts from the run's own history, no draft model
+    (engine/drafter.py): an n-gram index over the prompt, its other samples in flight and the
+    responses to it in earlier steps and epochs (and, in an agent episode, the turns so far: they are
+    in the next turn's prompt). While few sequences run (the tail of a step, where a decode step reads
+    all the weights for a few tokens) each step checks every sequence's draft in one forward and keeps
+    the drafted tokens up to the first that the plain engine would not have drawn, then the one it
+    would: tokens and log-probs are the plain engine's, only fewer forwards. Metrics:
+    rollout/speculative_*."""
+
+    num_speculative_tokens: int = 0
+    """Tokens drafted per sequence and step (vLLM's name); 0: off."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram looked up (vLLM's name for its prompt lookup); shorter ones down to
+    prompt_lookup_min are tried in turn."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram looked up."""
+    max_batch_sequences: int = 32
+    """Speculate while at most this many sequences run; more run plain decode steps."""
+    history_tokens: int = 4_000_000
+    """Tokens of finished responses the engine keeps as drafts for the same prompts later (4 bytes a
+    token), the least recently seen prompts' dropped first."""
+
+    def __post_init__(self) -> None:
+        check_positive(
+            "rollout.speculative", "num_speculative_tokens", self.num_speculative_tokens, allow_zero=True
+        )
+        check_positive("rollout.speculative", "prompt_lookup_min", self.prompt_lookup_min)
+        check_positive("rollout.speculative", "max_batch_sequences", self.max_batch_sequences)
+        check_positive("rollout.speculative", "history_tokens", self.history_tokens, allow_zero=True)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise UserError(
+                f"config rollout.speculative.prompt_lookup_max={self.prompt_lookup_max} is below "
+                f"prompt_lookup_min={self.prompt_lookup_min}"
+            )
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "auto"
     """'native' (the built-in engine: paged KV cache, continuous batching, CUDA graphs), 'hf'
@@ -176,6 +214,8 @@ class RolloutConfig:
     """Native engine: keep full KV pages by their token prefix across requests (a shared system
     prompt, a conversation's next turn, a preempted sequence) and prefill only what is new; dropped
     at every weight update."""
+    speculative: SpeculativeRolloutConfig = field(default_factory=SpeculativeRolloutConfig)
+    """Speculative decoding from the run's own history (SpeculativeRolloutConfig); off by default."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes with tools or an environment (AgentConfig); off by default."""
     server: bool = False

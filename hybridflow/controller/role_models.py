@@ -3,6 +3,7 @@ supported, transformers otherwise; the rollout engine, transformers generate or 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -134,6 +135,7 @@ def rollout_backend(
     transformers' generate on the transformers model (for a native actor, a copy synced by name
     after each update), or vLLM."""
     from hybridflow.engine import EngineConfig, build_engine
+    from hybridflow.engine.drafter import SpeculativeConfig
 
     c, r = config, config.rollout
     backend = r.backend
@@ -199,6 +201,7 @@ def rollout_backend(
         progress=c.trainer.progress,
         record_routes=replay,
         exact_logprobs=c.rollout.exact_logprobs,
+        speculative=SpeculativeConfig(**dataclasses.asdict(r.speculative)),
     )
     if lora_modules(policy):  # the engine runs plain merged weights; syncs refresh the adapted layers
         policy = merged_model(policy)

@@ -141,9 +141,9 @@ class Engine:
                 "num_speculative_tokens 0, or rollout.tensor_parallel_size 1)"
             )
         self.drafter = Drafter(c.speculative) if c.speculative.enabled else None
-        # since the engine was made: speculative steps, tokens drafted, drafted tokens accepted, tokens
-        # those steps produced
-        self.speculation = {"steps": 0, "drafted": 0, "accepted": 0, "tokens": 0}
+        # since the engine was made: speculative steps, the sequences they advanced (rows), tokens
+        # drafted, drafted tokens accepted, tokens those steps produced
+        self.speculation = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "tokens": 0}
         self.asleep = False
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
@@ -377,6 +377,13 @@ class Engine:
             for s in seqs
         ]
 
+    def counters(self) -> dict[str, int]:
+        """Since the engine was made: tokens prefilled again (recomputed_tokens) and, speculating, its
+        steps, tokens drafted, drafts accepted and tokens those steps produced (speculative_*)."""
+        return {"recomputed_tokens": self.recomputed_tokens} | {
+            f"speculative_{k}": v for k, v in self.speculation.items()
+        }
+
     def prefix_cache_stats(self) -> dict[str, float]:
         """Since the engine was made: tokens admitted to prefill, those found cached, and the ratio."""
         s = self.scheduler
@@ -506,6 +513,7 @@ class Engine:
         self._record(batch, run, kept)
         stats = self.speculation
         stats["steps"] += 1
+        stats["rows"] += len(batch)
         stats["drafted"] += sum(len(d) for d in proposed)
         stats["accepted"] += sum(kept) - len(kept)
         stats["tokens"] += sum(len(s.tokens) for s in batch) - before

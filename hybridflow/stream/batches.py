@@ -179,6 +179,25 @@ class WholeBatches:
         pass
 
 
+def speculative_metrics(counts: dict[str, int]) -> dict[str, float]:
+    """rollout/speculative_*: the engines' speculative steps since the last batch, the tokens they
+    drafted and accepted, the share accepted, and the tokens a sequence got per speculative step
+    (1 without speculation: the forwards saved)."""
+    get = counts.get
+    drafted, accepted, rows = (
+        get("speculative_drafted", 0),
+        get("speculative_accepted", 0),
+        get("speculative_rows", 0),
+    )
+    return {
+        "rollout/speculative_steps": float(get("speculative_steps", 0)),
+        "rollout/speculative_drafted": float(drafted),
+        "rollout/speculative_accepted": float(accepted),
+        "rollout/speculative_acceptance": accepted / drafted if drafted else 0.0,
+        "rollout/speculative_tokens_per_row": get("speculative_tokens", 0) / rows if rows else 0.0,
+    }
+
+
 @dataclass
 class _DrawnStep:
     """A step whose prompts are drawn, not all of whose groups have started yet."""
@@ -269,20 +288,23 @@ class StreamedBatches:
         rollouts, scored, baselines, metrics = take_policies(
             self.config, step, (rollouts, scored), self.stream.generate_now, self._score, self.sampler.next
         )
+        counts = self.stream.take_engine_counts()
         if self.config.trainer.async_mode != "off":  # how the batch was made beside training
-            metrics |= self._async_metrics(rollouts, step, waited)
+            metrics |= self._async_metrics(rollouts, step, waited, counts)
+        if self.config.rollout.speculative.num_speculative_tokens:
+            metrics |= speculative_metrics(counts)
         recovery = self.stream.take_recovery_metrics()  # rollout workers replaced, groups submitted again
         if self.config.trainer.async_mode != "off" or any(recovery.values()):
             metrics |= recovery
         self._sampler_before.pop(step, None)
         return Taken(rollouts, scored, baselines, metrics, self._epoch_of.pop(step, self.sampler.epoch))
 
-    def _async_metrics(self, rollouts: Rollouts, step: int, waited: float) -> dict[str, float]:
+    def _async_metrics(self, rollouts: Rollouts, step: int, waited: float, counts: dict) -> dict[str, float]:
         return staleness_metrics(rollouts, trained_by=step - 1) | {
             "async/wait_for_groups_s": waited,  # the trainer's idle time
             "async/generation_idle_s": self.stream.take_idle_seconds(),  # the engine's, since the last step
             "async/groups_running": float(self.stream.running),
-            "async/recomputed_tokens": float(self.stream.take_recomputed_tokens()),  # K/V prefilled again
+            "async/recomputed_tokens": float(counts.get("recomputed_tokens", 0)),  # K/V prefilled again
         }
 
     def _score(self, rollouts: Rollouts) -> RewardResult:

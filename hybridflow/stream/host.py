@@ -78,8 +78,8 @@ class StreamHost:
     def idle_seconds(self) -> float:
         return self.stream.take_idle_seconds()
 
-    def recomputed_tokens(self) -> int:
-        return self.stream.take_recomputed_tokens()
+    def engine_counts(self) -> dict[str, int]:
+        return self.stream.take_engine_counts()
 
     def close(self) -> None:
         if self.stream is not None:

@@ -69,7 +69,7 @@ class GroupStream(GroupBuffer):
         self.in_flight_updates, self.version = in_flight_updates, version
         self._engine_versions = [engine.weight_version]  # engine count at which each policy version began
         self._policy_versions = [version]
-        self._recomputed_seen = engine.recomputed_tokens
+        self._counted = engine.counters()
         self.pause_for_training, self.free_cache_while_paused = pause_for_training, free_cache_while_paused
         # the loop's: groups entered (their requests reach the engine at once), groups whose samples all
         # finished, the groups whose generation the trainer waits for (None: it never pauses; empty:
@@ -136,11 +136,13 @@ class GroupStream(GroupBuffer):
         self.version = version
         return waited
 
-    def take_recomputed_tokens(self) -> int:
-        """Tokens of sequences in flight prefilled again since the last call: after a weight update
-        (unless rollout.keep_kv_on_weight_update), a preemption for room, a resume, a validation."""
-        now = self.engine.recomputed_tokens
-        taken, self._recomputed_seen = now - self._recomputed_seen, now
+    def take_engine_counts(self) -> dict[str, int]:
+        """The engine's counters since the last call (Engine.counters): tokens of sequences in flight
+        prefilled again (after a weight update unless rollout.keep_kv_on_weight_update, a preemption
+        for room, a resume, a validation), and speculative decoding's steps, drafts and acceptances."""
+        now = self.engine.counters()
+        taken = {k: v - self._counted.get(k, 0) for k, v in now.items()}
+        self._counted = now
         return taken
 
     def snapshot(self) -> dict | None:

@@ -156,10 +156,11 @@ class RemoteGroupStream(GroupBuffer):
             idle = self._recovering(lambda: self.group.call(hosted(StreamHost.idle_seconds)))
         return sum(idle) / len(idle)
 
-    def take_recomputed_tokens(self) -> int:
-        """The engines' tokens prefilled again since the last call (their sum)."""
+    def take_engine_counts(self) -> dict[str, int]:
+        """The engines' counters since the last call (GroupStream.take_engine_counts), summed."""
         with self._members:
-            return sum(self._recovering(lambda: self.group.call(hosted(StreamHost.recomputed_tokens))))
+            counts = self._recovering(lambda: self.group.call(hosted(StreamHost.engine_counts)))
+        return {k: sum(c.get(k, 0) for c in counts) for k in counts[0]} if counts else {}
 
     def take_recovery_metrics(self) -> dict[str, float]:
         """Rollout workers replaced and groups submitted again since the last call."""

@@ -8,7 +8,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from rl_run import config as rl_config
+from rl_run import read_metrics
 
+from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.drafter import Drafter, SpeculativeConfig
 from hybridflow.engine.sequence import Sequence
@@ -168,3 +171,25 @@ def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peake
     assert abs(accepted - expected) < 5 * math.sqrt(expected * (1 - expected) / n) + 1e-4
     assert engine.stats["speculative_accepted"] == round(accepted * n)
     assert (expected > 0.2) if draft == "right" else (expected < 0.01)  # (the model is peaked)
+
+
+def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup, tmp_path):
+    """`hybridflow train rollout.speculative.num_speculative_tokens=4` beside the same run without: the
+    same responses every step (rewards and lengths equal; log-probs to float32 rounding), and
+    rollout/speculative_* metrics that say drafts were checked."""
+    runs = {}
+    for name, extra in (("plain", []), ("speculative", ["rollout.speculative.num_speculative_tokens=4"])):
+        run_dir = tmp_path / name
+        config = rl_config(setup, run_dir, "trainer.total_training_steps=3", "trainer.save_freq=-1", *extra)
+        RLTrainer(config).fit()
+        runs[name] = read_metrics(run_dir)
+    for plain, spec in zip(runs["plain"], runs["speculative"]):
+        for key in ("critic/rewards/mean", "response_length/mean", "response_length/max"):
+            assert spec[key] == plain[key], key
+        assert abs(spec["actor/pg_loss"] - plain["actor/pg_loss"]) < 1e-4
+        assert (
+            spec["rollout/speculative_tokens_per_row"] in (0.0,)
+            or spec["rollout/speculative_tokens_per_row"] >= 1
+        )
+        assert "rollout/speculative_steps" not in plain
+    assert sum(row["rollout/speculative_drafted"] for row in runs["speculative"]) > 0
