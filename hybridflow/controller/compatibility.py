@@ -144,6 +144,12 @@ FEATURES: dict[str, Feature] = {
         lambda c, w: c.rollout.exact_logprobs, lambda c: "rollout.exact_logprobs=true",
         ("rollout.exact_logprobs=true",),
     ),
+    "speculative": Feature(
+        "speculative decoding from the run's history", "rollout.speculative.num_speculative_tokens > 0",
+        lambda c, w: c.rollout.speculative.num_speculative_tokens > 0,
+        lambda c: f"rollout.speculative.num_speculative_tokens={c.rollout.speculative.num_speculative_tokens}",
+        ("rollout.speculative.num_speculative_tokens=4",),
+    ),
     "ep": Feature(
         "expert parallelism", "actor.expert_parallel_size > 1",
         lambda c, w: c.actor.expert_parallel_size > 1,
@@ -185,6 +191,10 @@ REFUSED: dict[tuple[str, str], str] = {
     ("exact", "sp"): "the exact kernels do not cover sequence parallelism yet: set actor.sequence_parallel_size=1, "
     "or rollout.exact_logprobs=false",
     ("exact", "ep"): "the exact kernels do not cover mixture-of-experts layers yet: set rollout.exact_logprobs=false",
+    ("speculative", "hf_backend"): "drafts are checked by the built-in engine: set rollout.backend=native, or "
+    "rollout.speculative.num_speculative_tokens=0",
+    ("speculative", "rollout_tp"): "speculative steps are not built for an engine split over workers yet: use "
+    "rollout.tensor_parallel_size=1, or rollout.speculative.num_speculative_tokens=0",
     ("ep", "tp"): "tensor parallelism already splits the experts over its ranks: set one of the two",
     ("ep", "sp"): "expert parallelism does not combine with sequence parallelism yet: set one of them to 1",
     ("ep", "offload"): "expert parallelism does not combine with offload_params yet (the experts would stay on "

@@ -187,9 +187,7 @@ def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup,
         for key in ("critic/rewards/mean", "response_length/mean", "response_length/max"):
             assert spec[key] == plain[key], key
         assert abs(spec["actor/pg_loss"] - plain["actor/pg_loss"]) < 1e-4
-        assert (
-            spec["rollout/speculative_tokens_per_row"] in (0.0,)
-            or spec["rollout/speculative_tokens_per_row"] >= 1
-        )
+        per_row = spec["rollout/speculative_tokens_per_row"]
+        assert per_row == 0 or per_row >= 1  # (0: no speculative step this batch)
         assert "rollout/speculative_steps" not in plain
     assert sum(row["rollout/speculative_drafted"] for row in runs["speculative"]) > 0
