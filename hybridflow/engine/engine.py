@@ -475,8 +475,9 @@ class Engine:
         return batch
 
     def _speculate(self) -> list[Sequence] | None:
-        """One step that feeds each running sequence its last token and its draft, and draws at every
-        fed position with the noise the plain engine would use there (SampledRun's `ahead`): a
+        """One decode step whose rows feed each running sequence its last token and its draft (the
+        decode step's kernels and graphs: a row per fed token), drawing at every fed position with
+        the noise the plain engine would use there (SampledRun's `ahead`): a
         sequence keeps its drafted tokens up to the first that differs from the draw, and the draw
         after them. So its tokens and log-probs are those of plain decoding: the draft only decides
         how many positions one forward checks. None: nothing drafted (a plain decode run instead)."""
@@ -489,15 +490,16 @@ class Engine:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
         fed = [min(len(drafts.get(s.seq_id, ())) + 1, len(s.pages) * ps - s.cached) for s in batch]
         proposed = [drafts.get(s.seq_id, [])[: n - 1] for s, n in zip(batch, fed)]
-        logits = self.runner.extend(
-            [(s.tokens + d, s.cached, s.pages) for s, d in zip(batch, proposed)], every_position=True
-        )  # [sum(fed), V]
+        # a row per fed token: the sequence's last one and its draft, each at its own position
         rows = [s for s, n in zip(batch, fed) for _ in range(n)]
+        ahead = [i for n in fed for i in range(n)]
+        tokens = [t for s, d in zip(batch, proposed) for t in (s.tokens[-1], *d)]
+        positions = [s.cached + i for s, i in zip(rows, ahead)]
         sampled = SampledRun(
-            rows, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs,
-            ahead=[i for n in fed for i in range(n)],
-        )  # fmt: skip
-        sampled.draw(logits, 0)
+            rows, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs, ahead=ahead
+        )
+        table = scheduler.table[[s.row for s in rows]]
+        self.runner.decode(rows, table, [1] * len(rows), sampled, feed=(tokens, positions))
         drawn = sampled.fetch()[0]  # [4, sum(fed)]: token, log-prob, unscaled, stop
         run = np.zeros((max(fed), 4, len(batch)))
         kept, at = [], 0

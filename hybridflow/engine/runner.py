@@ -227,8 +227,7 @@ class Runner:
         else:
             with self._autocast():
                 hidden = self._hidden(ids_t, pos_t, attend, new_t)
-        if not every_position:
-            hidden = hidden.index_select(0, torch.tensor(q_bounds[1:], device=dev) - 1)
+        hidden = hidden.index_select(0, torch.tensor(q_bounds[1:], device=dev) - 1)
         if self.fused is not None:
             return self.fused.logits(hidden)
         with self._autocast():
@@ -250,18 +249,18 @@ class Runner:
         return torch.from_numpy(table).to(self.device, non_blocking=True), tiles
 
     def _decode_inputs(
-        self, seqs: list[Sequence], table: np.ndarray, rows: int, limits: list[int]
+        self, tokens: list[int], positions: list[int], table: np.ndarray, rows: int, limits: list[int]
     ) -> dict[str, torch.Tensor]:
         """Host tensors of a run of decode steps, padded to `rows` (padded rows: token 0 at position 0,
         limit 0: they write to the never-allocated page 0 and have no context). `table` holds the
-        sequences' page rows [B, max_pages]."""
-        b = len(seqs)
+        rows' page-table rows [B, max_pages]."""
+        b = len(tokens)
         ids = np.zeros(rows, dtype=np.int64)
         pos = np.zeros(rows, dtype=np.int64)
         limit = np.zeros(rows, dtype=np.int64)
         padded = np.zeros((rows, self.max_pages), dtype=np.int32)
-        ids[:b] = [s.tokens[-1] for s in seqs]
-        pos[:b] = [s.cached for s in seqs]
+        ids[:b] = tokens
+        pos[:b] = positions
         limit[:b] = limits
         padded[:b] = table
         host = {"ids": ids, "pos": pos, "limit": limit, "table": padded}
@@ -286,9 +285,15 @@ class Runner:
             return self._logits(self._hidden(ids, pos, attend, slots))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun) -> None:
+    def decode(
+        self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun, feed=None
+    ) -> None:
         """Up to max(limits) decode steps with no host sync between them. Step k feeds each sequence's
         last token, caches its K/V and draws the next (`sampled` records the draws on the device).
+        feed: (tokens, positions), a row each, instead of each sequence's last token at `cached`: a
+        speculative step's one step, whose rows are a sequence's last token and its drafted ones (each
+        row attends over its sequence's pages to its own position; all rows store their K/V in a layer
+        before any attends, so a row sees the rows before it).
         Sequence i takes limits[i] steps (the cache slots reserved for it); after that its row still
         computes, but writes to the scratch page 0 and stays in place, and its results are to be
         ignored. table [B, max_pages]: the sequences' page-table rows.
@@ -302,7 +307,8 @@ class Runner:
         # summation orders) are the same either way
         padded = b <= self.max_batch and (graphs or self.fused is not None)
         rows = next(x for x in self.buckets if x >= b) if padded else b
-        host = self._decode_inputs(seqs, table, rows, limits)
+        ids, pos = feed if feed is not None else ([s.tokens[-1] for s in seqs], [s.cached for s in seqs])
+        host = self._decode_inputs(ids, pos, table, rows, limits)
         device_draw = sampled.device_draw() if self.fused is not None and steps <= self.decode_steps else None
         if device_draw is not None:
             return self._decode_on_device(b, rows, steps, host, sampled, device_draw, graphs)
