@@ -17,6 +17,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def run_epochs(model, eos, prompts, params, epochs, k, args) -> dict:
     engine = Engine(model, eos_token_ids=eos, config=config)
     out = []
     for epoch in range(epochs):
-        p = SamplingParams(**{**params.__dict__, "seed": params.seed + epoch})
+        p = replace(params, seed=params.seed + epoch)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -93,16 +94,22 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_tokens=args.tokens, n=args.n, seed=1)
     rng = random.Random(0)
     workloads = {
-        "gsm8k": (gsm8k_prompts(tokenizer, args.data, args.prompts), 2),
-        "random_prompts": ([[rng.randrange(1000, 30000) for _ in range(60)] for _ in range(args.prompts)], 1),
+        "gsm8k": (gsm8k_prompts(tokenizer, args.data, args.prompts), 2, args.n),
+        "random_prompts": (
+            [[rng.randrange(1000, 30000) for _ in range(60)] for _ in range(args.prompts)],
+            1,
+            args.n,
+        ),
+        # the tail alone: one sequence, its second epoch drafting from its first
+        "gsm8k_one_sequence": (gsm8k_prompts(tokenizer, args.data, 1), 2, 1),
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
-    for name, (prompts, epochs) in workloads.items():
+    for name, (prompts, epochs, n) in workloads.items():
         runs = {"plain": [], "speculative": []}
         for _ in range(args.repeats):
             for label, k in (("plain", 0), ("speculative", args.k)):
-                runs[label].append(run_epochs(model, eos, prompts, params, epochs, k, args))
+                runs[label].append(run_epochs(model, eos, prompts, replace(params, n=n), epochs, k, args))
         same = all(
             a["outputs"] == b["outputs"]
             for x, y in zip(runs["plain"], runs["speculative"]) for a, b in zip(x, y)

@@ -105,8 +105,10 @@ class SpeculativeRolloutConfig:
     prompt_lookup_min are tried in turn."""
     prompt_lookup_min: int = 2
     """Shortest n-gram looked up."""
-    max_batch_sequences: int = 32
-    """Speculate while at most this many sequences run; more run plain decode steps."""
+    max_batch_sequences: int | None = None
+    """Speculate while at most this many sequences run; more run plain decode steps. None: by device
+    (32 on a GPU, where a step reads the weights once for dozens of rows; 4 on a CPU, whose matmuls
+    are bound by arithmetic from a few rows on)."""
     history_tokens: int = 4_000_000
     """Tokens of finished responses the engine keeps as drafts for the same prompts later (4 bytes a
     token), the least recently seen prompts' dropped first."""
@@ -116,7 +118,8 @@ class SpeculativeRolloutConfig:
             "rollout.speculative", "num_speculative_tokens", self.num_speculative_tokens, allow_zero=True
         )
         check_positive("rollout.speculative", "prompt_lookup_min", self.prompt_lookup_min)
-        check_positive("rollout.speculative", "max_batch_sequences", self.max_batch_sequences)
+        if self.max_batch_sequences is not None:
+            check_positive("rollout.speculative", "max_batch_sequences", self.max_batch_sequences)
         check_positive("rollout.speculative", "history_tokens", self.history_tokens, allow_zero=True)
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise UserError(

@@ -20,6 +20,14 @@ from hybridflow.engine.sequence import Sequence
 MAX_BACKOFF = 64  # steps a sequence waits at most before drafting again
 
 
+def speculative_batch_for(device) -> int:
+    """Most running sequences a speculative step is taken for, by device: a GPU reads a layer's weights
+    once for up to a few dozen rows at the same cost (an H100's 0.5B decode step is bound by the weight
+    reads to past 64 rows); a CPU's matmuls are bound by arithmetic from a few rows on (this 2-core
+    machine: the 135M model at 28 rows), where a rejected row costs what it computes."""
+    return 32 if device.type == "cuda" else 4
+
+
 @dataclass
 class SpeculativeConfig:
     num_speculative_tokens: int = 0
@@ -28,15 +36,16 @@ class SpeculativeConfig:
     """Longest n-gram matched (vLLM's name for its prompt lookup); shorter ones are tried in turn."""
     prompt_lookup_min: int = 2
     """Shortest n-gram matched."""
-    max_batch_sequences: int = 32
+    max_batch_sequences: int | None = None
     """Speculate only while at most this many sequences run (the tail of a batch, where a step is
-    bound by reading the weights, not by arithmetic); more: plain decode runs."""
+    bound by reading the weights, not by arithmetic: a drafted row costs little); more: plain decode
+    runs. None: by device (speculative_batch_for)."""
     history_tokens: int = 4_000_000
     """Tokens of finished responses kept as drafts for the same prompts' later requests (an epoch
     later), the least recently seen prompts dropped first (4 bytes a token)."""
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0 or self.max_batch_sequences < 1 or self.history_tokens < 0:
+        if self.num_speculative_tokens < 0 or (self.max_batch_sequences or 1) < 1 or self.history_tokens < 0:
             raise ValueError(
                 "speculative decoding: num_speculative_tokens and history_tokens take 0 or more, "
                 "max_batch_sequences 1 or more"

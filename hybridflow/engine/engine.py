@@ -15,7 +15,7 @@ import torch
 
 from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
-from hybridflow.engine.drafter import Drafter
+from hybridflow.engine.drafter import Drafter, speculative_batch_for
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
@@ -141,6 +141,7 @@ class Engine:
                 "num_speculative_tokens 0, or rollout.tensor_parallel_size 1)"
             )
         self.drafter = Drafter(c.speculative) if c.speculative.enabled else None
+        self._speculative_batch = c.speculative.max_batch_sequences or speculative_batch_for(self.device)
         # since the engine was made: speculative steps, the sequences they advanced (rows), tokens
         # drafted, drafted tokens accepted, tokens those steps produced
         self.speculation = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "tokens": 0}
@@ -449,10 +450,7 @@ class Engine:
     def _decode(self) -> list[Sequence]:
         """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
         (or, with drafts to check, one speculative step)."""
-        if (
-            self.drafter is not None
-            and len(self.scheduler.running) <= self.config.speculative.max_batch_sequences
-        ):
+        if self.drafter is not None and len(self.scheduler.running) <= self._speculative_batch:
             batch = self._speculate()
             if batch is not None:
                 return batch

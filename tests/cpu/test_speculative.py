@@ -178,7 +178,8 @@ def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup,
     same responses every step (rewards and lengths equal; log-probs to float32 rounding), and
     rollout/speculative_* metrics that say drafts were checked."""
     runs = {}
-    for name, extra in (("plain", []), ("speculative", ["rollout.speculative.num_speculative_tokens=4"])):
+    spec = ["rollout.speculative.num_speculative_tokens=4", "rollout.speculative.max_batch_sequences=32"]
+    for name, extra in (("plain", []), ("speculative", spec)):
         run_dir = tmp_path / name
         config = rl_config(setup, run_dir, "trainer.total_training_steps=3", "trainer.save_freq=-1", *extra)
         RLTrainer(config).fit()
