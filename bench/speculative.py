@@ -47,6 +47,7 @@ def run_epochs(model, eos, prompts, params, epochs, k, args) -> dict:
     """A fresh engine, `epochs` calls of the prompts (seed + epoch each) -> seconds and tokens per call."""
     config = EngineConfig(
         max_context_tokens=args.context,
+        max_batch_sequences=len(prompts) * params.n,  # (on a CPU the KV pool holds them all at full context)
         speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=args.max_batch),
     )
     engine = Engine(model, eos_token_ids=eos, config=config)
@@ -82,7 +83,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument(
-        "--max-batch", type=int, default=32, help="speculate while at most this many sequences run"
+        "--max-batch",
+        type=int,
+        default=None,
+        help="speculate while at most this many run (default: by device)",
     )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
