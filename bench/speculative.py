@@ -47,7 +47,9 @@ def run_epochs(model, eos, prompts, params, epochs, k, args) -> dict:
     """A fresh engine, `epochs` calls of the prompts (seed + epoch each) -> seconds and tokens per call."""
     config = EngineConfig(
         max_context_tokens=args.context,
-        max_batch_sequences=len(prompts) * params.n,  # (on a CPU the KV pool holds them all at full context)
+        max_batch_sequences=max(
+            len(prompts) * params.n, 2
+        ),  # (on a CPU the KV pool holds them all at full context)
         speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=args.max_batch),
     )
     engine = Engine(model, eos_token_ids=eos, config=config)
@@ -89,6 +91,7 @@ def main() -> None:
         help="speculate while at most this many run (default: by device)",
     )
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--workloads", default="gsm8k,random_prompts,gsm8k_one_sequence")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -109,7 +112,8 @@ def main() -> None:
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
-    for name, (prompts, epochs, n) in workloads.items():
+    for name in args.workloads.split(","):
+        prompts, epochs, n = workloads[name]
         runs = {"plain": [], "speculative": []}
         for _ in range(args.repeats):
             for label, k in (("plain", 0), ("speculative", args.k)):

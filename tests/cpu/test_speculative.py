@@ -173,15 +173,23 @@ def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peake
     assert (expected > 0.2) if draft == "right" else (expected < 0.01)  # (the model is peaked)
 
 
-def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup, tmp_path):
-    """`hybridflow train rollout.speculative.num_speculative_tokens=4` beside the same run without: the
-    same responses every step (rewards and lengths equal; log-probs to float32 rounding), and
-    rollout/speculative_* metrics that say drafts were checked."""
+@pytest.mark.parametrize(
+    "mode",
+    [["trainer.async_mode=off"], ["trainer.async_mode=streaming", "rollout.max_staleness=1"]],
+    ids=["synchronous", "streaming"],
+)
+def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup, tmp_path, mode):
+    """`hybridflow train rollout.speculative.num_speculative_tokens=4` beside the same run without,
+    synchronous and streaming (the engine pausing for the trainer, sequences in flight across an
+    update): the same responses every step (rewards and lengths equal; losses to float32 rounding),
+    and rollout/speculative_* metrics that say drafts were checked."""
     runs = {}
-    spec = ["rollout.speculative.num_speculative_tokens=4", "rollout.speculative.max_batch_sequences=32"]
+    spec = ["rollout.speculative.num_speculative_tokens=4", "rollout.speculative.max_batch_sequences=128"]
     for name, extra in (("plain", []), ("speculative", spec)):
         run_dir = tmp_path / name
-        config = rl_config(setup, run_dir, "trainer.total_training_steps=3", "trainer.save_freq=-1", *extra)
+        config = rl_config(
+            setup, run_dir, "trainer.total_training_steps=3", "trainer.save_freq=-1", *mode, *extra
+        )
         RLTrainer(config).fit()
         runs[name] = read_metrics(run_dir)
     for plain, spec in zip(runs["plain"], runs["speculative"]):
