@@ -5,8 +5,9 @@ followed the latest earlier occurrence of its last n tokens (the longest n that 
 tokens. The engine verifies drafts in one forward (engine.py); a draft only decides how many
 tokens that forward may accept, never which: the output is the plain engine's.
 
-Adaptive: a sequence whose draft was rejected at its first token drafts again only after 1, 2, 4 ...
-steps (up to MAX_BACKOFF), so text with nothing to reuse costs nothing but the lookups."""
+Adaptive: a sequence that found nothing to draft, or whose draft was rejected at its first token,
+twice in a row looks again only after 1, 2, 4 ... draft calls (up to MAX_BACKOFF), so text with
+nothing to reuse costs little more than the lookups."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ class Drafter:
         if most <= 0:
             return []
         wait = self._backoff.get(seq.seq_id)
-        if wait is not None and wait[0] > 0:
+        if wait is not None and wait[0] > 0:  # (steps to wait, misses in a row)
             self._backoff[seq.seq_id] = (wait[0] - 1, wait[1])
             return []
         table = self._table(self._pool(seq))
@@ -145,17 +146,29 @@ class Drafter:
                 source, end = hit
                 following = source[end : end + most]
                 return following if isinstance(following, list) else following.tolist()
+        self._missed(seq)
         return []
 
+    def waiting(self, seq: Sequence) -> bool:
+        """Whether the sequence sits out a back-off (its next draft calls return nothing)."""
+        wait = self._backoff.get(seq.seq_id)
+        return wait is not None and wait[0] > 0
+
     def accepted(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """After a verify step: a draft rejected at its first token backs the sequence off."""
+        """After a verify step: a draft rejected at its first token counts as a miss."""
         if not drafted:
             return
         if accepted:
             self._backoff.pop(seq.seq_id, None)
-            return
-        _, wait = self._backoff.get(seq.seq_id, (0, 1))
-        self._backoff[seq.seq_id] = (wait, min(2 * wait, MAX_BACKOFF))
+        else:
+            self._missed(seq)
+
+    def _missed(self, seq: Sequence) -> None:
+        """No draft, or one rejected at its first token: after two misses in a row the sequence waits
+        1, 2, 4 ... MAX_BACKOFF draft calls before it looks again."""
+        _, misses = self._backoff.get(seq.seq_id, (0, 0))
+        misses += 1
+        self._backoff[seq.seq_id] = (min(1 << (misses - 2), MAX_BACKOFF) if misses >= 2 else 0, misses)
 
     def finished(self, seq: Sequence) -> None:
         """A sample ended (or was aborted): its response joins its prompt's history."""

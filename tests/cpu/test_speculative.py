@@ -51,22 +51,28 @@ def test_drafts_come_from_the_prompt_the_siblings_and_earlier_responses():
     assert drafter.draft(_sequence(8, [99, 98], [97]), 3) == []
 
 
-def test_a_rejected_draft_backs_the_sequence_off_and_history_is_bounded():
+def test_misses_back_the_sequence_off_and_history_is_bounded():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, history_tokens=12))
     seq = _sequence(0, [1, 2, 3, 1, 2], [3])
     assert drafter.draft(seq, 2) == [1, 2]
-    drafter.accepted(seq, 2, 0)  # rejected at the first token: wait 1 step
-    assert drafter.draft(seq, 2) == []
+    drafter.accepted(seq, 2, 0)  # rejected at the first token: one miss, no wait yet
     assert drafter.draft(seq, 2) == [1, 2]
-    drafter.accepted(seq, 2, 0)  # again: wait 2
+    drafter.accepted(seq, 2, 0)  # two in a row: wait 1 call
+    assert drafter.waiting(seq) and drafter.draft(seq, 2) == []
+    assert drafter.draft(seq, 2) == [1, 2]
+    drafter.accepted(seq, 2, 0)  # three: wait 2
     assert [drafter.draft(seq, 2) for _ in range(3)] == [[], [], [1, 2]]
-    drafter.accepted(seq, 2, 1)  # accepted: drafting every step again
-    assert drafter.draft(seq, 2) == [1, 2]
+    drafter.accepted(seq, 2, 1)  # accepted: drafting every call again
+    assert not drafter.waiting(seq) and drafter.draft(seq, 2) == [1, 2]
+    # nothing to draft counts as a miss too
+    lost = _sequence(1, [7, 8, 9], [10])
+    assert drafter.draft(lost, 2) == [] and not drafter.waiting(lost)
+    assert drafter.draft(lost, 2) == [] and drafter.waiting(lost)
     # history past its budget: the least recently seen prompt's goes first
     for prompt in ([10, 11], [20, 21], [30, 31]):
         drafter.remember(prompt, [5, 6, 7, 8])  # 2 + 4 tokens each (the prompt's tail kept with it)
-    assert drafter.draft(_sequence(1, [10, 11], [5]), 2) == []
-    assert drafter.draft(_sequence(2, [30, 31], [5]), 2) == [6, 7]
+    assert drafter.draft(_sequence(2, [10, 11], [5]), 2) == []
+    assert drafter.draft(_sequence(3, [30, 31], [5]), 2) == [6, 7]
 
 
 @pytest.fixture(scope="module")
