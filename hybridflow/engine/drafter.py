@@ -215,10 +215,3 @@ class Drafter:
                 break
             if not self._pools[key].live:
                 self._history_tokens -= self._pools.pop(key).history_tokens
-
-    def clear(self) -> None:
-        """Forget everything (the engine's pool was rebuilt: no sequence runs)."""
-        self._pools.clear()
-        self._pool_of.clear()
-        self._backoff.clear()
-        self._history_tokens = 0
