@@ -6,8 +6,9 @@ tokens. The engine verifies drafts in one forward (engine.py); a draft only deci
 tokens that forward may accept, never which: the output is the plain engine's.
 
 Adaptive: a sequence that found nothing to draft, or whose draft was rejected at its first token,
-twice in a row looks again only after 1, 2, 4 ... draft calls (up to MAX_BACKOFF), so text with
-nothing to reuse costs little more than the lookups."""
+twice in a row looks again only after 1, 2, 4 ... draft calls (up to NO_MATCH_BACKOFF when nothing
+matched, MAX_BACKOFF when drafts failed), so text with nothing to reuse costs little more than the
+lookups."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import numpy as np
 
 from hybridflow.engine.sequence import Sequence
 
-MAX_BACKOFF = 64  # steps a sequence waits at most before drafting again
+MAX_BACKOFF = 64  # draft calls a sequence whose drafts keep failing waits at most before drafting again
+NO_MATCH_BACKOFF = 8  # ... and one that finds nothing to draft (its text may repeat a little later)
 
 
 def speculative_batch_for(device) -> int:
@@ -146,7 +148,7 @@ class Drafter:
                 source, end = hit
                 following = source[end : end + most]
                 return following if isinstance(following, list) else following.tolist()
-        self._missed(seq)
+        self._missed(seq, NO_MATCH_BACKOFF)
         return []
 
     def waiting(self, seq: Sequence) -> bool:
@@ -161,14 +163,14 @@ class Drafter:
         if accepted:
             self._backoff.pop(seq.seq_id, None)
         else:
-            self._missed(seq)
+            self._missed(seq, MAX_BACKOFF)
 
-    def _missed(self, seq: Sequence) -> None:
+    def _missed(self, seq: Sequence, most: int) -> None:
         """No draft, or one rejected at its first token: after two misses in a row the sequence waits
-        1, 2, 4 ... MAX_BACKOFF draft calls before it looks again."""
+        1, 2, 4 ... draft calls (at most `most`) before it looks again."""
         _, misses = self._backoff.get(seq.seq_id, (0, 0))
         misses += 1
-        self._backoff[seq.seq_id] = (min(1 << (misses - 2), MAX_BACKOFF) if misses >= 2 else 0, misses)
+        self._backoff[seq.seq_id] = (min(1 << (misses - 2), most) if misses >= 2 else 0, misses)
 
     def finished(self, seq: Sequence) -> None:
         """A sample ended (or was aborted): its response joins its prompt's history."""
