@@ -91,7 +91,7 @@ def main() -> None:
         help="speculate while at most this many run (default: by device)",
     )
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--workloads", default="gsm8k,random_prompts,gsm8k_one_sequence")
+    ap.add_argument("--workloads", default="gsm8k,random_prompts,gsm8k_one_sequence,random_one_sequence")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -109,6 +109,7 @@ def main() -> None:
         ),
         # the tail alone: one sequence, its second epoch drafting from its first
         "gsm8k_one_sequence": (gsm8k_prompts(tokenizer, args.data, 1), 2, 1),
+        "random_one_sequence": ([[rng.randrange(1000, 30000) for _ in range(60)]], 1, 1),
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
