@@ -6,7 +6,7 @@ tokens. The engine verifies drafts in one forward (engine.py); a draft only deci
 tokens that forward may accept, never which: the output is the plain engine's.
 
 Adaptive: a sequence that found nothing to draft, or whose draft was rejected at its first token,
-twice in a row looks again only after 1, 2, 4 ... draft calls (up to NO_MATCH_BACKOFF when nothing
+twice in a row looks again only after 1, 2, 4 ... more tokens (up to NO_MATCH_BACKOFF when nothing
 matched, MAX_BACKOFF when drafts failed), so text with nothing to reuse costs little more than the
 lookups."""
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from hybridflow.engine.sequence import Sequence
 
-MAX_BACKOFF = 64  # draft calls a sequence whose drafts keep failing waits at most before drafting again
+MAX_BACKOFF = 64  # tokens a sequence whose drafts keep failing waits at most before drafting again
 NO_MATCH_BACKOFF = 8  # ... and one that finds nothing to draft (its text may repeat a little later)
 
 
@@ -91,7 +91,7 @@ class Drafter:
         self.config = config
         self._pools: collections.OrderedDict[tuple, _Pool] = collections.OrderedDict()  # LRU order
         self._pool_of: dict[int, _Pool] = {}  # seq_id -> its pool, while it runs
-        self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (steps to wait, next wait)
+        self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (token count to draft again at, misses)
         self._history_tokens = 0
 
     def _pool(self, seq: Sequence) -> _Pool:
@@ -133,9 +133,7 @@ class Drafter:
         sequence waits out a back-off, or most <= 0)."""
         if most <= 0:
             return []
-        wait = self._backoff.get(seq.seq_id)
-        if wait is not None and wait[0] > 0:  # (steps to wait, misses in a row)
-            self._backoff[seq.seq_id] = (wait[0] - 1, wait[1])
+        if self.waits_for(seq):
             return []
         table = self._table(self._pool(seq))
         tokens = seq.tokens
@@ -151,10 +149,10 @@ class Drafter:
         self._missed(seq, NO_MATCH_BACKOFF)
         return []
 
-    def waiting(self, seq: Sequence) -> bool:
-        """Whether the sequence sits out a back-off (its next draft calls return nothing)."""
+    def waits_for(self, seq: Sequence) -> int:
+        """Tokens the sequence has yet to sample before it drafts again (0: it drafts now)."""
         wait = self._backoff.get(seq.seq_id)
-        return wait is not None and wait[0] > 0
+        return max(wait[0] - len(seq.tokens), 0) if wait is not None else 0
 
     def accepted(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verify step: a draft rejected at its first token counts as a miss."""
@@ -167,10 +165,11 @@ class Drafter:
 
     def _missed(self, seq: Sequence, most: int) -> None:
         """No draft, or one rejected at its first token: after two misses in a row the sequence waits
-        1, 2, 4 ... draft calls (at most `most`) before it looks again."""
+        1, 2, 4 ... tokens (at most `most`) before it looks again."""
         _, misses = self._backoff.get(seq.seq_id, (0, 0))
         misses += 1
-        self._backoff[seq.seq_id] = (min(1 << (misses - 2), most) if misses >= 2 else 0, misses)
+        wait = min(1 << (misses - 2), most) if misses >= 2 else 0
+        self._backoff[seq.seq_id] = (len(seq.tokens) + wait, misses)
 
     def finished(self, seq: Sequence) -> None:
         """A sample ended (or was aborted): its response joins its prompt's history."""

@@ -449,15 +449,14 @@ class Engine:
 
     def _decode(self) -> list[Sequence]:
         """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
-        (or, with drafts to check, one speculative step; with none now but some sequence drafting,
-        one plain step: a draft may match after the next token)."""
+        (or, with drafts to check, one speculative step; with none now, a run that ends when the first
+        sequence may draft again: a draft may match after the next token)."""
         ps, k, scheduler = self.cache.page_size, self.config.decode_steps, self.scheduler
         if self.drafter is not None and len(scheduler.running) <= self._speculative_batch:
             batch = self._speculate()
             if batch is not None:
                 return batch
-            if any(not self.drafter.waiting(s) for s in scheduler.running.values()):
-                k = 1
+            k = max(1, min(k, *(self.drafter.waits_for(s) for s in scheduler.running.values())))
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
             return min(k, s.end - len(s.tokens))

@@ -54,20 +54,37 @@ def test_drafts_come_from_the_prompt_the_siblings_and_earlier_responses():
 def test_misses_back_the_sequence_off_and_history_is_bounded():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, history_tokens=12))
     seq = _sequence(0, [1, 2, 3, 1, 2], [3])
+
+    def sample_a_cycle():  # the sequence samples "1 2 3": its suffix "2 3" drafts "1 2" again
+        seq.tokens.extend([1, 2, 3])
+
     assert drafter.draft(seq, 2) == [1, 2]
     drafter.accepted(seq, 2, 0)  # rejected at the first token: one miss, no wait yet
     assert drafter.draft(seq, 2) == [1, 2]
-    drafter.accepted(seq, 2, 0)  # two in a row: wait 1 call
-    assert drafter.waiting(seq) and drafter.draft(seq, 2) == []
+    drafter.accepted(seq, 2, 0)  # two in a row: wait 1 token
+    assert drafter.waits_for(seq) == 1 and drafter.draft(seq, 2) == []
+    sample_a_cycle()
+    assert drafter.waits_for(seq) == 0 and drafter.draft(seq, 2) == [1, 2]
+    drafter.accepted(seq, 2, 0)  # three: wait 2, then 4, 8, ... 64 at most
+    assert drafter.waits_for(seq) == 2
+    for wait in (4, 8, 16, 32, 64, 64):
+        sample_a_cycle()
+        sample_a_cycle()
+        drafter.draft(seq, 2)
+        drafter.accepted(seq, 2, 0)
+        assert drafter.waits_for(seq) == wait
+        seq.tokens.extend([9] * (wait - 3))
+        sample_a_cycle()
     assert drafter.draft(seq, 2) == [1, 2]
-    drafter.accepted(seq, 2, 0)  # three: wait 2
-    assert [drafter.draft(seq, 2) for _ in range(3)] == [[], [], [1, 2]]
-    drafter.accepted(seq, 2, 1)  # accepted: drafting every call again
-    assert not drafter.waiting(seq) and drafter.draft(seq, 2) == [1, 2]
-    # nothing to draft counts as a miss too
+    drafter.accepted(seq, 2, 1)  # accepted: drafting at every token again
+    assert drafter.waits_for(seq) == 0 and drafter.draft(seq, 2) == [1, 2]
+    # nothing to draft counts as a miss too, its wait capped lower
     lost = _sequence(1, [7, 8, 9], [10])
-    assert drafter.draft(lost, 2) == [] and not drafter.waiting(lost)
-    assert drafter.draft(lost, 2) == [] and drafter.waiting(lost)
+    assert drafter.draft(lost, 2) == [] and drafter.waits_for(lost) == 0
+    fresh = iter(range(100, 200))  # tokens never seen before: nothing to draft
+    for wait in (1, 2, 4, 8, 8):
+        assert drafter.draft(lost, 2) == [] and drafter.waits_for(lost) == wait
+        lost.tokens += [next(fresh) for _ in range(wait)]
     # history past its budget: the least recently seen prompt's goes first
     for prompt in ([10, 11], [20, 21], [30, 31]):
         drafter.remember(prompt, [5, 6, 7, 8])  # 2 + 4 tokens each (the prompt's tail kept with it)
