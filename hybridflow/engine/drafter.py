@@ -91,7 +91,8 @@ class Drafter:
         self.config = config
         self._pools: collections.OrderedDict[tuple, _Pool] = collections.OrderedDict()  # LRU order
         self._pool_of: dict[int, _Pool] = {}  # seq_id -> its pool, while it runs
-        self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (token count to draft again at, misses)
+        # seq_id -> (token count to draft again at, misses in a row, that streak's longest wait)
+        self._backoff: dict[int, tuple[int, int, int]] = {}
         self._history_tokens = 0
 
     def _pool(self, seq: Sequence) -> _Pool:
@@ -143,6 +144,8 @@ class Drafter:
         ):
             hit = table.get(tuple(tokens[-n:]))
             if hit is not None:
+                if seq.seq_id in self._backoff and self._backoff[seq.seq_id][2] == NO_MATCH_BACKOFF:
+                    del self._backoff[seq.seq_id]  # a streak of finding nothing ends here
                 source, end = hit
                 following = source[end : end + most]
                 return following if isinstance(following, list) else following.tolist()
@@ -164,12 +167,12 @@ class Drafter:
             self._missed(seq, MAX_BACKOFF)
 
     def _missed(self, seq: Sequence, most: int) -> None:
-        """No draft, or one rejected at its first token: after two misses in a row the sequence waits
-        1, 2, 4 ... tokens (at most `most`) before it looks again."""
-        _, misses = self._backoff.get(seq.seq_id, (0, 0))
-        misses += 1
+        """No draft, or one rejected at its first token: after two misses of a kind in a row the
+        sequence waits 1, 2, 4 ... tokens (at most `most`, the kind's) before it looks again."""
+        _, misses, kind = self._backoff.get(seq.seq_id, (0, 0, most))
+        misses = misses + 1 if kind == most else 1
         wait = min(1 << (misses - 2), most) if misses >= 2 else 0
-        self._backoff[seq.seq_id] = (len(seq.tokens) + wait, misses)
+        self._backoff[seq.seq_id] = (len(seq.tokens) + wait, misses, most)
 
     def finished(self, seq: Sequence) -> None:
         """A sample ended (or was aborted): its response joins its prompt's history."""
