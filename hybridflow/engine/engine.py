@@ -488,8 +488,16 @@ class Engine:
         batch = scheduler.schedule_decode(lambda s: len(drafts.get(s.seq_id, ())) + 1)
         if not batch:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-        fed = [min(len(drafts.get(s.seq_id, ())) + 1, len(s.pages) * ps - s.cached) for s in batch]
-        proposed = [drafts.get(s.seq_id, [])[: n - 1] for s, n in zip(batch, fed)]
+        # each sequence's draft as far as its cache slots go, and all rows within the largest decode
+        # graph (max_batch_sequences rows): later sequences' drafts are cut first
+        spare, proposed = self.config.max_batch_sequences - len(batch), []
+        for s in batch:
+            room = min(len(s.pages) * ps - s.cached - 1, max(spare, 0))
+            proposed.append(drafts.get(s.seq_id, [])[:room])
+            spare -= len(proposed[-1])
+        if not any(proposed):  # no row to spare: a plain run (the pages taken are the next tokens')
+            return None
+        fed = [len(d) + 1 for d in proposed]
         # a row per fed token: the sequence's last one and its draft, each at its own position
         rows = [s for s, n in zip(batch, fed) for _ in range(n)]
         ahead = [i for n in fed for i in range(n)]

@@ -181,7 +181,7 @@ def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peake
         )  # [V, V]: p(. | first)
     drafts = second.argmax(-1) if draft == "right" else second.argmin(-1)  # [V]
     # all at once: when they are verified, no sample has a token after its first to draft from
-    engine = _engine(model, 1, eos=(), batch=n, context=32)
+    engine = _engine(model, 1, eos=(), batch=2 * n, context=32)  # (a row for each draft too)
     for t, d in enumerate(drafts.tolist()):
         engine.drafter.remember(prompt, [t, d])
     outs = engine.generate([prompt], SamplingParams(temperature=temperature, max_tokens=3, n=n, seed=3))
@@ -223,3 +223,18 @@ def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup,
         assert per_row == 0 or per_row >= 1  # (0: no speculative step this batch)
         assert "rollout/speculative_steps" not in plain
     assert sum(row["rollout/speculative_drafted"] for row in runs["speculative"]) > 0
+
+
+def test_drafts_fit_the_largest_decode_graph(model):
+    """A speculative step's rows (a sequence's last token and its draft each) stay within
+    max_batch_sequences, the largest captured decode graph: with no row to spare the engine decodes
+    plainly, with a few the first sequences' drafts take them; the tokens are the plain engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, n=2)
+    want = _engine(model, 0, batch=2).generate([PROMPTS[0]], params)
+    full = _engine(model, 4, batch=2)  # two sequences in two rows: nothing to spare
+    assert [o.token_ids for o in full.generate([PROMPTS[0]], params)] == [o.token_ids for o in want]
+    assert full.speculation["steps"] == 0
+    some = _engine(model, 4, batch=5)  # three rows to spare
+    assert [o.token_ids for o in some.generate([PROMPTS[0]], params)] == [o.token_ids for o in want]
+    assert some.speculation["steps"] > 0
+    assert some.speculation["rows"] + some.speculation["drafted"] <= 5 * some.speculation["steps"]
