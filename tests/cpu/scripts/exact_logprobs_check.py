@@ -82,7 +82,11 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
     check(f"{family} {dtype}: from the prefix cache", hit and same, f"(hit {hit})")
     # speculative decoding (drafts from the samples in flight, then from the first call's responses):
     # a verified position's logits are a decode step's to the bit, so tokens and log-probs are too
-    spec = Engine(model, eos_token_ids=[1], config=replace(config, speculative=SpeculativeConfig(3)))
+    spec = Engine(
+        model,
+        eos_token_ids=[1],
+        config=replace(config, speculative=SpeculativeConfig(3, max_batch_sequences=16)),
+    )
     calls = [spec.generate(PROMPTS, params) for _ in range(2)]
     check(
         f"{family} {dtype}: speculative, the plain engine's bits",
