@@ -70,9 +70,8 @@ class _Pool:
     their n-gram table."""
 
     prompt: list[int]
-    history: list[np.ndarray] = field(
-        default_factory=list
-    )  # earlier responses after the prompt's tail (int32)
+    # earlier responses, each after the prompt's last prompt_lookup_max tokens (int32)
+    history: list[np.ndarray] = field(default_factory=list)
     live: dict[int, Sequence] = field(default_factory=dict)  # samples in flight, by seq_id
     # n-gram -> (source, end): the tokens after it are source[end:]. Sources: the prompt, each
     # history array, each live sequence's token list (its prompt part not indexed again)
