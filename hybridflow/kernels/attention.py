@@ -206,6 +206,20 @@ def _block_probs(q, k, lse, i, j, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, rows, head, valid, heads, stride_qn, stride_qh,
+                stride_don, stride_doh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
+    """One head's queries and output gradients [BLOCK_M, HEAD_PAD] at `rows`, and their forward
+    log-sum-exp and rowsum(dO * O) [BLOCK_M] (zeros where not `valid`)."""
+    d = tl.arange(0, HEAD_PAD)
+    mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask, other=0.0)
+    lse = tl.load(lse_ptr + rows * heads + head, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + rows * heads + head, mask=valid, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def _backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                           block_row_ptr, block_first_ptr, block_count_ptr, block_length_ptr,
                           stride_qn, stride_qh, stride_kn, stride_kh, stride_don, stride_doh,
@@ -232,15 +246,9 @@ def _backward_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         for start in range(first, length, BLOCK_M):  # the queries that see this block
             i = start + tl.arange(0, BLOCK_M)
             query_valid = i < length
-            rows = row0 + i
-            mask = query_valid[:, None] & dims
-            q = tl.load(
-                q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0
-            )
-            do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask,
-                         other=0.0)  # fmt: skip
-            lse = tl.load(lse_ptr + rows * heads + head, mask=query_valid, other=0.0)
-            delta = tl.load(delta_ptr + rows * heads + head, mask=query_valid, other=0.0)
+            q, do, lse, delta = _query_rows(
+                q_ptr, do_ptr, lse_ptr, delta_ptr, row0 + i, head, query_valid, heads,
+                stride_qn, stride_qh, stride_don, stride_doh, HEAD_DIM, HEAD_PAD)  # fmt: skip
             p = _block_probs(q, k, lse, i, j, scale, PRECISION)
             p = tl.where(query_valid[:, None], p, 0.0)
             dv = dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, UPCAST)
@@ -271,10 +279,9 @@ def _backward_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     query_valid = tl.arange(0, BLOCK_M) < count
     rows = row0 + i
     mask = query_valid[:, None] & dims
-    q = tl.load(q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + rows[:, None] * stride_don + head * stride_doh + d[None, :], mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows * heads + head, mask=query_valid, other=0.0)
-    delta = tl.load(delta_ptr + rows * heads + head, mask=query_valid, other=0.0)
+    q, do, lse, delta = _query_rows(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, rows, head, query_valid, heads,
+        stride_qn, stride_qh, stride_don, stride_doh, HEAD_DIM, HEAD_PAD)  # fmt: skip
     dq = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     last = first + count - 1
     for start in range(0, last + 1, BLOCK_N):
