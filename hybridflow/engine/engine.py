@@ -24,6 +24,7 @@ from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.engine.verify import kept_tokens, plan_rows
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
@@ -488,43 +489,27 @@ class Engine:
         batch = scheduler.schedule_decode(lambda s: len(drafts.get(s.seq_id, ())) + 1)
         if not batch:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-        # each sequence's draft as far as its cache slots go, and all rows within the largest decode
-        # graph (max_batch_sequences rows): later sequences' drafts are cut first
-        spare, proposed = self.config.max_batch_sequences - len(batch), []
-        for s in batch:
-            room = min(len(s.pages) * ps - s.cached - 1, max(spare, 0))
-            proposed.append(drafts.get(s.seq_id, [])[:room])
-            spare -= len(proposed[-1])
-        if not any(proposed):  # no row to spare: a plain run (the pages taken are the next tokens')
+        rows = plan_rows([s.tokens[-1] for s in batch], [s.cached for s in batch],
+                         [drafts.get(s.seq_id, []) for s in batch], [len(s.pages) * ps - s.cached for s in batch],
+                         self.config.max_batch_sequences)  # fmt: skip
+        if rows is None:  # no row to spare: a plain run (the pages taken are the next tokens')
             return None
-        fed = [len(d) + 1 for d in proposed]
-        # a row per fed token: the sequence's last one and its draft, each at its own position
-        rows = [s for s, n in zip(batch, fed) for _ in range(n)]
-        ahead = [i for n in fed for i in range(n)]
-        tokens = [t for s, d in zip(batch, proposed) for t in (s.tokens[-1], *d)]
-        positions = [s.cached + i for s, i in zip(rows, ahead)]
+        owners = [batch[i] for i in rows.owner]
         sampled = SampledRun(
-            rows, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs, ahead=ahead
-        )
-        table = scheduler.table[[s.row for s in rows]]
-        self.runner.decode(rows, table, [1] * len(rows), sampled, feed=(tokens, positions))
-        drawn = sampled.fetch()[0]  # [4, sum(fed)]: token, log-prob, unscaled, stop
-        run = np.zeros((max(fed), 4, len(batch)))
-        kept, at = [], 0
-        for j, (s, n, draft) in enumerate(zip(batch, fed, proposed)):
-            run[:n, :, j] = drawn[:, at : at + n].T
-            accepted = 0
-            while accepted < len(draft) and int(drawn[0, at + accepted]) == draft[accepted]:
-                accepted += 1
-            kept.append(accepted + 1)
-            drafter.accepted(s, len(draft), accepted)
-            at += n
+            owners, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs,
+            ahead=rows.ahead,
+        )  # fmt: skip
+        table = scheduler.table[[s.row for s in owners]]
+        self.runner.decode(owners, table, [1] * len(owners), sampled, feed=(rows.tokens, rows.positions))
+        run, kept = kept_tokens(sampled.fetch()[0], rows)
+        for s, draft, n in zip(batch, rows.drafts, kept):
+            drafter.accepted(s, len(draft), n - 1)
         before = sum(len(s.tokens) for s in batch)
         self._record(batch, run, kept)
         stats = self.speculation
         stats["steps"] += 1
         stats["rows"] += len(batch)
-        stats["drafted"] += sum(len(d) for d in proposed)
+        stats["drafted"] += sum(len(d) for d in rows.drafts)
         stats["accepted"] += sum(kept) - len(kept)
         stats["tokens"] += sum(len(s.tokens) for s in batch) - before
         return batch

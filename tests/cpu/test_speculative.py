@@ -6,6 +6,7 @@ sampled distribution is the model's."""
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from rl_run import config as rl_config
@@ -15,6 +16,7 @@ from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.drafter import Drafter, SpeculativeConfig
 from hybridflow.engine.sequence import Sequence
+from hybridflow.engine.verify import kept_tokens, plan_rows
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
 from hybridflow.rollout.sampling import SamplingParams
@@ -238,3 +240,23 @@ def test_drafts_fit_the_largest_decode_graph(model):
     assert [o.token_ids for o in some.generate([PROMPTS[0]], params)] == [o.token_ids for o in want]
     assert some.speculation["steps"] > 0
     assert some.speculation["rows"] + some.speculation["drafted"] <= 5 * some.speculation["steps"]
+
+
+def test_verify_rows_fit_slots_and_graph_and_keep_drafts_up_to_the_first_difference():
+    """plan_rows / kept_tokens by hand: three sequences, drafts cut by free slots and by the rows
+    left under the largest graph (earlier sequences first); then draws that agree with a draft for
+    two tokens, differ at the first, and agree with a whole draft (its bonus draw kept too)."""
+    rows = plan_rows([10, 20, 30], [5, 7, 9], [[11, 12, 13], [21, 22], [31, 32]], slots=[3, 8, 8], max_rows=7)
+    # sequence 0: 3 slots -> 2 drafted; sequence 1: 2 (rows 3 + 2 + 1 = 6); sequence 2: 1 row left -> 0
+    assert rows.drafts == [[11, 12], [21, 22], []]
+    assert rows.tokens == [10, 11, 12, 20, 21, 22, 30]
+    assert rows.positions == [5, 6, 7, 7, 8, 9, 9]
+    assert rows.ahead == [0, 1, 2, 0, 1, 2, 0] and rows.owner == [0, 0, 0, 1, 1, 1, 2]
+    assert plan_rows([1, 2], [0, 0], [[5], [6]], slots=[4, 4], max_rows=2) is None  # no row to spare
+    drawn = np.zeros((4, 7))
+    drawn[0] = [11, 12, 99, 77, 21, 22, 40]  # seq 0: both drafts match, bonus 99; seq 1: differs at once
+    drawn[1] = np.arange(7)  # (log-probs, to see which rows land where)
+    run, kept = kept_tokens(drawn, rows)
+    assert kept == [3, 1, 1]
+    assert run[:3, 0, 0].tolist() == [11, 12, 99] and run[:3, 1, 0].tolist() == [0, 1, 2]
+    assert run[0, 0, 1] == 77 and run[0, 1, 1] == 3 and run[0, 0, 2] == 40
