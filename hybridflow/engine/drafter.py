@@ -147,7 +147,12 @@ class Drafter:
                     del self._backoff[seq.seq_id]  # a streak of finding nothing ends here
                 source, end = hit
                 following = source[end : end + most]
-                return following if isinstance(following, list) else following.tolist()
+                following = following if isinstance(following, list) else following.tolist()
+                if source is tokens:  # a match in the sequence itself repeats with period len - end:
+                    period = len(tokens) - end  # copy on through the draft (as LZ77 copies overlap)
+                    while len(following) < most:
+                        following.append(following[len(following) - period])
+                return following
         self._missed(seq, NO_MATCH_BACKOFF)
         return []
 

@@ -51,6 +51,10 @@ def test_drafts_come_from_the_prompt_the_siblings_and_earlier_responses():
     assert drafter.draft(_sequence(6, [42, 43]), 3) == [44, 45, 46]  # kept after the prompt's tail
     assert drafter.draft(_sequence(7, [42, 43], [44]), 3) == [45, 46]
     assert drafter.draft(_sequence(8, [99, 98], [97]), 3) == []
+    # a loop in the sequence itself drafts on around the loop, beyond where its text ends
+    looping = _sequence(9, [60, 61], [1, 2, 3, 1, 2, 3, 1])
+    assert drafter.draft(looping, 3) == [2, 3, 1]
+    assert drafter.draft(_sequence(10, [62], [7, 7, 7]), 3) == [7, 7, 7]
 
 
 def test_misses_back_the_sequence_off_and_history_is_bounded():

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The device runs owed to #61 (exact log-probs) and #62 (speculative rollout), back to back and detached
+# on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In order: the
+# batch-invariant kernels' smoke check; two exact GRPO runs per mode compared to the bit (0.5B shape);
+# exact training forward+backward against the ordinary kernels; speculative decoding on a random 0.5B
+# shape (greedy: the verifying step's check; temperature 1: text with nothing to reuse); then, once
+# bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready, speculative decoding on the
+# real model's GSM8K responses, the real model's GSM8K GRPO run with exact log-probs, and last the
+# exact 1.5B shape. Each run writes /tmp/res/NAME.json or NAME.log; /tmp/res/done says when each
+# started and ended. A poll begins `[ -f /tmp/res/done ] || exit 3` (a machine lost between calls comes
+# back bare) and brings /tmp/res back as one archive.
+#   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
+# RUNS picks a subset (default: all, in this order); GSM8K_ARGS replaces the real run's settings (default:
+# the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder (train/test jsonl).
+set -u
+mkdir -p /tmp/res
+DATA=${DATA:-/tmp/.gsm8k}
+step() {
+  name=$1; shift
+  case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+  echo "$name start $(date +%s)" >> /tmp/res/done
+  "$@" > "/tmp/res/$name.log" 2>&1
+  echo "$name rc=$? $(date +%s)" >> /tmp/res/done
+}
+step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
+step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact
+step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training
+SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 2"
+step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
+  --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json
+step spec_random python3 bench/speculative.py $SHAPE_SPEC --temperature 1 \
+  --workloads random_prompts,random_one_sequence --out /tmp/res/spec_random.json
+for _ in $(seq 120); do [ -f /tmp/qwen.ready ] && break; sleep 5; done  # (10 minutes at most)
+[ -f /tmp/qwen.ready ] || { echo "no /tmp/qwen.ready after 10 minutes" >> /tmp/res/done; exit 1; }
+REAL_SPEC="--model /tmp/qwen --device cuda --data $DATA --tokens 512 --repeats 2"
+step spec_real python3 bench/speculative.py $REAL_SPEC --prompts 32 --workloads gsm8k,gsm8k_one_sequence \
+  --out /tmp/res/spec_real.json
+step spec_real4 python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads gsm8k \
+  --out /tmp/res/spec_real4.json
+step gsm8k python3 bench/real_gsm8k.py --model /tmp/qwen --data "$DATA" --out /tmp/res/gsm8k \
+  ${GSM8K_ARGS:---steps 100 --test-freq 10 --test-size 200 --prompts 32 --samples 8 --response 512 --lr 3e-6} \
+  --set rollout.exact_logprobs=true
+rm -rf /tmp/res/gsm8k/*/checkpoints
+step repeat_1.5b python3 bench/repeatable_runs.py --out /tmp/res/repeat_1.5b.json --steps 10 --exact \
+  --shape 1.5b --runs 1 --modes synchronous
