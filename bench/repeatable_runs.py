@@ -133,6 +133,11 @@ def main() -> None:
                 "first_difference": first_difference,
                 "weights_equal": all(torch.equal(wa[n], wb[n]) for n in wa),
                 "max_weight_difference": max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa),
+                # which tensors part tells which backward does not repeat
+                "differing_tensors": {
+                    n: (wa[n].float() - wb[n].float()).abs().max().item()
+                    for n in sorted(wa) if not torch.equal(wa[n], wb[n])
+                },
             }
         Path(args.out).write_text(json.dumps(report, indent=1))  # (before the baseline's run)
         if args.baseline:
