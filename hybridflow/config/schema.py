@@ -74,3 +74,9 @@ class Config:
     """Supervised fine-tuning (`hybridflow sft`)."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """DPO and KTO (`hybridflow dpo`, `hybridflow kto`)."""
+
+    @property
+    def deterministic_processes(self) -> bool:
+        """torch's deterministic algorithms in every process of the run (devices.seed_process): asked for
+        (trainer.deterministic), or implied by rollout.exact_logprobs, whose runs are to repeat."""
+        return self.trainer.deterministic or self.rollout.exact_logprobs

@@ -181,7 +181,8 @@ class RolloutConfig:
     program, attention over key blocks from position 0 in fixed chunks), so each sampled token's
     log-prob is the trainer's to the bit: pi_old is the engine's (no recompute pass), the rollout
     corrections are exactly 1, and every step checks training/rollout_probs_diff_max == 0 (fresh
-    tokens of an asynchronous run), stopping with one line if a token differs. Not yet with LoRA,
+    tokens of an asynchronous run), stopping with one line if a token differs. It also turns on
+    trainer.deterministic's settings in every process (the run is to repeat). Not yet with LoRA,
     mixture-of-experts models, tensor or sequence parallelism, compiled layers, top-k / top-p (the
     trainer scores the whole distribution); what it costs is in docs/benchmarks.md."""
     tensor_parallel_size: int = 1

@@ -31,7 +31,7 @@ class RolloutWorker:
         c = self.config = config
         self.rank = rank
         self.device = resolve_device(c.resources.device)
-        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
+        seed_process(c.trainer.seed, deterministic=c.deterministic_processes)
         hf_model, tokenizer = load_model(c.model)
         policy = policy_model(c, hf_model).to(self.device)  # the engine copies it (the actor's start)
         if c.rollout.backend == "hf":

@@ -92,7 +92,7 @@ class RLTrainer:
         c = self.config
         if write_inputs is not None:
             write_inputs(self.run_dir)
-        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
+        seed_process(c.trainer.seed, deterministic=c.deterministic_processes)
         self.device = resolve_device(c.resources.device)
         if (
             self.device.type == "cpu"

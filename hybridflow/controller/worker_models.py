@@ -99,7 +99,7 @@ class WorkerModels:
 def build_models(c: Config, world_size: int, device: torch.device, *, kv_pool_tokens: int | None = None
                  ) -> WorkerModels:  # fmt: skip
     """`kv_pool_tokens`: the engine's KV pool as the memory plan sized it (plan/layout.py plan_run)."""
-    seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
+    seed_process(c.trainer.seed, deterministic=c.deterministic_processes)
     policy_path = sharded_policy_path(c, WorkerLayout.of(c, world_size), world_size)
     if policy_path is not None:
         return _build_read_sharded(c, world_size, device, policy_path, kv_pool_tokens)

@@ -137,7 +137,7 @@ class OfflineTrainer:
         for target, write in writes:  # the live inputs, once the directory is this run's
             run_manifest.record(self.run_dir, target)
             write()
-        seed_process(c.trainer.seed, deterministic=c.trainer.deterministic)
+        seed_process(c.trainer.seed, deterministic=c.deterministic_processes)
         self.device = resolve_device(c.resources.device)
         hf_model, self.tokenizer = load_model(c.model)
         self.hf_config = hf_model.config

@@ -104,3 +104,12 @@ def test_models_the_kernels_do_not_cover_are_named():
     apply_lora(dense, rank=2, alpha=4, targets=["q_proj"])
     with pytest.raises(ValueError, match=r"LoRA adapters \(.*q_proj\) are not covered yet"):
         dense.use_exact_kernels()
+
+
+def test_exact_log_probs_run_every_process_on_deterministic_algorithms():
+    """Exact runs are to repeat: with the kernels' own sums fixed, what torch's deterministic algorithms
+    fix (its atomics-free index and embedding kernels, a fixed cuBLAS workspace) comes with them, in
+    every process that devices.seed_process starts."""
+    assert load_config(None, ["rollout.exact_logprobs=true"]).deterministic_processes
+    assert load_config(None, ["trainer.deterministic=true"]).deterministic_processes
+    assert not load_config(None, []).deterministic_processes
