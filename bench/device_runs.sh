@@ -25,18 +25,20 @@ step() {
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training
-SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 2"
+SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json
 step spec_random python3 bench/speculative.py $SHAPE_SPEC --temperature 1 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_random.json
 for _ in $(seq 120); do [ -f /tmp/qwen.ready ] && break; sleep 5; done  # (10 minutes at most)
 [ -f /tmp/qwen.ready ] || { echo "no /tmp/qwen.ready after 10 minutes" >> /tmp/res/done; exit 1; }
-REAL_SPEC="--model /tmp/qwen --device cuda --data $DATA --tokens 512 --repeats 2"
+REAL_SPEC="--model /tmp/qwen --device cuda --data $DATA --tokens 512 --repeats 3"
 step spec_real python3 bench/speculative.py $REAL_SPEC --prompts 32 --workloads gsm8k,gsm8k_one_sequence \
   --out /tmp/res/spec_real.json
 step spec_real4 python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads gsm8k \
   --out /tmp/res/spec_real4.json
+step spec_real4_always python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads gsm8k --always \
+  --out /tmp/res/spec_real4_always.json
 step gsm8k python3 bench/real_gsm8k.py --model /tmp/qwen --data "$DATA" --out /tmp/res/gsm8k \
   ${GSM8K_ARGS:---steps 100 --test-freq 10 --test-size 200 --prompts 32 --samples 8 --response 512 --lr 3e-6} \
   --set rollout.exact_logprobs=true

@@ -136,7 +136,8 @@ def main() -> None:
                 # which tensors part tells which backward does not repeat
                 "differing_tensors": {
                     n: (wa[n].float() - wb[n].float()).abs().max().item()
-                    for n in sorted(wa) if not torch.equal(wa[n], wb[n])
+                    for n in sorted(wa)
+                    if not torch.equal(wa[n], wb[n])
                 },
             }
         Path(args.out).write_text(json.dumps(report, indent=1))  # (before the baseline's run)

@@ -55,7 +55,9 @@ def run_epochs(model, eos, prompts, params, epochs, k, args) -> dict:
         max_batch_sequences=max(
             len(prompts) * params.n, 2
         ),  # (on a CPU the KV pool holds them all at full context)
-        speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=args.max_batch),
+        speculative=SpeculativeConfig(
+            num_speculative_tokens=k, max_batch_sequences=args.max_batch, adaptive=not args.always
+        ),
         exact_logprobs=args.exact,
     )
     engine = Engine(model, eos_token_ids=eos, config=config)
@@ -86,6 +88,9 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="random weights of bench/rollout.py's shape (no tokenizer)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--exact", action="store_true", help="rollout.exact_logprobs' kernels (CUDA)")
+    ap.add_argument(
+        "--always", action="store_true", help="speculate whenever a draft exists (adaptive=False: no gate)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--data", type=Path, default=Path("../shared/data/gsm8k"))
     ap.add_argument("--prompts", type=int, default=4)
@@ -128,6 +133,8 @@ def main() -> None:
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
+    # the process's first generation pays its one-time costs (CUDA context, kernels' first launches)
+    run_epochs(model, eos, [[1000, 1001, 1002]], replace(params, n=1, max_tokens=8), 1, args.k, args)
     for name in args.workloads.split(","):
         make_prompts, epochs, n = workloads[name]
         prompts = make_prompts()

@@ -112,6 +112,10 @@ class SpeculativeRolloutConfig:
     history_tokens: int = 4_000_000
     """Tokens of finished responses the engine keeps as drafts for the same prompts later (4 bytes a
     token), the least recently seen prompts' dropped first."""
+    adaptive: bool = True
+    """Speculate only while it measures faster than plain decode runs in this engine (the tokens a
+    running sequence gains per second of each, measured as the engine runs; the slower is tried
+    again now and then); false: whenever a sequence has a draft."""
 
     def __post_init__(self) -> None:
         check_positive(

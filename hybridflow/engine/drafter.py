@@ -46,6 +46,10 @@ class SpeculativeConfig:
     history_tokens: int = 4_000_000
     """Tokens of finished responses kept as drafts for the same prompts' later requests (an epoch
     later), the least recently seen prompts dropped first (4 bytes a token)."""
+    adaptive: bool = True
+    """Speculate only while it measures faster than plain runs in this engine (SpeculationGate: the
+    tokens a running sequence gains per second of each, the slower tried now and then); False:
+    whenever a sequence has a draft."""
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0 or (self.max_batch_sequences or 1) < 1 or self.history_tokens < 0:

@@ -24,6 +24,7 @@ from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.engine.speculation_gate import SpeculationGate
 from hybridflow.engine.verify import kept_tokens, plan_rows
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
@@ -142,6 +143,7 @@ class Engine:
                 "num_speculative_tokens 0, or rollout.tensor_parallel_size 1)"
             )
         self.drafter = Drafter(c.speculative) if c.speculative.enabled else None
+        self.gate = SpeculationGate() if c.speculative.enabled and c.speculative.adaptive else None
         self._speculative_batch = c.speculative.max_batch_sequences or speculative_batch_for(self.device)
         # since the engine was made: speculative steps, the sequences they advanced (rows), tokens
         # drafted, drafted tokens accepted, tokens those steps produced
@@ -449,15 +451,28 @@ class Engine:
         return batch
 
     def _decode(self) -> list[Sequence]:
-        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end
-        (or, with drafts to check, one speculative step; with none now, a run that ends when the first
-        sequence may draft again: a draft may match after the next token)."""
-        ps, k, scheduler = self.cache.page_size, self.config.decode_steps, self.scheduler
-        if self.drafter is not None and len(scheduler.running) <= self._speculative_batch:
-            batch = self._speculate()
-            if batch is not None:
-                return batch
-            k = max(1, min(k, *(self.drafter.waits_for(s) for s in scheduler.running.values())))
+        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end;
+        while few run and speculation is on (and, adaptive, measures faster: SpeculationGate), one
+        speculative step, or with no draft now a run that ends when the first sequence may draft
+        again (a draft may match after the next token)."""
+        k, running = self.config.decode_steps, list(self.scheduler.running.values())
+        if self.drafter is None or len(running) > self._speculative_batch:
+            return self._plain_run(k)
+        speculate = self.gate.speculate() if self.gate is not None else True
+        started, before = time.perf_counter(), sum(len(s.tokens) for s in running)
+        batch = self._speculate() if speculate else None
+        if batch is None:
+            if speculate:
+                k = max(1, min(k, *(self.drafter.waits_for(s) for s in running)))
+            batch = self._plain_run(k)
+        if self.gate is not None:  # (the run ended in a fetch: its seconds are the device's too)
+            gained = sum(len(s.tokens) for s in running) - before
+            self.gate.observe(speculate, time.perf_counter() - started, gained, len(running))
+        return batch
+
+    def _plain_run(self, k: int) -> list[Sequence]:
+        """Up to k decode steps of every running sequence, recorded at the run's end."""
+        ps, scheduler = self.cache.page_size, self.scheduler
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
             return min(k, s.end - len(s.tokens))

@@ -16,6 +16,7 @@ from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.drafter import Drafter, SpeculativeConfig
 from hybridflow.engine.sequence import Sequence
+from hybridflow.engine.speculation_gate import SpeculationGate
 from hybridflow.engine.verify import kept_tokens, plan_rows
 from hybridflow.models import tiny_model
 from hybridflow.models.native import from_hf_model
@@ -108,11 +109,12 @@ def model(hf_model):
     return from_hf_model(hf_model)
 
 
-def _engine(model, k, eos=(1,), batch=256, context=256):
+def _engine(model, k, eos=(1,), batch=256, context=256, adaptive=False):
+    """(adaptive=False: the mechanism's tests speculate whenever a draft exists, whatever it costs.)"""
     config = EngineConfig(
         max_context_tokens=context,
         max_batch_sequences=batch,
-        speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=batch),
+        speculative=SpeculativeConfig(num_speculative_tokens=k, max_batch_sequences=batch, adaptive=adaptive),
     )
     return Engine(model, eos_token_ids=list(eos), config=config)
 
@@ -213,7 +215,11 @@ def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup,
     update): the same responses every step (rewards and lengths equal; losses to float32 rounding),
     and rollout/speculative_* metrics that say drafts were checked."""
     runs = {}
-    spec = ["rollout.speculative.num_speculative_tokens=4", "rollout.speculative.max_batch_sequences=128"]
+    spec = [
+        "rollout.speculative.num_speculative_tokens=4",
+        "rollout.speculative.max_batch_sequences=128",
+        "rollout.speculative.adaptive=false",
+    ]
     for name, extra in (("plain", []), ("speculative", spec)):
         run_dir = tmp_path / name
         config = rl_config(
@@ -264,3 +270,36 @@ def test_verify_rows_fit_slots_and_graph_and_keep_drafts_up_to_the_first_differe
     assert kept == [3, 1, 1]
     assert run[:3, 0, 0].tolist() == [11, 12, 99] and run[:3, 1, 0].tolist() == [0, 1, 2]
     assert run[0, 0, 1] == 77 and run[0, 1, 1] == 3 and run[0, 0, 2] == 40
+
+
+def test_the_gate_takes_whichever_measures_faster_and_tries_the_other_now_and_then():
+    """SpeculationGate by hand: each kind is tried before anything is measured (speculation first);
+    then the one whose running sequences gain more tokens per second, and the other once after
+    explore_every - 1 runs of it; the measures are moving averages (smoothing 0.5 here)."""
+    gate = SpeculationGate(explore_every=4, smoothing=0.5)
+    assert gate.speculate() is True
+    gate.observe(True, seconds=0.02, tokens=30, sequences=10)  # 150 tokens/s a sequence
+    assert gate.speculate() is False
+    gate.observe(False, seconds=0.04, tokens=80, sequences=10)  # 200: plain is faster
+    # (the run that measured plain counts: three of it in a row, then speculation once)
+    assert [gate.speculate() for _ in range(8)] == [False, False, True, False, False, False, True, False]
+    gate.observe(True, seconds=0.01, tokens=50, sequences=10)  # 500: the average is 325
+    assert gate.rate[True] == 325.0 and gate.rate[False] == 200.0
+    assert [gate.speculate() for _ in range(4)] == [True, True, True, False]
+    gate.observe(True, seconds=0.0, tokens=5, sequences=1)  # nothing timed: nothing learned
+    gate.observe(False, seconds=1.0, tokens=0, sequences=0)
+    assert gate.rate == {True: 325.0, False: 200.0}
+
+
+def test_an_adaptive_engine_measures_both_kinds_and_samples_what_the_plain_engine_samples(model):
+    """With the gate (rollout.speculative.adaptive, the default) the engine times its speculative
+    steps and its plain runs as it goes and picks by them; either way the tokens are the plain
+    engine's."""
+    params = SamplingParams(temperature=0.8, max_tokens=60, n=3, seed=4)
+    want = _engine(model, 0).generate(PROMPTS, params)
+    engine = _engine(model, 4, batch=16, adaptive=True)
+    outs = [engine.generate(PROMPTS, params) for _ in range(2)]
+    for out in outs:
+        assert [o.token_ids for o in out] == [o.token_ids for o in want]
+    assert engine.gate.rate[True] is not None and engine.gate.rate[False] is not None
+    assert engine.speculation["steps"] > 0

@@ -85,7 +85,7 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
     spec = Engine(
         model,
         eos_token_ids=[1],
-        config=replace(config, speculative=SpeculativeConfig(3, max_batch_sequences=16)),
+        config=replace(config, speculative=SpeculativeConfig(3, max_batch_sequences=16, adaptive=False)),
     )
     calls = [spec.generate(PROMPTS, params) for _ in range(2)]
     check(
