@@ -146,8 +146,13 @@ class Engine:
         self.gate = SpeculationGate() if c.speculative.enabled and c.speculative.adaptive else None
         self._speculative_batch = c.speculative.max_batch_sequences or speculative_batch_for(self.device)
         # since the engine was made: speculative steps, the sequences they advanced (rows), tokens
-        # drafted, drafted tokens accepted, tokens those steps produced
-        self.speculation = {"steps": 0, "rows": 0, "drafted": 0, "accepted": 0, "tokens": 0}
+        # drafted, drafted tokens accepted, tokens those steps produced; and while few enough run to
+        # speculate, the milliseconds and tokens of speculating (its steps, and the short runs when
+        # nothing drafted) and of plain runs (the gate's choice)
+        self.speculation = dict.fromkeys(
+            ("steps", "rows", "drafted", "accepted", "tokens", "speculating_ms", "speculating_tokens",
+             "plain_ms", "plain_tokens"), 0,
+        )  # fmt: skip
         self.asleep = False
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
@@ -465,9 +470,13 @@ class Engine:
             if speculate:
                 k = max(1, min(k, *(self.drafter.waits_for(s) for s in running)))
             batch = self._plain_run(k)
-        if self.gate is not None:  # (the run ended in a fetch: its seconds are the device's too)
-            gained = sum(len(s.tokens) for s in running) - before
-            self.gate.observe(speculate, time.perf_counter() - started, gained, len(running))
+        # the run ended in a fetch: its seconds are the device's too
+        seconds, gained = time.perf_counter() - started, sum(len(s.tokens) for s in running) - before
+        kind = "speculating" if speculate else "plain"
+        self.speculation[f"{kind}_ms"] += round(seconds * 1000)
+        self.speculation[f"{kind}_tokens"] += gained
+        if self.gate is not None:
+            self.gate.observe(speculate, seconds, gained, len(running))
         return batch
 
     def _plain_run(self, k: int) -> list[Sequence]:
