@@ -82,6 +82,41 @@ def run_epochs(model, eos, prompts, params, epochs, k, args) -> dict:
     return out
 
 
+def vllm_epochs(args, eos, prompts, params, epochs) -> list[dict]:
+    """The same epochs through vLLM (`--backend vllm`): one engine for them all (vLLM's start is long;
+    its suffix method learns across requests as the history here does), each epoch once."""
+    from hybridflow.rollout.vllm import VLLMBackend
+
+    method = args.vllm_method
+    spec = None
+    if method != "plain":
+        spec = {"method": method, "num_speculative_tokens": args.k}
+        if method == "ngram":
+            spec |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    model_dir = args.model
+    if model_dir == "default":  # the embedded model as the transformers directory kept of it
+        from hybridflow.models.default import default_model_dir
+
+        model_dir = str(default_model_dir())
+    backend = VLLMBackend(model_dir, eos_token_ids=eos, max_model_len=args.context, speculative_config=spec)
+    backend.generate([[1000, 1001, 1002]], replace(params, n=1, max_tokens=8))  # warm-up
+    cuda = torch.cuda.is_available()
+    out = []
+    for epoch in range(epochs):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        gens = backend.generate(prompts, replace(params, seed=params.seed + epoch))
+        if cuda:
+            torch.cuda.synchronize()
+        out.append({"seconds": time.perf_counter() - start, "tokens": sum(len(g.token_ids) for g in gens)})
+    metrics = getattr(backend.llm, "get_metrics", lambda: [])()
+    out[-1]["vllm_spec_metrics"] = {
+        m.name: getattr(m, "value", getattr(m, "values", None)) for m in metrics if "spec_decode" in m.name
+    }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -106,6 +141,14 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="gsm8k,random_prompts,gsm8k_one_sequence,random_one_sequence")
+    ap.add_argument("--backend", choices=["native", "vllm"], default="native")
+    ap.add_argument(
+        "--vllm-method",
+        choices=["plain", "ngram", "suffix"],
+        default="plain",
+        help="--backend vllm: no speculation, vLLM's n-gram prompt lookup, or its suffix decoding "
+        "(a suffix tree over earlier outputs too; needs arctic-inference)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -115,7 +158,7 @@ def main() -> None:
         model, eos = random_model(args.shape, args.device, torch.float32), []
     else:
         model, tokenizer = load_causal_lm(args.model, impl="native")
-        model = model.to(args.device)
+        model = model.to(args.device) if args.backend == "native" else model  # (vLLM loads its own)
         eos = stop_token_ids(model, tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, n=args.n, seed=1)
     rng = random.Random(0)
@@ -133,6 +176,16 @@ def main() -> None:
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
+    if args.backend == "vllm":  # (one process per method: vLLM does not give its GPU memory back)
+        for name in args.workloads.split(","):
+            make_prompts, epochs, n = workloads[name]
+            runs = vllm_epochs(args, eos, make_prompts(), replace(params, n=n), epochs)
+            report["workloads"][name] = {
+                f"epoch_{i + 1}": r | {"tokens_per_s": r["tokens"] / r["seconds"]} for i, r in enumerate(runs)
+            }
+            print(name, json.dumps(report["workloads"][name]), flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))
+        return
     # the process's first generation pays its one-time costs (CUDA context, kernels' first launches)
     run_epochs(model, eos, [[1000, 1001, 1002]], replace(params, n=1, max_tokens=8), 1, args.k, args)
     for name in args.workloads.split(","):

@@ -34,7 +34,10 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.5,
         dtype: str = "auto",
         seed: int = 0,
+        speculative_config: dict | None = None,
     ) -> None:
+        """speculative_config: vLLM's own (e.g. {"method": "ngram", "num_speculative_tokens": 4}), as
+        given; bench/speculative.py measures its methods beside the native engine's."""
         # The engine core in this process, so that weights can be loaded into its model directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -54,6 +57,7 @@ class VLLMBackend:
             # ("CPU Generator does not use offset"): whole-prompt prefills there
             enable_chunked_prefill=torch.cuda.is_available(),
             seed=seed,
+            **({"speculative_config": speculative_config} if speculative_config else {}),
         )
         self.eos_token_ids = list(eos_token_ids)
         self.asleep = False
