@@ -62,9 +62,10 @@ class Scheduler:
 
     def schedule_prefill(self) -> list[PrefillJob]:
         """Admit waiting jobs (prefill has priority, as in nano-vllm) and give each its pages; the
-        samples of a prompt share them. Needs room for the prompt plus one page per sample. A job's
-        sequences start with `cached` tokens whose K/V the prefix cache already holds (never the
-        last: its logits are needed)."""
+        samples of a prompt share them. Needs room for the prompt and for every sample's first decode
+        step: a fresh page each after a full last page; after a partial one, a private copy of it for
+        all samples but one (the last to write keeps it). A job's sequences start with `cached`
+        tokens whose K/V the prefix cache already holds (never the last: its logits are needed)."""
         jobs: list[PrefillJob] = []
         tokens = 0
         while self.waiting:
@@ -77,7 +78,8 @@ class Scheduler:
             if jobs and tokens + new > self.max_prefill_tokens:
                 self.pool.release(found)
                 break
-            if self._pages_for(length) - len(found) + n > self.pool.num_free:
+            first_steps = n if length % self.page_size == 0 else n - 1
+            if self._pages_for(length) - len(found) + first_steps > self.pool.num_free:
                 self.pool.release(found)
                 break
             self.waiting.popleft()

@@ -284,6 +284,28 @@ def test_prompt_pages_are_shared_then_copied_on_write():
     assert cache.pool.num_free == cache.pool.num_pages and not any(cache.pool.refs)
 
 
+@pytest.mark.parametrize("prompt_tokens, admitted", [(6, True), (8, False)], ids=["partial", "full"])
+def test_a_request_is_admitted_when_its_prompt_and_first_steps_fit_exactly(prompt_tokens, admitted):
+    """Three samples of a prompt in a pool of 4 free pages of 4 tokens: a 6-token prompt takes 2 and
+    its first steps 2 copies of the shared partial page (the third sample writes in place): admitted,
+    and all three decode without a preemption. An 8-token prompt's first steps need 3 fresh pages
+    (2 + 3 > 4): it waits."""
+    cache = KVCache(
+        num_layers=1, num_pages=5, page_size=4, kv_heads=1, head_dim=2, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert cache.pool.num_free == 4
+    scheduler = Scheduler(cache, max_sequences=8, max_prefill_tokens=64, max_pages_per_sequence=4)
+    seqs = [Sequence(i, 0, list(range(prompt_tokens)), prompt_tokens, seed=i) for i in range(3)]
+    scheduler.add(PrefillJob(seqs))
+    assert bool(scheduler.schedule_prefill()) is admitted
+    if admitted:
+        for s in seqs:
+            s.cached, s.tokens = prompt_tokens, s.tokens + [9]
+        assert scheduler.schedule_decode() == seqs and scheduler.preemptions == 0
+        assert cache.pool.num_free == 0
+
+
 def test_no_page_leaks_across_generate_sleep_wake_and_errors_are_clear():
     model = from_hf_model(tiny_model("mistral", seed=5))
     engine = _engine(model, max_context_tokens=64, kv_cache_tokens=120)
