@@ -5,19 +5,22 @@
 # exact training forward+backward against the ordinary kernels; speculative decoding on a random 0.5B
 # shape (greedy: the verifying step's check; temperature 1: text with nothing to reuse); then, once
 # bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready, speculative decoding on the
-# real model's GSM8K responses, the real model's GSM8K GRPO run with exact log-probs, and last the
-# exact 1.5B shape. Each run writes /tmp/res/NAME.json or NAME.log; /tmp/res/done says when each
-# started and ended. A poll begins `[ -f /tmp/res/done ] || exit 3` (a machine lost between calls comes
-# back bare) and brings /tmp/res back as one archive.
+# real model's GSM8K responses (adaptive, and speculating whenever a draft exists), then once
+# bench/vllm_wheels.sh's wheel is installed in /tmp/vllm-site and /tmp/vllm.ready exists, vLLM 0.26 on
+# the same workload (plain and its n-gram speculation), the exact 1.5B shape, and when RUNS names it,
+# the real model's GSM8K GRPO run with exact log-probs (~14 minutes; measured 2026-12-06). Each run
+# writes /tmp/res/NAME.json or NAME.log; /tmp/res/done says when each started and ended. A poll begins
+# `[ -f /tmp/res/done ] || exit 3` (a machine lost between calls comes back bare) and brings /tmp/res
+# back as one archive.
 #   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
-# RUNS picks a subset (default: all, in this order); GSM8K_ARGS replaces the real run's settings (default:
-# the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder (train/test jsonl).
+# RUNS picks the runs (default: all but gsm8k, in this order); GSM8K_ARGS replaces the real run's
+# settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder.
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
 step() {
   name=$1; shift
-  case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+  case " ${RUNS:-all} " in *" $name "*) ;; *" all "*) [ "$name" != gsm8k ] || return ;; *) return ;; esac
   echo "$name start $(date +%s)" >> /tmp/res/done
   "$@" > "/tmp/res/$name.log" 2>&1
   echo "$name rc=$? $(date +%s)" >> /tmp/res/done
@@ -39,6 +42,13 @@ step spec_real4 python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads 
   --out /tmp/res/spec_real4.json
 step spec_real4_always python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads gsm8k --always \
   --out /tmp/res/spec_real4_always.json
+if [ -f /tmp/vllm-site/vllm/__init__.py ]; then  # (installed by the calls that carried the pieces)
+  for method in plain ngram; do
+    PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 step "vllm_$method" \
+      python3 bench/speculative.py $REAL_SPEC --prompts 32 --workloads gsm8k,random_prompts --backend vllm \
+      --vllm-method $method --out "/tmp/res/vllm_$method.json"
+  done
+fi
 step gsm8k python3 bench/real_gsm8k.py --model /tmp/qwen --data "$DATA" --out /tmp/res/gsm8k \
   ${GSM8K_ARGS:---steps 100 --test-freq 10 --test-size 200 --prompts 32 --samples 8 --response 512 --lr 3e-6} \
   --set rollout.exact_logprobs=true
