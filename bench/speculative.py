@@ -98,7 +98,9 @@ def vllm_epochs(args, eos, prompts, params, epochs) -> list[dict]:
         from hybridflow.models.default import default_model_dir
 
         model_dir = str(default_model_dir())
-    backend = VLLMBackend(model_dir, eos_token_ids=eos, max_model_len=args.context, speculative_config=spec)
+    backend = VLLMBackend(
+        model_dir, eos_token_ids=eos, max_model_len=args.context, speculative_config=spec, log_stats=True
+    )
     backend.generate([[1000, 1001, 1002]], replace(params, n=1, max_tokens=8))  # warm-up
     cuda = torch.cuda.is_available()
     out = []
@@ -110,7 +112,7 @@ def vllm_epochs(args, eos, prompts, params, epochs) -> list[dict]:
         if cuda:
             torch.cuda.synchronize()
         out.append({"seconds": time.perf_counter() - start, "tokens": sum(len(g.token_ids) for g in gens)})
-    metrics = getattr(backend.llm, "get_metrics", lambda: [])()
+    metrics = backend.llm.get_metrics()
     out[-1]["vllm_spec_metrics"] = {
         m.name: getattr(m, "value", getattr(m, "values", None)) for m in metrics if "spec_decode" in m.name
     }

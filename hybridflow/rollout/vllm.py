@@ -35,9 +35,11 @@ class VLLMBackend:
         dtype: str = "auto",
         seed: int = 0,
         speculative_config: dict | None = None,
+        log_stats: bool = False,
     ) -> None:
         """speculative_config: vLLM's own (e.g. {"method": "ngram", "num_speculative_tokens": 4}), as
-        given; bench/speculative.py measures its methods beside the native engine's."""
+        given; bench/speculative.py measures its methods beside the native engine's (log_stats: vLLM's
+        counters, `llm.get_metrics()`, kept)."""
         # The engine core in this process, so that weights can be loaded into its model directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -57,6 +59,7 @@ class VLLMBackend:
             # ("CPU Generator does not use offset"): whole-prompt prefills there
             enable_chunked_prefill=torch.cuda.is_available(),
             seed=seed,
+            disable_log_stats=not log_stats,
             **({"speculative_config": speculative_config} if speculative_config else {}),
         )
         self.eos_token_ids = list(eos_token_ids)
