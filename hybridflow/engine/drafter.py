@@ -1,9 +1,13 @@
 """Drafts for speculative decoding from the RL history itself, no draft model: an n-gram index over
 what the engine has seen of a prompt (the prompt, every sample of it in flight, and the responses
-to it in earlier calls: an earlier epoch, an earlier turn's request). A sequence's draft is what
-followed the latest earlier occurrence of its last n tokens (the longest n that occurs), up to k
-tokens. The engine verifies drafts in one forward (engine.py); a draft only decides how many
-tokens that forward may accept, never which: the output is the plain engine's.
+to it in earlier calls: an earlier epoch, an earlier turn's request). For each n-gram the table
+counts the tokens that followed it; a sequence's draft is built a token at a time, each the one
+that most often followed the longest n-gram the text so far (draft included) ends with (the latest
+seen among equals), up to k tokens. The most frequent continuation among samples of the model is
+the likeliest token, and a drafted token is kept with the model's probability of it, so this keeps
+more than copying the latest occurrence (a single draw). The engine verifies drafts in one forward
+(engine.py); a draft only decides how many tokens that forward may accept, never which: the output
+is the plain engine's.
 
 Adaptive: a sequence that found nothing to draft, or whose draft was rejected at its first token,
 twice in a row looks again only after 1, 2, 4 ... more tokens (up to NO_MATCH_BACKOFF when nothing
@@ -77,9 +81,9 @@ class _Pool:
     # earlier responses, each after the prompt's last prompt_lookup_max tokens (int32)
     history: list[np.ndarray] = field(default_factory=list)
     live: dict[int, Sequence] = field(default_factory=dict)  # samples in flight, by seq_id
-    # n-gram -> (source, end): the tokens after it are source[end:]. Sources: the prompt, each
-    # history array, each live sequence's token list (its prompt part not indexed again)
-    table: dict[tuple, tuple[object, int]] | None = None
+    # n-gram -> {next token: times seen}, the latest seen last. Sources: the prompt, each history
+    # array, each live sequence's token list (its prompt part not indexed again)
+    table: dict[tuple, dict[int, int]] | None = None
     indexed: dict[int, int] = field(default_factory=dict)  # id(source) -> positions indexed so far
 
     @property
@@ -117,9 +121,11 @@ class Drafter:
         tokens = source if isinstance(source, list) else source.tolist()
         begin = max(pool.indexed.get(id(source), start), start)
         end = len(tokens) - 1
-        for i in range(begin, end):  # the n-grams ending at token i; what follows starts at i + 1
+        for i in range(begin, end):  # the n-grams ending at token i; what follows is token i + 1
+            following = tokens[i + 1]
             for n in range(lo, min(hi, i + 1) + 1):
-                table[tuple(tokens[i + 1 - n : i + 1])] = (source, i + 1)
+                counts = table.setdefault(tuple(tokens[i + 1 - n : i + 1]), {})
+                counts[following] = counts.pop(following, 0) + 1  # (re-inserted: the latest seen last)
         pool.indexed[id(source)] = max(begin, end)
 
     def _table(self, pool: _Pool) -> dict:
@@ -140,25 +146,23 @@ class Drafter:
         if self.waits_for(seq):
             return []
         table = self._table(self._pool(seq))
-        tokens = seq.tokens
-        most = min(most, self.config.num_speculative_tokens)
-        for n in range(
-            min(self.config.prompt_lookup_max, len(tokens)), self.config.prompt_lookup_min - 1, -1
-        ):
-            hit = table.get(tuple(tokens[-n:]))
-            if hit is not None:
-                if seq.seq_id in self._backoff and self._backoff[seq.seq_id][2] == NO_MATCH_BACKOFF:
-                    del self._backoff[seq.seq_id]  # a streak of finding nothing ends here
-                source, end = hit
-                following = source[end : end + most]
-                following = following if isinstance(following, list) else following.tolist()
-                if source is tokens:  # a match in the sequence itself repeats with period len - end:
-                    period = len(tokens) - end  # copy on through the draft (as LZ77 copies overlap)
-                    while len(following) < most:
-                        following.append(following[len(following) - period])
-                return following
-        self._missed(seq, NO_MATCH_BACKOFF)
-        return []
+        hi, lo = self.config.prompt_lookup_max, self.config.prompt_lookup_min
+        text = seq.tokens[-hi:]  # the last tokens, then the draft as it grows
+        drafted: list[int] = []
+        for _ in range(min(most, self.config.num_speculative_tokens)):
+            counts = next(
+                (c for n in range(min(hi, len(text)), lo - 1, -1) if (c := table.get(tuple(text[-n:])))), None
+            )
+            if counts is None:
+                break
+            token = max(reversed(counts), key=counts.__getitem__)  # (the latest seen among equals)
+            drafted.append(token)
+            text = [*text[1:], token] if len(text) == hi else [*text, token]
+        if not drafted:
+            self._missed(seq, NO_MATCH_BACKOFF)
+        elif seq.seq_id in self._backoff and self._backoff[seq.seq_id][2] == NO_MATCH_BACKOFF:
+            del self._backoff[seq.seq_id]  # a streak of finding nothing ends here
+        return drafted
 
     def waits_for(self, seq: Sequence) -> int:
         """Tokens the sequence has yet to sample before it drafts again (0: it drafts now)."""

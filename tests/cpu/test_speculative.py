@@ -58,6 +58,18 @@ def test_drafts_come_from_the_prompt_the_siblings_and_earlier_responses():
     assert drafter.draft(_sequence(10, [62], [7, 7, 7]), 3) == [7, 7, 7]
 
 
+def test_a_draft_takes_the_continuation_seen_most_often_and_the_latest_among_equals():
+    """Three earlier responses to a prompt: after "5 6" came 7 twice, then 8 (the latest): the draft
+    takes 7, and goes on from "6 7" (9, seen after it every time). Among equals the latest wins."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=2))
+    prompt = [1, 2]
+    for response in ([5, 6, 7, 9], [5, 6, 7, 9], [5, 6, 8, 10]):
+        drafter.remember(prompt, response)
+    assert drafter.draft(_sequence(0, prompt, [5, 6]), 2) == [7, 9]
+    drafter.remember(prompt, [5, 6, 8, 11])  # 7 and 8 twice each now: 8 came last
+    assert drafter.draft(_sequence(1, prompt, [5, 6]), 2) == [8, 11]
+
+
 def test_misses_back_the_sequence_off_and_history_is_bounded():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, history_tokens=12))
     seq = _sequence(0, [1, 2, 3, 1, 2], [3])
