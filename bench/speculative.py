@@ -153,6 +153,11 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.backend == "vllm" and (args.shape or args.exact or args.always):
+        raise SystemExit(
+            "--backend vllm runs vLLM's own engine on a model directory (--model): "
+            "--shape, --exact and --always are the native engine's"
+        )
     torch.manual_seed(0)
     if args.shape:
         from rollout import random_model
