@@ -5,9 +5,10 @@
 # exact training forward+backward against the ordinary kernels; speculative decoding on a random 0.5B
 # shape (greedy: the verifying step's check; temperature 1: text with nothing to reuse); then, once
 # bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready, speculative decoding on the
-# real model's GSM8K responses (adaptive, and speculating whenever a draft exists), then once
-# bench/vllm_wheels.sh's wheel is installed in /tmp/vllm-site and /tmp/vllm.ready exists, vLLM 0.26 on
-# the same workload (plain and its n-gram speculation), the exact 1.5B shape, and when RUNS names it,
+# real model's GSM8K responses (adaptive, and speculating whenever a draft exists), a 30-step GRPO
+# run of the real model plain and speculating, then once bench/vllm_wheels.sh's wheel is installed in
+# /tmp/vllm-site, vLLM 0.26 on the same workload (plain and its n-gram speculation), the exact 1.5B
+# shape, and when RUNS names it,
 # the real model's GSM8K GRPO run with exact log-probs (~14 minutes; measured 2026-12-06). Each run
 # writes /tmp/res/NAME.json or NAME.log; /tmp/res/done says when each started and ended. A poll begins
 # `[ -f /tmp/res/done ] || exit 3` (a machine lost between calls comes back bare) and brings /tmp/res
@@ -42,6 +43,13 @@ step spec_real4 python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads 
   --out /tmp/res/spec_real4.json
 step spec_real4_always python3 bench/speculative.py $REAL_SPEC --prompts 4 --workloads gsm8k --always \
   --out /tmp/res/spec_real4_always.json
+# speculation in training (#62): the same short GRPO run plain and speculating (the policy's entropy
+# falls within 30 steps at lr 3e-6, and siblings' drafts are kept more as it does)
+SPEC_GRPO="--steps 30 --test-freq 10 --test-size 100 --prompts 32 --samples 8 --response 512 --lr 3e-6"
+step gsm8k_plain python3 bench/real_gsm8k.py --model /tmp/qwen --data "$DATA" --out /tmp/res/gsm8k_plain $SPEC_GRPO
+step gsm8k_spec python3 bench/real_gsm8k.py --model /tmp/qwen --data "$DATA" --out /tmp/res/gsm8k_spec $SPEC_GRPO \
+  --set rollout.speculative.num_speculative_tokens=4
+rm -rf /tmp/res/gsm8k_*/*/checkpoints
 if [ -f /tmp/vllm-site/vllm/__init__.py ]; then  # (installed by the calls that carried the pieces)
   for method in plain ngram; do
     PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 step "vllm_$method" \
