@@ -21,6 +21,8 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -183,15 +185,25 @@ def main() -> None:
     }
     report = {"model": args.model, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "workloads": {}}  # fmt: skip
-    if args.backend == "vllm":  # (one process per method: vLLM does not give its GPU memory back)
-        for name in args.workloads.split(","):
-            make_prompts, epochs, n = workloads[name]
-            runs = vllm_epochs(args, eos, make_prompts(), replace(params, n=n), epochs)
-            report["workloads"][name] = {
-                f"epoch_{i + 1}": r | {"tokens_per_s": r["tokens"] / r["seconds"]} for i, r in enumerate(runs)
-            }
-            print(name, json.dumps(report["workloads"][name]), flush=True)
-            Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.backend == "vllm":
+        names = args.workloads.split(",")
+        # one process per workload: a process holds one vLLM engine (its GPU memory, its allocator)
+        if len(names) > 1:
+            for name in names:
+                part = f"{args.out}.{name}"
+                argv = [*sys.argv[1:], "--workloads", name, "--out", part]  # (the last of each counts)
+                subprocess.run([sys.executable, __file__, *argv], check=True)
+                report["workloads"] |= json.loads(Path(part).read_text())["workloads"]
+                Path(part).unlink()
+                Path(args.out).write_text(json.dumps(report, indent=1))
+            return
+        make_prompts, epochs, n = workloads[names[0]]
+        runs = vllm_epochs(args, eos, make_prompts(), replace(params, n=n), epochs)
+        report["workloads"][names[0]] = {
+            f"epoch_{i + 1}": r | {"tokens_per_s": r["tokens"] / r["seconds"]} for i, r in enumerate(runs)
+        }
+        print(names[0], json.dumps(report["workloads"][names[0]]), flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
         return
     # the process's first generation pays its one-time costs (CUDA context, kernels' first launches)
     run_epochs(model, eos, [[1000, 1001, 1002]], replace(params, n=1, max_tokens=8), 1, args.k, args)

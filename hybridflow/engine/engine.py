@@ -15,7 +15,6 @@ import torch
 
 from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
-from hybridflow.engine.drafter import Drafter, speculative_batch_for
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
@@ -24,8 +23,7 @@ from hybridflow.engine.sampled import SampledRun, params_key
 from hybridflow.engine.sampler import step_keys
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.sequence import PrefillJob, Sequence
-from hybridflow.engine.speculation_gate import SpeculationGate
-from hybridflow.engine.verify import kept_tokens, plan_rows
+from hybridflow.engine.speculation import Speculation
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
@@ -142,17 +140,8 @@ class Engine:
                 "speculative decoding: a tensor-parallel engine is not covered yet (set "
                 "num_speculative_tokens 0, or rollout.tensor_parallel_size 1)"
             )
-        self.drafter = Drafter(c.speculative) if c.speculative.enabled else None
-        self.gate = SpeculationGate() if c.speculative.enabled and c.speculative.adaptive else None
-        self._speculative_batch = c.speculative.max_batch_sequences or speculative_batch_for(self.device)
-        # since the engine was made: speculative steps, the sequences they advanced (rows), tokens
-        # drafted, drafted tokens accepted, tokens those steps produced; and while few enough run to
-        # speculate, the milliseconds and tokens of speculating (its steps, and the short runs when
-        # nothing drafted) and of plain runs (the gate's choice)
-        self.speculation = dict.fromkeys(
-            ("steps", "rows", "drafted", "accepted", "tokens", "speculating_ms", "speculating_tokens",
-             "plain_ms", "plain_tokens"), 0,
-        )  # fmt: skip
+        # speculative decoding's drafter, gate and counters (None: off)
+        self.speculation = Speculation(c.speculative, self.device) if c.speculative.enabled else None
         self.asleep = False
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
@@ -285,8 +274,8 @@ class Engine:
                 continue
             if s.seq_id in self.scheduler.running:
                 self.scheduler.finish(s)
-            if self.drafter is not None:
-                self.drafter.finished(s)
+            if self.speculation is not None:
+                self.speculation.finished(s)
             s.finish_reason = "abort"
             outputs.append(RequestOutput(request_id, s.sample, finish_reason="abort"))
         return outputs
@@ -352,7 +341,7 @@ class Engine:
         preempted, start, steps = scheduler.preemptions, time.perf_counter(), 0
         captured = self.runner.capture_seconds
         admitted, cached = scheduler.admitted_tokens, scheduler.cached_tokens
-        speculated = dict(self.speculation)
+        speculated = dict(self.speculation.counts) if self.speculation is not None else {}
         finished = bar(len(seqs), "generate", enabled=self.config.progress, inner=True)
         mine, left = set(ids), len(seqs)
         while left:  # straight on the sequences: the trainer's path builds no per-step outputs
@@ -372,8 +361,10 @@ class Engine:
             "seconds": time.perf_counter() - start,
             "graph_capture_seconds": self.runner.capture_seconds - captured,  # included in seconds
         }
-        if self.drafter is not None:
-            self.stats.update({f"speculative_{k}": v - speculated[k] for k, v in self.speculation.items()})
+        if self.speculation is not None:
+            self.stats.update(
+                {f"speculative_{k}": v - speculated[k] for k, v in self.speculation.counts.items()}
+            )
         return [
             Generation(
                 s.prompt_index,
@@ -389,8 +380,9 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """Since the engine was made: tokens prefilled again (recomputed_tokens) and, speculating, its
         steps, tokens drafted, drafts accepted and tokens those steps produced (speculative_*)."""
+        counts = self.speculation.counts if self.speculation is not None else {}
         return {"recomputed_tokens": self.recomputed_tokens} | {
-            f"speculative_{k}": v for k, v in self.speculation.items()
+            f"speculative_{k}": v for k, v in counts.items()
         }
 
     def prefix_cache_stats(self) -> dict[str, float]:
@@ -460,23 +452,18 @@ class Engine:
         while few run and speculation is on (and, adaptive, measures faster: SpeculationGate), one
         speculative step, or with no draft now a run that ends when the first sequence may draft
         again (a draft may match after the next token)."""
-        k, running = self.config.decode_steps, list(self.scheduler.running.values())
-        if self.drafter is None or len(running) > self._speculative_batch:
+        k, running, spec = self.config.decode_steps, list(self.scheduler.running.values()), self.speculation
+        speculate = spec.choose(len(running)) if spec is not None else None
+        if speculate is None:
             return self._plain_run(k)
-        speculate = self.gate.speculate() if self.gate is not None else True
-        started, before = time.perf_counter(), sum(len(s.tokens) for s in running)
+        started, captured = time.perf_counter(), self.runner.capture_seconds
+        before = sum(len(s.tokens) for s in running)
         batch = self._speculate() if speculate else None
         if batch is None:
-            if speculate:
-                k = max(1, min(k, *(self.drafter.waits_for(s) for s in running)))
-            batch = self._plain_run(k)
+            batch = self._plain_run(spec.plain_steps(running, k) if speculate else k)
         # the run ended in a fetch: its seconds are the device's too
-        seconds, gained = time.perf_counter() - started, sum(len(s.tokens) for s in running) - before
-        kind = "speculating" if speculate else "plain"
-        self.speculation[f"{kind}_ms"] += round(seconds * 1000)
-        self.speculation[f"{kind}_tokens"] += gained
-        if self.gate is not None:
-            self.gate.observe(speculate, seconds, gained, len(running))
+        seconds = time.perf_counter() - started - (self.runner.capture_seconds - captured)
+        spec.observe(speculate, seconds, sum(len(s.tokens) for s in running) - before, len(running))
         return batch
 
     def _plain_run(self, k: int) -> list[Sequence]:
@@ -506,16 +493,14 @@ class Engine:
         sequence keeps its drafted tokens up to the first that differs from the draw, and the draw
         after them. So its tokens and log-probs are those of plain decoding: the draft only decides
         how many positions one forward checks. None: nothing drafted (a plain decode run instead)."""
-        scheduler, drafter, ps = self.scheduler, self.drafter, self.cache.page_size
-        drafts = {s.seq_id: drafter.draft(s, s.end - len(s.tokens) - 1) for s in scheduler.running.values()}
+        scheduler, spec = self.scheduler, self.speculation
+        drafts = spec.drafts(list(scheduler.running.values()))
         if not any(drafts.values()):
             return None
         batch = scheduler.schedule_decode(lambda s: len(drafts.get(s.seq_id, ())) + 1)
         if not batch:
             raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-        rows = plan_rows([s.tokens[-1] for s in batch], [s.cached for s in batch],
-                         [drafts.get(s.seq_id, []) for s in batch], [len(s.pages) * ps - s.cached for s in batch],
-                         self.config.max_batch_sequences)  # fmt: skip
+        rows = spec.plan(batch, drafts, self.cache.page_size, self.config.max_batch_sequences)
         if rows is None:  # no row to spare: a plain run (the pages taken are the next tokens')
             return None
         owners = [batch[i] for i in rows.owner]
@@ -525,17 +510,7 @@ class Engine:
         )  # fmt: skip
         table = scheduler.table[[s.row for s in owners]]
         self.runner.decode(owners, table, [1] * len(owners), sampled, feed=(rows.tokens, rows.positions))
-        run, kept = kept_tokens(sampled.fetch()[0], rows)
-        for s, draft, n in zip(batch, rows.drafts, kept):
-            drafter.accepted(s, len(draft), n - 1)
-        before = sum(len(s.tokens) for s in batch)
-        self._record(batch, run, kept)
-        stats = self.speculation
-        stats["steps"] += 1
-        stats["rows"] += len(batch)
-        stats["drafted"] += sum(len(d) for d in rows.drafts)
-        stats["accepted"] += sum(kept) - len(kept)
-        stats["tokens"] += sum(len(s.tokens) for s in batch) - before
+        spec.settle(batch, rows, sampled.fetch()[0], self._record)
         return batch
 
     def _record(self, batch, run: np.ndarray, limits: list[int]) -> None:
@@ -574,8 +549,8 @@ class Engine:
                 s.routes = routes
         for s in finished:
             self.scheduler.finish(s)
-            if self.drafter is not None:
-                self.drafter.finished(s)
+            if self.speculation is not None:
+                self.speculation.finished(s)
 
     def pause(self) -> None:
         """Stop scheduling: `step()` does nothing until `resume()`; running requests keep their tokens."""

@@ -4,6 +4,7 @@ engine would have drawn, so outputs are the plain engine's token for token, gree
 sampled distribution is the model's."""
 
 import math
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ from hybridflow.controller.trainer import RLTrainer
 from hybridflow.engine import Engine, EngineConfig
 from hybridflow.engine.drafter import Drafter, SpeculativeConfig
 from hybridflow.engine.sequence import Sequence
+from hybridflow.engine.speculation import Speculation
 from hybridflow.engine.speculation_gate import SpeculationGate
 from hybridflow.engine.verify import kept_tokens, plan_rows
 from hybridflow.models import tiny_model
@@ -157,7 +159,9 @@ def test_speculative_outputs_are_the_plain_engines_token_for_token(model, params
     stats = spec.stats  # the last epoch's: drafts used, forwards saved
     assert stats["speculative_tokens"] > 1.5 * stats["speculative_steps"] > 0
     if not params.greedy:
-        assert spec.speculation["drafted"] > spec.speculation["accepted"]  # some drafts were wrong
+        assert (
+            spec.speculation.counts["drafted"] > spec.speculation.counts["accepted"]
+        )  # some drafts were wrong
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -203,7 +207,7 @@ def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peake
     # all at once: when they are verified, no sample has a token after its first to draft from
     engine = _engine(model, 1, eos=(), batch=2 * n, context=32)  # (a row for each draft too)
     for t, d in enumerate(drafts.tolist()):
-        engine.drafter.remember(prompt, [t, d])
+        engine.speculation.drafter.remember(prompt, [t, d])
     outs = engine.generate([prompt], SamplingParams(temperature=temperature, max_tokens=3, n=n, seed=3))
     pairs = torch.tensor([o.token_ids[:2] for o in outs])  # [n, 2]
     assert engine.stats["speculative_drafted"] == n  # every sample's second token was a verified draft
@@ -257,11 +261,14 @@ def test_drafts_fit_the_largest_decode_graph(model):
     want = _engine(model, 0, batch=2).generate([PROMPTS[0]], params)
     full = _engine(model, 4, batch=2)  # two sequences in two rows: nothing to spare
     assert [o.token_ids for o in full.generate([PROMPTS[0]], params)] == [o.token_ids for o in want]
-    assert full.speculation["steps"] == 0
+    assert full.speculation.counts["steps"] == 0
     some = _engine(model, 4, batch=5)  # three rows to spare
     assert [o.token_ids for o in some.generate([PROMPTS[0]], params)] == [o.token_ids for o in want]
-    assert some.speculation["steps"] > 0
-    assert some.speculation["rows"] + some.speculation["drafted"] <= 5 * some.speculation["steps"]
+    assert some.speculation.counts["steps"] > 0
+    assert (
+        some.speculation.counts["rows"] + some.speculation.counts["drafted"]
+        <= 5 * some.speculation.counts["steps"]
+    )
 
 
 def test_verify_rows_fit_slots_and_graph_and_keep_drafts_up_to_the_first_difference():
@@ -313,9 +320,73 @@ def test_an_adaptive_engine_measures_both_kinds_and_samples_what_the_plain_engin
     outs = [engine.generate(PROMPTS, params) for _ in range(2)]
     for out in outs:
         assert [o.token_ids for o in out] == [o.token_ids for o in want]
-    assert engine.gate.rate[True] is not None and engine.gate.rate[False] is not None
+    assert engine.speculation.gate.rate[True] is not None and engine.speculation.gate.rate[False] is not None
     counts = engine.counters()
     assert counts["speculative_speculating_tokens"] > 0 and counts["speculative_plain_tokens"] > 0
     assert counts["speculative_speculating_tokens"] + counts["speculative_plain_tokens"] == sum(
         len(o.token_ids) for out in outs for o in out
     ) - len(PROMPTS) * params.n * len(outs)  # every token but the prefills' first ones, while <= 16 ran
+
+
+def test_the_gate_leaves_graph_captures_out_of_what_it_measures(model):
+    """A bucket's first run captures its CUDA graph (seconds, once): the gate and the timing counters
+    leave that out, or one capture would make speculating look slow for many runs after it. Here
+    every decode run first "captures" for 0.2 s (the runner's capture_seconds grows by it); the runs
+    themselves take milliseconds."""
+    params = SamplingParams(temperature=0.8, max_tokens=40, n=3, seed=4)
+    engine = _engine(model, 4, batch=16, adaptive=True)
+    decode, runner = engine.runner.decode, engine.runner
+
+    def decode_that_captures(*args, **kwargs):
+        start = time.perf_counter()
+        time.sleep(0.2)
+        runner.capture_seconds += time.perf_counter() - start
+        return decode(*args, **kwargs)
+
+    runner.decode = decode_that_captures
+    engine.generate(PROMPTS, params)
+    counts = engine.counters()
+    timed_ms = counts["speculative_speculating_ms"] + counts["speculative_plain_ms"]
+    assert counts["speculative_speculating_tokens"] > 0 and counts["speculative_plain_tokens"] > 0
+    assert 0 < timed_ms < runner.capture_seconds * 1000 / 4  # (with the captures: more than all of them)
+
+
+def test_speculation_plans_a_verifying_step_settles_its_draws_and_counts():
+    """Speculation (engine/speculation.py) apart from the engine: too many running -> a plain run
+    (None); a draft from the prompt; rows planned within the free cache slots; the draws settled
+    (drafted tokens kept up to the first miss, then the draw) and handed to the engine's record;
+    the counters by hand."""
+    spec = Speculation(
+        SpeculativeConfig(
+            num_speculative_tokens=3, prompt_lookup_max=2, max_batch_sequences=2, adaptive=False
+        ),
+        torch.device("cpu"),
+    )
+    assert spec.choose(3) is None and spec.choose(2) is True
+    prompt = [1, 2, 3, 4, 5, 6, 2, 3]
+    a, b = _sequence(0, prompt), _sequence(1, [40, 41, 42])
+    for s in (a, b):
+        s.cached, s.pages, s.end = len(s.tokens) - 1, [1], 64
+    drafts = spec.drafts([a, b])
+    assert drafts == {0: [4, 5, 6], 1: []}
+    rows = spec.plan([a, b], drafts, page_size=16, max_rows=8)
+    assert (
+        rows.tokens == [3, 4, 5, 6, 42]
+        and rows.positions == [7, 8, 9, 10, 2]
+        and rows.owner == [0, 0, 0, 0, 1]
+    )
+    assert spec.plan([a, b], drafts, page_size=16, max_rows=2) is None  # no row for a drafted token
+    drawn = np.zeros((4, 5))
+    drawn[0] = [4, 5, 9, 7, 43]  # a: 4 and 5 kept, 9 drawn where 6 was drafted; b: its one draw
+    recorded = []
+
+    def record(batch, run, kept):
+        recorded.append(kept)
+        for s, n in zip(batch, kept):
+            s.tokens += run[:n, 0, batch.index(s)].astype(int).tolist()
+
+    spec.settle([a, b], rows, drawn, record)
+    assert recorded == [[3, 1]] and a.tokens[-3:] == [4, 5, 9] and b.tokens[-1] == 43
+    assert {k: spec.counts[k] for k in ("steps", "rows", "drafted", "accepted", "tokens")} == {
+        "steps": 1, "rows": 2, "drafted": 3, "accepted": 2, "tokens": 4,
+    }  # fmt: skip

@@ -93,8 +93,8 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
         all(
             [(o.token_ids, o.logprobs) for o in c] == [(o.token_ids, o.logprobs) for o in outs] for c in calls
         )
-        and spec.speculation["accepted"] > 0,
-        f"({spec.speculation})",
+        and spec.speculation.counts["accepted"] > 0,
+        f"({spec.speculation.counts})",
     )
 
 # the update's forward: the exact kernels' gradients are the ordinary model's (float32: to rounding)
