@@ -26,11 +26,16 @@ def seed_process(seed: int, *, deterministic: bool) -> None:
     matmul: torch seeded, and with `deterministic` (trainer.deterministic) torch's deterministic
     algorithms where torch has them (scatter / index_add / cumsum kernels without atomics; a fixed cuBLAS
     workspace), warn-only: an op that has none (flash attention's backward among them) is named once in
-    a warning and runs as before."""
+    a warning and runs as before. New tensors are not filled first, which these algorithms do by
+    default (a NaN fill a launch per allocation: ~680 more launches in a tiny exact model's forward and
+    backward, ~260 in the ordinary path's): every kernel of a run writes the whole of its output, and
+    one that read memory it had not written would have read those NaNs, which the exact runs that
+    repeated with the fill on (H100) never did."""
     torch.manual_seed(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

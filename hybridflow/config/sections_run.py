@@ -103,8 +103,8 @@ class TrainerConfig:
     runs of one config and seed, started separately, repeat to the bit. Without it a training step's
     atomics let them part in the last bits after a few steps (H100, 0.5B shape: step 4, weights 3e-5
     apart after 10 steps; with it equal after 10, synchronous: bench/repeatable_runs.py, docs/benchmarks.md;
-    streaming with it not measured yet). CPU runs repeat without it, at one torch thread count.
-    rollout.exact_logprobs turns it on too."""
+    with exact log-probs too, equal after 10 synchronous and streaming). CPU runs repeat without it, at
+    one torch thread count. rollout.exact_logprobs turns it on too."""
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     """Checks that stop a run training on wrong numbers (GuardsConfig)."""
     watchdog_s: float = 3600.0

@@ -113,3 +113,39 @@ def test_exact_log_probs_run_every_process_on_deterministic_algorithms():
     assert load_config(None, ["rollout.exact_logprobs=true"]).deterministic_processes
     assert load_config(None, ["trainer.deterministic=true"]).deterministic_processes
     assert not load_config(None, []).deterministic_processes
+
+
+FILLS = """
+import collections, sys, torch
+from torch.profiler import profile, ProfilerActivity
+from hybridflow.devices import seed_process
+from hybridflow.models import tiny_model
+from hybridflow.models.native import from_hf_model
+from hybridflow.roles.forward import packed_response_logprobs
+seed_process(0, deterministic=sys.argv[1] == "on")
+model = from_hf_model(tiny_model("qwen2", seed=7))
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    logp, _ = packed_response_logprobs(model, [[5, 9, 200, 17] * 3, list(range(30, 66))], [[7, 8, 9], [3, 4]],
+                                       device=torch.device("cpu"), compute_dtype="float32")
+    logp.sum().backward()
+print(sum(e.name == "aten::fill_" for e in prof.events()), torch.are_deterministic_algorithms_enabled())
+"""
+
+
+def test_deterministic_processes_do_not_fill_every_new_tensor_first():
+    """torch's deterministic algorithms fill every new tensor with NaN by default, a launch per
+    allocation (the exact path's many small kernels paid most of it on the H100). The run's processes
+    turn that off: a forward and backward issues as many fills with the settings as without them,
+    and the deterministic algorithms are on."""
+
+    def fills(setting):
+        done = subprocess.run(
+            [sys.executable, "-c", FILLS, setting], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        count, enabled = done.stdout.split()
+        return int(count), enabled == "True"
+
+    (off, off_enabled), (on, on_enabled) = fills("off"), fills("on")
+    assert on_enabled and not off_enabled
+    assert on == off
