@@ -27,7 +27,7 @@ step() {
   echo "$name rc=$? $(date +%s)" >> /tmp/res/done
 }
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
-step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact
+step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \

@@ -26,16 +26,19 @@ def supported(device: torch.device) -> bool:
 OPTIONS = {} if interpreted() else {"enable_fp_fusion": False}
 
 
-# The interpreter multiplies 16-bit floats' stored bits in tl.dot: its kernels take the product of
-# the values, upcast (exact in float32 for bfloat16 and float16 inputs)
+# In the interpreter tl.dot is numpy's matmul of the tile, which multiplies 16-bit floats' stored bits
+# and, through the BLAS, may round a row by its place in the tile (seen with OpenBLAS 0.3.31 on an
+# AMD EPYC: a row 6 rows into a tile got other bits than the same row at its top). So there the
+# product is written out: the values upcast (exact in float32 for 16-bit inputs), multiplied, and
+# each output summed over k in order, the same for every row wherever it lies
 UPCAST = tl.constexpr(interpreted())  # a constexpr: a jit function reads no other global
 
 
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b (float32), as tl.dot; the interpreter's operands upcast first."""
+    """acc + a @ b (float32), as tl.dot; in the interpreter summed in k order, row by row."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
     if PRECISION == "ieee":  # float32 operands in full precision
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)

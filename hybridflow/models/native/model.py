@@ -196,7 +196,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_group([self.gate_proj, self.up_proj], x, self.exact)
+        if self.exact:  # one launch (the same math, rounded the same way)
+            from hybridflow.kernels.swiglu import exact_silu_mul
+
+            return project(self.down_proj, exact_silu_mul(gate, up), True)
         return project(self.down_proj, F.silu(gate) * up, self.exact)
+
+
+def matmul_input_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a matmul under way casts its input to (autocast's), or None (the input's own)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 class DecoderLayer(nn.Module):
@@ -214,6 +224,13 @@ class DecoderLayer(nn.Module):
         self.compiled: tuple | None = None  # (before_attention, after_attention) once compiled
 
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.self_attn.exact:  # the norm out in the QKV matmul's dtype (its cast, done in the norm)
+            from hybridflow.kernels.rms_norm import exact_rms_norm
+
+            norm = self.input_layernorm
+            return self.self_attn.qkv(
+                exact_rms_norm(x, norm.weight, norm.eps, matmul_input_dtype(x)), cos, sin
+            )
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
     def after_attention(
@@ -221,8 +238,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [N, H] residual stream, attn [N, Hq, D] -> next residual stream [N, H]. routes [N, k]:
         an MoE layer's experts to replay per token (SparseMoE.forward); None elsewhere."""
-        x = x + project(self.self_attn.o_proj, attn.flatten(1), self.self_attn.exact)
-        h = self.post_attention_layernorm(x)
+        if self.self_attn.exact:  # the residual add and the norm in one launch, out in the matmul's dtype
+            from hybridflow.kernels.rms_norm import exact_add_rms_norm
+
+            o = project(self.self_attn.o_proj, attn.flatten(1), True)
+            norm = self.post_attention_layernorm
+            x, h = exact_add_rms_norm(x, o, norm.weight, norm.eps, matmul_input_dtype(x))
+        else:
+            x = x + project(self.self_attn.o_proj, attn.flatten(1), False)
+            h = self.post_attention_layernorm(x)
         return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
 
     def after_attention_routed(

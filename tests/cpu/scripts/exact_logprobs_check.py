@@ -148,4 +148,52 @@ check(
     f"(dq/dk/dv relative error {', '.join(f'{e:.1e}' for e in errors)}; PyTorch's bfloat16 "
     f"{', '.join(f'{e:.1e}' for e in torch_errors)})",
 )
+
+# the exact layer's fused pieces against their PyTorch forms: the residual add + norm (the sum's bits,
+# and the norm's bits of that sum as the standalone kernel gives them, out in the matmul's dtype) and
+# SwiGLU; each row alone as in the batch; gradients the PyTorch forms'. (The interpreter's casts to
+# bfloat16 truncate where CUDA's and torch's round to nearest: 2 units in the last place allowed.)
+from hybridflow.kernels.rms_norm import exact_add_rms_norm, exact_rms_norm, reference_rms_norm  # noqa: E402
+from hybridflow.kernels.swiglu import exact_silu_mul  # noqa: E402
+
+torch.manual_seed(1)
+x, o, w = torch.randn(37, 48), torch.randn(37, 48).bfloat16(), torch.rand(48) + 0.5
+total, h = exact_add_rms_norm(x, o, w, 1e-6, torch.bfloat16)
+alone = exact_add_rms_norm(x[5:6], o[5:6], w, 1e-6, torch.bfloat16)[1]
+check(
+    "residual add + norm",
+    torch.equal(total, x + o)
+    and h.dtype == torch.bfloat16
+    and torch.equal(h, exact_rms_norm(x + o, w, 1e-6, torch.bfloat16))
+    and torch.equal(alone, h[5:6])
+    and ((h.float() - (want := reference_rms_norm(x + o, w, 1e-6))).abs() / want.abs()).max().item()
+    < 2 * 2**-7,
+)
+leaves = [t.clone().requires_grad_() for t in (x, o.float(), w)]
+g_total, g_h = torch.randn(37, 48), torch.randn(37, 48).bfloat16()
+ours = torch.autograd.grad(exact_add_rms_norm(*leaves, 1e-6, torch.bfloat16), leaves, (g_total, g_h))
+theirs_total = leaves[0] + leaves[1]
+theirs = torch.autograd.grad(
+    (theirs_total, reference_rms_norm(theirs_total, leaves[2], 1e-6).bfloat16()), leaves, (g_total, g_h)
+)
+check(
+    "residual add + norm, gradients",
+    all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, theirs)),
+)
+for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2 * 2**-7)):
+    gate, up = torch.randn(37, 3000).to(dtype), torch.randn(37, 3000).to(dtype)
+    act = exact_silu_mul(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    leaves = [gate.float().requires_grad_(), up.float().requires_grad_()]
+    grads = torch.autograd.grad(exact_silu_mul(*leaves), leaves, torch.ones(37, 3000))
+    want_grads = torch.autograd.grad(
+        torch.nn.functional.silu(leaves[0]) * leaves[1], leaves, torch.ones(37, 3000)
+    )
+    check(
+        f"SwiGLU {dtype}",
+        act.dtype == dtype
+        and torch.equal(exact_silu_mul(gate[9:10], up[9:10]), act[9:10])
+        and ((act.float() - want.float()).abs() / (want.float().abs() + 1e-3)).max().item() < tolerance
+        and all(torch.equal(a, b) for a, b in zip(grads, want_grads)),
+    )
 sys.exit(1 if failed else 0)
