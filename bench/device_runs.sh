@@ -15,7 +15,10 @@
 # back as one archive.
 #   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
 # RUNS picks the runs (default: all but gsm8k, in this order); GSM8K_ARGS replaces the real run's
-# settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder.
+# settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
+# BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
+# tar -x -C .base`, carried), runs that tree's exact pair first as repeat_base: a before / after of the
+# exact step's cost in one lease.
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
@@ -27,6 +30,10 @@ step() {
   echo "$name rc=$? $(date +%s)" >> /tmp/res/done
 }
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
+if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
+    --out /tmp/res/repeat_base.json --steps 10 --exact)
+fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
