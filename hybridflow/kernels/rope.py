@@ -13,9 +13,9 @@ from hybridflow.kernels.launch import OPTIONS
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, half, stride_xn, stride_xh, stride_cn, stride_on,
-                 stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    n = tl.program_id(0).to(tl.int64)
+def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, n, heads, half, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
+            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Token n's `heads` heads of x rotated into out."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     inside = (h < heads) & (d < half)
@@ -31,17 +31,43 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, half, stride_xn, strid
     tl.store(out + half + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_heads, k_heads, half,
+                 stride_qn, stride_qh, stride_kn, stride_kh, stride_cn, stride_qon, stride_qoh, stride_kon, stride_koh,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Program (n, 0) rotates token n's q heads, (n, 1) its k heads (k_heads 0: q alone)."""
+    n = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rotate(q_ptr, cos_ptr, sin_ptr, q_out_ptr, n, q_heads, half, stride_qn, stride_qh, stride_cn, stride_qon,
+                stride_qoh, BLOCK_H, BLOCK_D)  # fmt: skip
+    else:
+        _rotate(k_ptr, cos_ptr, sin_ptr, k_out_ptr, n, k_heads, half, stride_kn, stride_kh, stride_cn, stride_kon,
+                stride_koh, BLOCK_H, BLOCK_D)  # fmt: skip
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+):
+    """q [N, Hq, D], k [N, Hkv, D] or None (unit stride in D), cos / sin [N, D] float32 -> (q, k) rotated
+    in `dtype`, in one launch; each with the bits `rope` gives it alone."""
+    n, q_heads, dim = q.shape
+    k_heads = k.shape[1] if k is not None else 0
+    q_out = torch.empty(n, q_heads, dim, dtype=dtype, device=q.device)
+    k_out = torch.empty(n, k_heads, dim, dtype=dtype, device=q.device) if k is not None else None
+    k_in, k_to = (k, k_out) if k is not None else (q, q_out)  # (never read: no program of a second column)
+    if n:
+        _rope_kernel[(n, 2 if k is not None else 1)](
+            q, k_in, cos, sin, q_out, k_to, q_heads, k_heads, dim // 2, q.stride(0), q.stride(1), k_in.stride(0),
+            k_in.stride(1), cos.stride(0), q_out.stride(0), q_out.stride(1), k_to.stride(0), k_to.stride(1),
+            BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)), BLOCK_D=triton.next_power_of_2(dim // 2),
+            num_warps=1, **OPTIONS,
+        )  # fmt: skip
+    return q_out, k_out
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [N, H, D] (unit stride in D), cos / sin [N, D] float32 -> rotated [N, H, D] in `dtype`."""
-    n, heads, dim = x.shape
-    out = torch.empty(n, heads, dim, dtype=dtype, device=x.device)
-    if n:
-        half = dim // 2
-        _rope_kernel[(n,)](
-            x, cos, sin, out, heads, half, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half), num_warps=1, **OPTIONS,
-        )  # fmt: skip
-    return out
+    return rope_qk(x, None, cos, sin, dtype)[0]
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -51,24 +77,25 @@ def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype:
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(dtype)
 
 
-class _Rope(torch.autograd.Function):
+class _RopeQK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, dtype):
-        ctx.save_for_backward(x, cos, sin)
+    def forward(ctx, q, k, cos, sin, dtype):
+        ctx.save_for_backward(q, k, cos, sin)
         ctx.dtype = dtype
-        return rope(x, cos, sin, dtype)
+        return rope_qk(q, k, cos, sin, dtype)
 
     @staticmethod
-    def backward(ctx, grad):
-        x, cos, sin = ctx.saved_tensors
+    def backward(ctx, grad_q, grad_k):
+        q, k, cos, sin = ctx.saved_tensors
         with torch.enable_grad():
-            x_ = x.detach().requires_grad_()
-            (gx,) = torch.autograd.grad(reference_rope(x_, cos, sin, ctx.dtype), (x_,), grad)
-        return gx, None, None, None
+            q_, k_ = q.detach().requires_grad_(), k.detach().requires_grad_()
+            rotated = (reference_rope(q_, cos, sin, ctx.dtype), reference_rope(k_, cos, sin, ctx.dtype))
+            gq, gk = torch.autograd.grad(rotated, (q_, k_), (grad_q, grad_k))
+        return gq, gk, None, None, None
 
 
-def exact_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Batch-invariant rotary in one launch, differentiable in x."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return _Rope.apply(x, cos, sin, dtype)
+def exact_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+    """Batch-invariant rotary of q and k in one launch, differentiable in both."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    return _RopeQK.apply(q, k, cos, sin, dtype)

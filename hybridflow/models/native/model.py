@@ -175,10 +175,10 @@ class Attention(nn.Module):
         """The projections q [N, Hq, D], k and v [N, Hkv, D] -> q and k normed (Qwen3) and rotated."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.exact:  # one launch each (the same math, rounded the same way)
-            from hybridflow.kernels.rope import exact_rope
+        if self.exact:  # q and k in one launch (the same math, rounded the same way)
+            from hybridflow.kernels.rope import exact_rope_qk
 
-            return exact_rope(q, cos, sin, v.dtype), exact_rope(k, cos, sin, v.dtype), v
+            return *exact_rope_qk(q, k, cos, sin, v.dtype), v
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)

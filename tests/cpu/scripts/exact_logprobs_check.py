@@ -196,4 +196,23 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2 * 2**-7)):
         and ((act.float() - want.float()).abs() / (want.float().abs() + 1e-3)).max().item() < tolerance
         and all(torch.equal(a, b) for a, b in zip(grads, want_grads)),
     )
+
+# rotary of q and k in one launch: each the bits of the one-tensor kernel, gradients the PyTorch form's
+from hybridflow.kernels.rope import exact_rope_qk, reference_rope, rope  # noqa: E402
+
+q, k = torch.randn(37, 4, 16), torch.randn(37, 2, 16)
+cos, sin = torch.randn(37, 16), torch.randn(37, 16)
+q_rot, k_rot = exact_rope_qk(q, k, cos, sin, torch.bfloat16)
+leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+grads = torch.autograd.grad(exact_rope_qk(*leaves, cos, sin, torch.float32), leaves, (q, k))
+want = torch.autograd.grad((reference_rope(leaves[0], cos, sin, torch.float32),
+                            reference_rope(leaves[1], cos, sin, torch.float32)), leaves, (q, k))  # fmt: skip
+check(
+    "rotary of q and k in one launch",
+    torch.equal(q_rot, rope(q, cos, sin, torch.bfloat16))
+    and torch.equal(k_rot, rope(k, cos, sin, torch.bfloat16))
+    and torch.equal(rope(q[3:4], cos[3:4], sin[3:4], torch.float32), rope(q, cos, sin, torch.float32)[3:4])
+    and torch.equal(rope(q, cos, sin, torch.float32), reference_rope(q, cos, sin, torch.float32))
+    and all(torch.equal(a, b) for a, b in zip(grads, want)),
+)
 sys.exit(1 if failed else 0)
