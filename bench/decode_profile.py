@@ -37,10 +37,10 @@ def step_read_bytes(model) -> int:
     return weight_bytes(model) - (embed.numel() * embed.element_size() if untied else 0)
 
 
-def decode_engine(model, batch: int, tokens: int, device, fused: bool) -> Engine:
+def decode_engine(model, batch: int, tokens: int, device, fused: bool, exact: bool = False) -> Engine:
     """An engine with `batch` sequences past their prefill, decoding up to `tokens` each."""
     config = EngineConfig(max_context_tokens=128 + tokens + 8, page_size=64, max_batch_sequences=max(batch, 8),
-                          gpu_memory_utilization=0.3, fused_decode=fused)  # fmt: skip
+                          gpu_memory_utilization=0.3, fused_decode=fused, exact_logprobs=exact)  # fmt: skip
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
     # kernels compiled, and the batch's graph captured (a first run of this size)
     engine.generate([[5] * 128] * batch, SamplingParams(max_tokens=16, seed=0))
@@ -52,9 +52,11 @@ def decode_engine(model, batch: int, tokens: int, device, fused: bool) -> Engine
     return engine
 
 
-def measure(model, batch: int, device, runs: int, fused: bool, host_profile: bool = False) -> dict:
+def measure(
+    model, batch: int, device, runs: int, fused: bool, host_profile: bool = False, exact=False
+) -> dict:
     steps = runs * EngineConfig.decode_steps
-    engine = decode_engine(model, batch, 2 * steps + 16, device, fused)
+    engine = decode_engine(model, batch, 2 * steps + 16, device, fused, exact)
     engine.step()  # a first decode run
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,6 +107,7 @@ def measure(model, batch: int, device, runs: int, fused: bool, host_profile: boo
     return {
         "batch": batch,
         "fused": fused,
+        "exact_logprobs": exact,
         "ms_per_step": round(bare_ms, 3),
         "ms_per_step_profiled": round(profiled_ms, 3),
         "gpu_busy_ms_per_step": round(gpu_ms, 3),
@@ -131,6 +134,7 @@ def main() -> None:
         help="also measure this batch size with the trainer's modules (repeatable)",
     )
     ap.add_argument("--master", choices=["bf16", "fp32"], default="bf16", help="as in bench/rollout.py")
+    ap.add_argument("--exact", action="store_true", help="the engine with exact_logprobs (its own kernels)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host's work per decode run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -139,7 +143,7 @@ def main() -> None:
     model = random_model(args.shape, device, torch.float32 if args.master == "fp32" else torch.bfloat16)
     report = {"device": torch.cuda.get_device_name(), "shape": args.shape, "vocab": VOCAB, "master": args.master,
               "weights_gib": round(weight_bytes(model) / 2**30, 3), "decode_steps_per_run": EngineConfig.decode_steps,
-              "results": [measure(model, b, device, args.runs, True, args.host_profile) for b in args.batch or [1, 64]]
+              "results": [measure(model, b, device, args.runs, True, args.host_profile, args.exact) for b in args.batch or [1, 64]]
               + [measure(model, b, device, args.runs, False) for b in args.unfused]}  # fmt: skip
     print(json.dumps(report, indent=1))
 

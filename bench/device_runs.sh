@@ -2,7 +2,8 @@
 # The device runs owed to #61 (exact log-probs) and #62 (speculative rollout), back to back and detached
 # on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In order: the
 # batch-invariant kernels' smoke check; two exact GRPO runs per mode compared to the bit (0.5B shape);
-# exact training forward+backward against the ordinary kernels; speculative decoding on a random 0.5B
+# exact training forward+backward against the ordinary kernels, and under the profiler; the exact
+# engine's tokens/s; the decode step at small batch (profiled); speculative decoding on a random 0.5B
 # shape (greedy: the verifying step's check; temperature 1: text with nothing to reuse); then, once
 # bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready, speculative decoding on the
 # real model's GSM8K responses (adaptive, and speculating whenever a draft exists), a 30-step GRPO
@@ -18,7 +19,7 @@
 # settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
 # BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
 # tar -x -C .base`, carried), runs that tree's exact pair first as repeat_base: a before / after of the
-# exact step's cost in one lease.
+# exact step's cost in one lease (BASE_RUNS=1: one run a mode there, its step time only).
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
@@ -32,10 +33,16 @@ step() {
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
-    --out /tmp/res/repeat_base.json --steps 10 --exact)
+    --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
 fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
-step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training
+step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
+step engine_exact python3 bench/exact_logprobs.py --out /tmp/res/engine_exact.json --sections engine
+# the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
+# weight reads), ordinary and exact
+step decode python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 16 --batch 64
+step decode_exact python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 64 --exact
+step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json

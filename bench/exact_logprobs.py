@@ -10,6 +10,8 @@ do they cost? One process, every figure beside its baseline from the same run:
             log-prob against the trainer's packed forward (exact: the trainer on the exact kernels)
   training  packed forward + backward (chunked LM-head log-probs, bf16 autocast over fp32 weights):
             tokens/s exact and ordinary
+  profile   the same step under torch's profiler, exact and ordinary, with and without the
+            deterministic settings: GPU time, launches, the longest kernels
 
     PYTHONPATH=.:bench python bench/exact_logprobs.py --out exact.json [--sections kernels,engine,training]
 A section that fails records its error and the others still run."""
@@ -255,45 +257,91 @@ def engine(args) -> dict:
     return out
 
 
-def training(args) -> dict:
+def _training_step(exact: bool):
+    """The 0.5B shape's packed forward + backward over ~16k tokens (chunked LM-head log-probs, bf16
+    autocast over fp32 weights): (step, forward, tokens)."""
     from hybridflow.batch import pack_sequences
     from hybridflow.models.native import chunked_token_logprobs
 
     rng = random.Random(1)
+    model = random_model("0.5b", torch.device("cuda"), torch.float32).train()
+    if exact:
+        model.use_exact_kernels()
+    seqs, total = [], 0
+    while total < 16384 - 1024:
+        length = rng.randint(300, 1000)
+        seqs.append([rng.randrange(151936) for _ in range(length)])
+        total += length
+    packed = pack_sequences(seqs)
+    ids, pos = packed.input_ids.cuda(), packed.position_ids.cuda()
+    cu = packed.cu_seqlens
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = model.hidden_states(ids, pos, cu)
+            logp, _ = chunked_token_logprobs(
+                hidden, model.lm_head.weight, torch.roll(ids, -1), chunk=4096, exact=exact
+            )
+        return logp
+
+    def step():
+        forward().sum().backward()
+
+    return step, forward, int(ids.numel())
+
+
+def training(args) -> dict:
     out = {}
     for name, exact in (("ordinary", False), ("exact", True)):
-        model = random_model("0.5b", torch.device("cuda"), torch.float32).train()
-        if exact:
-            model.use_exact_kernels()
-        seqs, total = [], 0
-        while total < 16384 - 1024:
-            length = rng.randint(300, 1000)
-            seqs.append([rng.randrange(151936) for _ in range(length)])
-            total += length
-        packed = pack_sequences(seqs)
-        ids, pos = packed.input_ids.cuda(), packed.position_ids.cuda()
-        cu = packed.cu_seqlens
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                hidden = model.hidden_states(ids, pos, cu)
-                logp, _ = chunked_token_logprobs(
-                    hidden, model.lm_head.weight, torch.roll(ids, -1), chunk=4096, exact=exact
-                )
-            logp.sum().backward()
-
+        step, forward, tokens = _training_step(exact)
         seconds = _time(step, 5)
-        out[name] = {"tokens": int(ids.numel()), "seconds": seconds, "tokens_per_s": ids.numel() / seconds}
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            fwd = _time(lambda: chunked_token_logprobs(model.hidden_states(ids, pos, cu), model.lm_head.weight,
-                                                       torch.roll(ids, -1), chunk=4096, exact=exact), 5)  # fmt: skip
-        out[name]["forward_tokens_per_s"] = ids.numel() / fwd
-        model = None  # its memory back before the next
+        out[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        with torch.no_grad():
+            out[name]["forward_tokens_per_s"] = tokens / _time(forward, 5)
+        step = forward = None  # the model's memory back before the next
         torch.cuda.empty_cache()
     out["exact_over_ordinary"] = out["exact"]["tokens_per_s"] / out["ordinary"]["tokens_per_s"]
     out["forward_exact_over_ordinary"] = (
         out["exact"]["forward_tokens_per_s"] / out["ordinary"]["forward_tokens_per_s"]
     )
+    return out
+
+
+def profile(args) -> dict:
+    """Where the exact step's time goes: the training step above under torch's profiler, ordinary and
+    exact, each without and with trainer.deterministic's settings (devices.seed_process): GPU time,
+    launches and the kernels that take longest."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = {}
+    for name, exact in (("ordinary", False), ("exact", True)):
+        step, _, tokens = _training_step(exact)
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = False
+            step()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            kernels: dict[str, list] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    entry = kernels.setdefault(e.name[:100], [0.0, 0])
+                    entry[0] += e.device_time_total / 1e3
+                    entry[1] += 1
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+            out[f"{name}{'_deterministic' if deterministic else ''}"] = {
+                "tokens": tokens,
+                "wall_s": _time(step, 3),
+                "gpu_ms": round(sum(v[0] for v in kernels.values()), 2),
+                "launches": sum(v[1] for v in kernels.values()),
+                "top_kernels_ms_count": {k: [round(v[0], 2), v[1]] for k, v in top},
+            }
+        torch.use_deterministic_algorithms(False)
+        step = None
+        torch.cuda.empty_cache()
     return out
 
 
@@ -308,9 +356,13 @@ def main() -> None:
     for name in args.sections.split(","):
         began = time.time()
         try:
-            result[name] = {"smoke": smoke, "kernels": kernels, "engine": engine, "training": training}[name](
-                *([] if name in ("smoke", "kernels") else [args])
-            )
+            result[name] = {
+                "smoke": smoke,
+                "kernels": kernels,
+                "engine": engine,
+                "training": training,
+                "profile": profile,
+            }[name](*([] if name in ("smoke", "kernels") else [args]))
         except Exception:
             result[name] = {"error": traceback.format_exc()[:12000]}  # the root cause comes first
             traceback.print_exc()

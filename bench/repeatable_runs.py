@@ -67,6 +67,14 @@ def _step_seconds(run_dir: Path) -> float:
     return sum(times) / max(len(times), 1)
 
 
+def _phase_seconds(run_dir: Path) -> dict[str, float]:
+    """Each phase's mean seconds after the first step (where the step's time goes)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "timing_s/step" in r][1:]
+    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
+    return {k: round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4) for k in keys}
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(CLOCKS) and not k.endswith("_s")} for r in rows]
@@ -116,6 +124,7 @@ def main() -> None:
             "rollout_probs_diff_fresh_max": [r.get("training/rollout_probs_diff_fresh_max") for r in ma],
             "seconds": [round(run[1], 1) for run in runs],
             "step_seconds_after_the_first": [round(_step_seconds(run[0]), 3) for run in runs],
+            "phase_seconds_after_the_first": _phase_seconds(a),
             "nondeterministic_ops_named": warned,
         }
         if args.runs == 2:
