@@ -40,6 +40,7 @@ step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sec
 step engine_exact python3 bench/exact_logprobs.py --out /tmp/res/engine_exact.json --sections engine
 # the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
 # weight reads), ordinary and exact
+step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json
 step decode python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 16 --batch 64
 step decode_exact python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 64 --exact
 step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
