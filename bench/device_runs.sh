@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The device runs owed to #61 (exact log-probs) and #62 (speculative rollout), back to back and detached
-# on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In order: the
-# batch-invariant kernels' smoke check; two exact GRPO runs per mode compared to the bit (0.5B shape);
-# exact training forward+backward against the ordinary kernels, and under the profiler; the exact
-# engine's tokens/s; the decode step at small batch (profiled); speculative decoding on a random 0.5B
-# shape (greedy: the verifying step's check; temperature 1: text with nothing to reuse); then, once
-# bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready, speculative decoding on the
-# real model's GSM8K responses (adaptive, and speculating whenever a draft exists), a 30-step GRPO
-# run of the real model plain and speculating, then once bench/vllm_wheels.sh's wheel is installed in
-# /tmp/vllm-site, vLLM 0.26 on the same workload (plain and its n-gram speculation), the exact 1.5B
-# shape, and when RUNS names it,
-# the real model's GSM8K GRPO run with exact log-probs (~14 minutes; measured 2026-12-06). Each run
-# writes /tmp/res/NAME.json or NAME.log; /tmp/res/done says when each started and ended. A poll begins
-# `[ -f /tmp/res/done ] || exit 3` (a machine lost between calls comes back bare) and brings /tmp/res
-# back as one archive.
+# The device runs owed to #61 (exact log-probs) and #62 (speculative rollout, the decode step), back to
+# back and detached on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In
+# order: the batch-invariant kernels' smoke check; the small-batch matmuls against cuBLAS, the fused
+# engine's tokens against the trainer's modules, the decode step's time (profiled); exact training
+# forward+backward against the ordinary kernels, and under the profiler; two exact GRPO runs per mode
+# compared to the bit (0.5B shape); the exact engine's tokens/s and decode step; speculative decoding
+# on a random 0.5B shape (greedy: the verifying step's check; temperature 1: text with nothing to
+# reuse); then, once bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready,
+# speculative decoding on the real model's GSM8K responses (adaptive, and speculating whenever a draft
+# exists), a 30-step GRPO run of the real model plain and speculating, then once bench/vllm_wheels.sh's
+# wheel is installed in /tmp/vllm-site, vLLM 0.26 on the same workload (plain and its n-gram
+# speculation), the exact 1.5B shape, and when RUNS names it, the real model's GSM8K GRPO run with exact
+# log-probs (~14 minutes; measured 2026-12-06). Each run writes /tmp/res/NAME.json or NAME.log;
+# /tmp/res/done says when each started and ended. A poll begins `[ -f /tmp/res/done ] || exit 3` (a
+# machine lost between calls comes back bare) and brings /tmp/res back as one archive.
 #   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
 # RUNS picks the runs (default: all but gsm8k, in this order); GSM8K_ARGS replaces the real run's
 # settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
 # BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
-# tar -x -C .base`, carried), runs that tree's exact pair first as repeat_base: a before / after of the
-# exact step's cost in one lease (BASE_RUNS=1: one run a mode there, its step time only).
+# tar -x -C .base`, carried), runs that tree's decode step and exact pair first (decode_base,
+# repeat_base): a before / after in one lease (BASE_RUNS=1: one run a mode there, its step time only).
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
@@ -31,19 +31,27 @@ step() {
   echo "$name rc=$? $(date +%s)" >> /tmp/res/done
 }
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
+# the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
+# weight reads): the small-batch matmuls against cuBLAS, the fused engine against the trainer's
+# modules at 12 rows (those matmuls) and 32, then the step's time (with BASE, that tree's first)
+step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json
+step decode_parity python3 bench/decode_parity.py --shape 0.5b --prompts 12
+step decode_parity32 python3 bench/decode_parity.py --shape 0.5b
+DECODE_ARGS="--shape 0.5b --batch 1 --batch 16 --batch 64"
+if [ -n "${BASE:-}" ]; then
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_base python3 bench/decode_profile.py $DECODE_ARGS)
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_7b_base python3 bench/decode_profile.py --shape 7b --batch 1)
+fi
+step decode python3 bench/decode_profile.py $DECODE_ARGS
+step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
+step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
 fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
-step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 step engine_exact python3 bench/exact_logprobs.py --out /tmp/res/engine_exact.json --sections engine
-# the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
-# weight reads), ordinary and exact
-step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json
-step decode python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 16 --batch 64
 step decode_exact python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 64 --exact
-step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json

@@ -1,4 +1,4 @@
-"""The decode step's matmuls at small batch (a few rows, up to `SMALL_ROWS`), with the layer's
+"""The decode step's matmuls at small batch (up to 16 rows), with the layer's
 neighbouring work in their prologue: at batch 1-16 a step is bound by launches and weight reads, and
 cuBLAS's kernels for one row read the small projections well below bandwidth (split-K adds a
 reduction launch). Here each program owns BLOCK_N output columns for all rows and streams its slice of
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from hybridflow.kernels.launch import UPCAST, dot
 
-SMALL_ROWS = 16  # rows up to this run here; more go to cuBLAS and the separate kernels
+ROWS = 16  # the most rows: one tile of the dot (engine/fused_decode.SMALL_ROWS sends them here)
 
 PLAIN, NORM, SWIGLU = 0, 1, 2
 
@@ -147,7 +147,7 @@ def gemv(
     x_out: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """y [M, N] = input @ weight.T (+ bias) for M <= SMALL_ROWS, in weight's dtype. The input is
+    """y [M, N] = input @ weight.T (+ bias) for M <= ROWS, in weight's dtype. The input is
     - `a` [M, K] itself (rows may be strided);
     - with `up`: silu(a) * up (a the gate, both [M, K], rows may be strided);
     - with `norm_weight`: RMSNorm(x) where x is `a` [M, K] (the residual stream; with `ids` [M] and
@@ -156,8 +156,8 @@ def gemv(
     `tiles` (BLOCK_N, BLOCK_K, warps, stages): speed only (bench/gemv_tiles.py)."""
     m, k = a.shape
     n = weight.shape[0]
-    if m > SMALL_ROWS or weight.stride(1) != 1 or a.stride(1) != 1:
-        raise ValueError(f"gemv: {m} rows (at most {SMALL_ROWS}), weight and input unit stride in K")
+    if m > ROWS or weight.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError(f"gemv: {m} rows (at most {ROWS}), weight and input unit stride in K")
     prologue = NORM if norm_weight is not None else SWIGLU if up is not None else PLAIN
     write_x = prologue == NORM and (ids is not None or residual is not None)
     if write_x and x_out is None:
@@ -173,6 +173,6 @@ def gemv(
         PROLOGUE=prologue, EMBED=ids is not None, HAS_RES=residual is not None, WRITE_X=write_x,
         HAS_BIAS=bias is not None, X_BF16=(embed if ids is not None else a).dtype == torch.bfloat16,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", UPCAST=UPCAST,  # (float32: no TF32)
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
