@@ -34,7 +34,7 @@ step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections 
 # the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
 # weight reads): the small-batch matmuls against cuBLAS, the fused engine against the trainer's
 # modules at 12 rows (those matmuls) and 32, then the step's time (with BASE, that tree's first)
-step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json
+step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json --shapes 0.5b,7b
 step decode_parity python3 bench/decode_parity.py --shape 0.5b --prompts 12
 step decode_parity32 python3 bench/decode_parity.py --shape 0.5b
 DECODE_ARGS="--shape 0.5b --batch 1 --batch 16 --batch 64"
