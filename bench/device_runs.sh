@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device runs owed to #61 (exact log-probs) and #62 (speculative rollout, the decode step), back to
 # back and detached on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In
-# order: the batch-invariant kernels' smoke check; the small-batch matmuls against cuBLAS, the fused
-# engine's tokens against the trainer's modules, the decode step's time (profiled); exact training
+# order: the batch-invariant kernels' smoke check; the fused engine's tokens against the trainer's
+# modules, the decode step's time (profiled); exact training
 # forward+backward against the ordinary kernels, and under the profiler; two exact GRPO runs per mode
 # compared to the bit (0.5B shape); the exact engine's tokens/s and decode step; speculative decoding
 # on a random 0.5B shape (greedy: the verifying step's check; temperature 1: text with nothing to
@@ -32,11 +32,9 @@ step() {
 }
 step smoke python3 bench/exact_logprobs.py --out /tmp/res/smoke.json --sections smoke
 # the decode step at small batch (#62's bar: 0.5B at batch 1 <= 0.5 ms on the H200, 7B <= 1.2x its
-# weight reads): the small-batch matmuls against cuBLAS, the fused engine against the trainer's
-# modules at 12 rows (those matmuls) and 32, then the step's time (with BASE, that tree's first)
-step gemv python3 bench/gemv_tiles.py --out /tmp/res/gemv.json --shapes 0.5b,7b
-step decode_parity python3 bench/decode_parity.py --shape 0.5b --prompts 12
-step decode_parity32 python3 bench/decode_parity.py --shape 0.5b
+# weight reads): the fused engine against the trainer's modules, then the step's time (with BASE,
+# that tree's first)
+step decode_parity python3 bench/decode_parity.py --shape 0.5b
 DECODE_ARGS="--shape 0.5b --batch 1 --batch 16 --batch 64"
 if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_base python3 bench/decode_profile.py $DECODE_ARGS)

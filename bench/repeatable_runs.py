@@ -156,6 +156,7 @@ def main() -> None:
             report["modes"][mode]["ordinary_run"] = {
                 "seconds": round(seconds, 1),
                 "step_seconds_after_the_first": round(_step_seconds(base), 3),
+                "phase_seconds_after_the_first": _phase_seconds(base),
                 "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in rows],
                 "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in rows],
             }

@@ -20,10 +20,6 @@ from torch import nn
 
 from hybridflow.models.native.model import NativeCausalLM, stacked
 
-# Up to this many rows a step's matmuls are triton_gemv's (one 16-row tile of a tensor-core dot), each
-# with the norm or SwiGLU before it as its prologue; more rows go to cuBLAS after separate kernels
-SMALL_ROWS = 16
-
 
 def _fuse(linears: list[nn.Linear]) -> None:
     """Move the weights (and biases) of `linears` into one tensor each, rows stacked, and make each
@@ -129,25 +125,16 @@ class FusedDecode:
         LM head multiplies). Each layer stores its tokens' K/V at `slots`, then calls
         attend(layer, q [N, Hq, D], k, v) -> [N, Hq, D]; k is the rotated k [N, Hkv, D] with
         `rotated_k` (else None), v the projection's [N, Hkv * D] (a view)."""
-        from hybridflow.engine.triton_layer import rms_norm, rope_store
+        from hybridflow.engine.triton_layer import rms_norm, rope_store, silu_mul
 
         self._look_up_weights()
         rows, cdt, cache, dev = ids.shape[0], self.compute_dtype, self.cache, ids.device
         hidden = self.embed.shape[1]
-        # the residual stream, and a second buffer: at small batch each norm reads one and writes the other
-        x = torch.empty(rows, hidden, dtype=self.embed.dtype, device=dev)
-        spare = torch.empty_like(x) if rows <= SMALL_ROWS else x
-        following = None  # what the last matmul left to add to the stream (the embedding rows at first)
+        x = torch.empty(rows, hidden, dtype=self.embed.dtype, device=dev)  # residual stream
+        h = torch.empty(rows, hidden, dtype=cdt, device=dev)  # normed, for the next matmul
+        rms_norm(x, self.layers[0].input_norm, self.eps, h, ids=ids, embed=self.embed)
         for i, layer in enumerate(self.layers):
-            x, spare, (q, k, v) = self._norm_project(
-                x,
-                spare,
-                layer.input_norm,
-                layer.qkv,
-                self.qkv_widths,
-                residual=following,
-                ids=ids if i == 0 else None,
-            )
+            q, k, v = _project(h, layer.qkv, self.qkv_widths)
             q_rot = torch.empty(rows, self.q_heads, self.head_dim, dtype=cdt, device=dev)
             k_rot = (
                 torch.empty(rows, self.kv_heads, self.head_dim, dtype=cdt, device=dev) if rotated_k else None
@@ -156,53 +143,15 @@ class FusedDecode:
                 q, k, v, self.cos, self.sin, pos, slots, q_rot, cache.k[i], cache.v[i],
                 q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps, k_out=k_rot,
             )  # fmt: skip
-            o = self._matmul(attend(i, q_rot, k_rot, v).flatten(1), *layer.o)
-            x, spare, (gate, up) = self._norm_project(
-                x, spare, layer.post_norm, layer.gate_up, self.mlp_widths, residual=o
-            )
-            following = self._swiglu_down(gate, up, layer.down)
-        h = torch.empty(rows, hidden, dtype=cdt, device=dev)  # normed, for the LM head
-        rms_norm(x, self.final_norm, self.eps, h, residual=following)
+            o = F.linear(attend(i, q_rot, k_rot, v).flatten(1), *layer.o)
+            rms_norm(x, layer.post_norm, self.eps, h, residual=o)
+            gate, up = _project(h, layer.gate_up, self.mlp_widths)
+            act = torch.empty(rows, self.mlp_widths[0], dtype=cdt, device=dev)
+            silu_mul(gate, up, act)
+            down = F.linear(act, *layer.down)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            rms_norm(x, following, self.eps, h, residual=down)
         return h
-
-    def _norm_project(self, x, spare, norm_weight, group, widths, *, residual=None, ids=None):
-        """The stream x [N, H] plus `residual` (or the embedding rows of `ids`), RMSNorm with norm_weight,
-        through the projections of `group` -> (the new stream, the free buffer, one output per width).
-        At small batch the norm is each matmul's prologue and the new stream lands in `spare`; else one
-        norm kernel updates x in place and cuBLAS multiplies."""
-        from hybridflow.engine.triton_gemv import gemv
-        from hybridflow.engine.triton_layer import rms_norm
-
-        embed = self.embed if ids is not None else None
-        if x.shape[0] > SMALL_ROWS:
-            h = torch.empty(x.shape, dtype=self.compute_dtype, device=x.device)
-            rms_norm(x, norm_weight, self.eps, h, residual=residual, ids=ids, embed=embed)
-            return x, spare, _project(h, group, widths)
-        outs = [
-            gemv(x, weight, bias, norm_weight=norm_weight, eps=self.eps, residual=residual, ids=ids, embed=embed,
-                 x_out=spare)  # (each group member writes the same new stream)
-            for weight, bias in group
-        ]  # fmt: skip
-        if len(outs) == 1:
-            outs = list(outs[0].split(widths, dim=1))
-        changed = residual is not None or ids is not None
-        return (spare, x, outs) if changed else (x, spare, outs)
-
-    def _matmul(self, a, weight, bias):
-        from hybridflow.engine.triton_gemv import gemv
-
-        return gemv(a, weight, bias) if a.shape[0] <= SMALL_ROWS else F.linear(a, weight, bias)
-
-    def _swiglu_down(self, gate, up, down):
-        """silu(gate) * up [N, I] through the down projection -> [N, H]."""
-        from hybridflow.engine.triton_gemv import gemv
-        from hybridflow.engine.triton_layer import silu_mul
-
-        if gate.shape[0] <= SMALL_ROWS:
-            return gemv(gate, *down, up=up)
-        act = torch.empty(gate.shape, dtype=self.compute_dtype, device=gate.device)
-        silu_mul(gate, up, act)
-        return F.linear(act, *down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head)

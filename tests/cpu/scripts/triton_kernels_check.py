@@ -136,38 +136,6 @@ for family in ("qwen2", "qwen3"):  # biased projections; per-head q/k norms
     err = (mlp.down_proj(act) - mlp(x)).abs().max().item()
     print(f"fused SwiGLU {family}: max abs err {err:.2e}")
     failed |= err > 1e-5
-    # the small-batch matmuls with their prologues: the layer's norm + QKV (from the embedding rows, and
-    # from the stream plus a residual, which they write to x_out), the output projection, SwiGLU + down
-    from hybridflow.engine.triton_gemv import gemv
-
-    qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-    qkv_b = (
-        torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
-        if attn.q_proj.bias is not None
-        else None
-    )
-
-    def projections(h, attn=attn):
-        return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=1)
-
-    x_out = torch.empty_like(x)
-    got = gemv(x, qkv_w, qkv_b, norm_weight=norm.weight, eps=norm.eps, ids=ids, embed=embed, x_out=x_out)
-    err = max(
-        (got - projections(norm(embed[ids]))).abs().max().item(), (x_out - embed[ids]).abs().max().item()
-    )
-    got = gemv(x, qkv_w, qkv_b, norm_weight=norm.weight, eps=norm.eps, residual=res, x_out=x_out)
-    err = max(
-        err, (got - projections(norm(x + res))).abs().max().item(), (x_out - (x + res)).abs().max().item()
-    )
-    o_in = torch.randn(5, attn.o_proj.in_features)
-    err = max(
-        err,
-        (gemv(o_in, attn.o_proj.weight.detach(), attn.o_proj.bias) - attn.o_proj(o_in)).abs().max().item(),
-    )
-    gate, up = gu.split(config.intermediate_size, dim=1)
-    err = max(err, (gemv(gate, mlp.down_proj.weight.detach(), up=up) - mlp(x)).abs().max().item())
-    print(f"small-batch matmuls {family}: norm + QKV, output, SwiGLU + down, max abs err {err:.2e}")
-    failed |= err > 1e-5
 # a step's bookkeeping and draw on the device: slots, context, keys; record, feed back, advance
 rows, page = 4, 4
 state = {
