@@ -18,8 +18,9 @@
 # RUNS picks the runs (default: all but gsm8k, in this order); GSM8K_ARGS replaces the real run's
 # settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
 # BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
-# tar -x -C .base`, carried), runs that tree's decode step and exact pair first (decode_base,
-# repeat_base): a before / after in one lease (BASE_RUNS=1: one run a mode there, its step time only).
+# tar -x -C .base`, carried), runs that tree's decode step, exact pair and exact engine first
+# (decode_base, repeat_base, engine_exact_base, decode_exact_base): a before / after in one lease
+# (BASE_RUNS=1: one run a mode there, its step time only).
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
@@ -48,6 +49,12 @@ if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for 
     --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
 fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
+if [ -n "${BASE:-}" ]; then  # (a tree from before decode_profile.py --exact fails these two)
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step engine_exact_base python3 bench/exact_logprobs.py \
+    --out /tmp/res/engine_exact_base.json --sections engine)
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_exact_base python3 bench/decode_profile.py \
+    --shape 0.5b --batch 1 --batch 64 --exact)
+fi
 step engine_exact python3 bench/exact_logprobs.py --out /tmp/res/engine_exact.json --sections engine
 step decode_exact python3 bench/decode_profile.py --shape 0.5b --batch 1 --batch 64 --exact
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"

@@ -93,8 +93,9 @@ def _project(x: torch.Tensor, group, widths: list[int]) -> list[torch.Tensor]:
 
 
 class FusedDecode:
-    """`forward(ids, pos, slots, ctx, table) -> logits` and `step(state)` (prepare, forward, draw,
-    record) over the engine's model and KV cache; every launch is capturable in a CUDA graph."""
+    """`forward(ids, pos, slots, ctx, table) -> logits` over the engine's model and KV cache (the
+    runner's whole step wraps it: prepare, forward, draw, record); every launch is capturable in a
+    CUDA graph."""
 
     def __init__(self, model: NativeCausalLM, cache, cos: torch.Tensor, sin: torch.Tensor, compute_dtype):
         c = model.config
@@ -166,16 +167,3 @@ class FusedDecode:
             return paged_decode_attention_triton(q, cache.k[i], cache.v[i], table, ctx, cache.page_size)
 
         return self.logits(self.hidden(ids, pos, slots, attend))
-
-    def step(self, state: dict[str, torch.Tensor], mode: str) -> None:
-        """One decode step from device state to device state (see Runner.decode)."""
-        from hybridflow.engine.triton_layer import prepare_step
-        from hybridflow.engine.triton_sampler import sample_step_triton
-
-        s = state
-        prepare_step(
-            s["step"], s["pos"], s["limit"], s["table"], s["seeds"], s["generated"], s["slots"],
-            s["ctx"], s["keys"], self.cache.page_size,
-        )  # fmt: skip
-        logits = self.forward(s["ids"], s["pos"], s["slots"], s["ctx"], s["table"])
-        sample_step_triton(logits, mode, s["inv_t"], s["keys"], s)

@@ -24,7 +24,7 @@ from hybridflow.engine.cpu_layers import OneDNNLayers
 from hybridflow.engine.cpu_layers import supports as cpu_layers_supported
 from hybridflow.engine.fused_decode import FusedDecode
 from hybridflow.engine.kv_cache import KVCache
-from hybridflow.engine.sampled import SampledRun
+from hybridflow.engine.sampled import SampledRun, exact_logprobs
 from hybridflow.engine.sequence import PrefillJob, Sequence
 from hybridflow.models.native.model import NativeCausalLM, PackedLayout, project
 from hybridflow.models.native.rope import rope_cos_sin
@@ -93,7 +93,7 @@ class Runner:
         ]
         self.decode_steps = decode_steps
         self.fused = FusedDecode(model, cache, self.cos, self.sin, compute_dtype) if fused_decode else None
-        self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode) -> graph
+        self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode, exact temperature) -> graph
         self.capture_seconds = 0.0  # spent capturing graphs (warm-ups included), since made
         # on CPU in fp32: the same layers with their matmuls through oneDNN on packed weights
         self.cpu_layers = (
@@ -298,9 +298,9 @@ class Runner:
         computes, but writes to the scratch page 0 and stays in place, and its results are to be
         ignored. table [B, max_pages]: the sequences' page-table rows.
 
-        With the fused step and a sampler that runs on the device (one sampling group, no top-k /
-        top-p), a step is prepare, forward, draw and record in one graph: the run is `steps` replays.
-        Otherwise the forward is a graph and the draw runs after it."""
+        With the fused step or the exact kernels, and a sampler that runs on the device (one sampling
+        group, no top-k / top-p), a step is prepare, forward, draw and record in one graph (`_step`): the
+        run is `steps` replays. Otherwise the forward is a graph and the draw runs after it."""
         b, steps = len(seqs), max(limits)
         graphs = self.use_graphs and b <= self.max_batch
         # the fused step pads to the buckets with graphs or without, so the shapes (and the kernels'
@@ -309,7 +309,8 @@ class Runner:
         rows = next(x for x in self.buckets if x >= b) if padded else b
         ids, pos = feed if feed is not None else ([s.tokens[-1] for s in seqs], [s.cached for s in seqs])
         host = self._decode_inputs(ids, pos, table, rows, limits)
-        device_draw = sampled.device_draw() if self.fused is not None and steps <= self.decode_steps else None
+        whole_steps = (self.fused is not None or self.exact) and steps <= self.decode_steps
+        device_draw = sampled.device_draw() if whole_steps else None
         if device_draw is not None:
             return self._decode_on_device(b, rows, steps, host, sampled, device_draw, graphs)
         if graphs:
@@ -340,6 +341,8 @@ class Runner:
 
     def _decode_on_device(self, b, rows, steps, host, sampled: SampledRun, device_draw, graphs) -> None:
         mode, temperature, stops = device_draw
+        # the exact record's log-probs come from the trainer's kernel at a scale fixed in the graph
+        key = (rows, mode, temperature if self.exact else None)
         capacity = max(1024, 1 << (stops.numel() - 1).bit_length())  # stop ids the buffer holds
         state = self._step_state(rows, capacity) if graphs else self._new_step_state(rows, capacity)
         for name in ("ids", "pos", "limit", "table"):
@@ -352,7 +355,6 @@ class Runner:
         state["stops"].fill_(-1)
         state["stops"][: stops.numel()].copy_(stops)
         if graphs:
-            key = (rows, mode)
             if key not in self.step_graphs:
                 self._capture_step(key, state)
             graph = self.step_graphs[key]
@@ -360,8 +362,27 @@ class Runner:
                 graph.replay()
         else:
             for _ in range(steps):
-                self.fused.step(state, mode)
+                self._step(state, mode, temperature)
         sampled.out = state["run"][:steps, :, :b]
+
+    def _step(self, state: dict[str, torch.Tensor], mode: str, temperature: float) -> None:
+        """One decode step from device state to device state: the rows' slots, contexts and noise keys
+        from the step counter, the forward, the draw recorded and fed back. Exact: the record's
+        log-probs are then the trainer's kernel's (exact_logprobs), as in the draw outside a graph."""
+        from hybridflow.engine.triton_layer import prepare_step
+        from hybridflow.engine.triton_sampler import sample_step_triton
+
+        s = state
+        prepare_step(
+            s["step"], s["pos"], s["limit"], s["table"], s["seeds"], s["generated"], s["slots"],
+            s["ctx"], s["keys"], self.page_size,
+        )  # fmt: skip
+        logits = self._decode_step(s["ids"], s["pos"], s["slots"], s["ctx"], s["table"])
+        sample_step_triton(logits, mode, s["inv_t"], s["keys"], s)  # the drawn tokens are now s["ids"]
+        if self.exact:
+            logp, unscaled = exact_logprobs(logits, s["ids"], temperature)
+            drawn = torch.stack([logp, unscaled]).double()[None]  # [1, 2, R]
+            s["run"][:, 1:3].index_copy_(0, s["step"] - 1, drawn)  # this step's record (on the device)
 
     def _new_step_state(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
         """Device state of a run of whole steps (see FusedDecode.step)."""
@@ -394,18 +415,19 @@ class Runner:
         """Capture one whole decode step (warm-up first: kernels compiled outside the capture). The
         warm-up runs on the state as set for the coming run: it writes only to the scratch page 0
         (its limit check) and the record, which the run rewrites; its position advance is undone."""
-        rows, mode = key
+        rows, mode, temperature = key
         start = time.perf_counter()
-        self.fused.forget_weights()
+        if self.fused is not None:
+            self.fused.forget_weights()
         saved = {k: state[k].clone() for k in ("ids", "pos", "step")}
         limit = state["limit"].clone()
         state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
-        self.fused.step(state, mode)
+        self._step(state, mode, temperature)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self.fused.step(state, mode)
+            self._step(state, mode, temperature)
         self._graph_pool = graph.pool()
         for k, v in saved.items():
             state[k].copy_(v)
