@@ -97,6 +97,19 @@ for family, dtype, own_copy in (("qwen2", "float32", True), ("llama", "bfloat16"
         f"({spec.speculation.counts})",
     )
 
+# a vocabulary wider than the device sampler's slices (2,048 entries a program): its own log-softmax
+# sums in another order than the trainer's kernel, whose values the decode step's record carries
+wide = from_hf_model(tiny_model("qwen2", seed=3, vocab_size=5000))
+config = EngineConfig(
+    page_size=4, max_context_tokens=96, decode_steps=4, exact_logprobs=True, share_weights=False
+)
+outs = Engine(wide, eos_token_ids=[1], config=config).generate(PROMPTS, params)
+wide.use_exact_kernels()
+ok, gap = same_bits(
+    outs, trainer_logprobs(wide, [p for p in PROMPTS for _ in range(params.n)], outs, "float32")
+)
+check("qwen2 float32, 5,000-entry vocabulary: engine and trainer log-probs", ok, f"(max gap {gap:.1e})")
+
 # the update's forward: the exact kernels' gradients are the ordinary model's (float32: to rounding)
 hf = tiny_model("qwen2", seed=7)
 exact, plain = from_hf_model(hf), from_hf_model(hf)
