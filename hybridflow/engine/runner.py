@@ -385,7 +385,7 @@ class Runner:
             s["run"][:, 1:3].index_copy_(0, s["step"] - 1, drawn)  # this step's record (on the device)
 
     def _new_step_state(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
-        """Device state of a run of whole steps (see FusedDecode.step)."""
+        """Device state of a run of whole steps (see _step)."""
         dev, i64 = self.device, torch.int64
         state = {name: torch.zeros(rows, dtype=i64, device=dev) for name in
                  ("ids", "pos", "limit", "seeds", "generated", "slots", "keys")}  # fmt: skip
