@@ -15,7 +15,8 @@
 # /tmp/res/done says when each started and ended. A poll begins `[ -f /tmp/res/done ] || exit 3` (a
 # machine lost between calls comes back bare) and brings /tmp/res back as one archive.
 #   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
-# RUNS picks the runs (default: all but gsm8k, in this order); GSM8K_ARGS replaces the real run's
+# RUNS picks the runs (default: all but gsm8k, in this order); REPEAT_ARGS replaces the exact pair's
+# settings; GSM8K_ARGS replaces the real run's
 # settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
 # BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
 # tar -x -C .base`, carried), runs that tree's decode step, exact pair and exact engine first
@@ -44,11 +45,15 @@ fi
 step decode python3 bench/decode_profile.py $DECODE_ARGS
 step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
+# the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
+step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
+step decode_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4
+step decode_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --exact
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
 fi
-step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json --steps 10 --exact --baseline
+step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json ${REPEAT_ARGS:---steps 10 --exact --baseline}
 if [ -n "${BASE:-}" ]; then  # (a tree from before decode_profile.py --exact fails these two)
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step engine_exact_base python3 bench/exact_logprobs.py \
     --out /tmp/res/engine_exact_base.json --sections engine)

@@ -103,9 +103,15 @@ def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] (all one dtype, x and weight with unit stride in K) -> [M, N]
-    in that dtype. float32 multiplies in full precision (no TF32)."""
+    in that dtype. float32 multiplies in full precision (no TF32). tiles: (BLOCK_M, BLOCK_N, warps,
+    stages) in place of the row count's own (bench/exact_matmul.py sweeps them: same bits)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -113,7 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m, block_n, warps, stages = _tiles(m, n)
+    block_m, block_n, warps, stages = tiles or _tiles(m, n)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit inputs)
     chunks = -(-k // K_CHUNK)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
