@@ -6,8 +6,10 @@ do they cost? One process, every figure beside its baseline from the same run:
             attention: a decode query (one chunk program or split chunks) against the same query in
             a packed prefill; time against flash attention (varlen) and the engine's decode kernel
   engine    a random 0.5B-shaped model (fp32 master, the engine's bf16 copy, as in training): tokens/s
-            at --sequences sequences and at batch 1, exact and ordinary; every sampled token's
-            log-prob against the trainer's packed forward (exact: the trainer on the exact kernels)
+            at --sequences sequences and at batch 1, exact and ordinary, and generation as a
+            synchronous GRPO step runs it (woken, 16 prompts x 8, lengths spread by stop tokens:
+            seconds, graph captures); every sampled token's log-prob against the trainer's packed
+            forward (exact: the trainer on the exact kernels)
   training  packed forward + backward (chunked LM-head log-probs, bf16 autocast over fp32 weights):
             tokens/s exact and ordinary
   profile   the same step under torch's profiler, exact and ordinary, with and without the
@@ -56,9 +58,15 @@ def smoke() -> dict:
     from hybridflow.kernels.rope import rope
 
     out = {}
-    x = torch.randn(100, 896, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16)
-    out["linear"] = torch.equal(linear(x[:1].contiguous(), w), linear(x, w)[:1])
+    x = torch.randn(3000, 4864, device="cuda", dtype=torch.bfloat16)
+    out["linear"] = True  # a row's bits in 1-300 rows (pointer loads, split chunks) as in 3,000 (TMA)
+    for k, n in ((896, 1152), (4864, 896), (896, 9728)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        full = linear(x[:, :k].contiguous(), w)
+        out["linear"] &= all(
+            torch.equal(linear(x[:m, :k].contiguous(), w), full[:m]) for m in (1, 3, 16, 64, 65, 300)
+        )
+    x = x[:100, :896].contiguous()
     out["rms_norm"] = bool(rms_norm(x.float(), torch.ones(896, device="cuda"), 1e-6).isfinite().all())
     q = torch.randn(100, 14, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = torch.randn(100, 64, device="cuda"), torch.randn(100, 64, device="cuda")
@@ -67,8 +75,10 @@ def smoke() -> dict:
     pages = packed_pages([0, 60, 100], 7, "cuda")
     packed = paged_attention(q, k, k, pages.table, 1, pages.tiles)
     ctx = torch.tensor([60, 40], device="cuda")
-    got = paged_attention(q[[59, 99]], k, k, pages.table, 1, Tiles.of_decode(ctx), split=True)
-    out["attention"] = torch.equal(got, packed[[59, 99]])
+    out["attention"] = all(  # a decode step's tiles of 16 rows against the packed forward's 64
+        torch.equal(paged_attention(q[[59, 99]], k, k, pages.table, 1, Tiles.of_decode(ctx), split=split),
+                    packed[[59, 99]]) for split in (True, False)
+    )  # fmt: skip
     # the backward: twice the same bits, and near flash attention's
     from hybridflow.models.native.model import PackedLayout, packed_causal_attention
 
@@ -190,6 +200,28 @@ def kernels() -> dict:
     return out
 
 
+def as_in_training(eng: Engine, prompts: list[list[int]], response: int, steps: int = 4) -> dict:
+    """Generation as a synchronous GRPO step runs it: the engine woken (its graphs dropped when it
+    slept), 16 prompts x 8 samples with lengths spread by ~1/300 stop tokens per step (the batch
+    shrinks through the graph buckets); each step's seconds and the engine's own counts."""
+    stops = random.Random(1).sample(range(151936), 151936 // 300)
+    runs = []
+    for step in range(steps):
+        eng.sleep()
+        eng.wake()
+        params = SamplingParams(n=8, temperature=1.0, max_tokens=response, stop_token_ids=stops, seed=step)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gens = eng.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        runs.append({"seconds": round(seconds, 4), "tokens": sum(len(g.token_ids) for g in gens),
+                     **{k: round(v, 4) for k, v in eng.stats.items()}})  # fmt: skip
+    return {
+        "runs": runs,
+        "seconds_after_the_first": round(sum(r["seconds"] for r in runs[1:]) / (steps - 1), 4),
+    }
+
+
 def engine(args) -> dict:
     rng = random.Random(0)
     model = random_model("0.5b", torch.device("cuda"), torch.float32)  # the trainer's fp32 master
@@ -208,7 +240,7 @@ def engine(args) -> dict:
             [[(t + 1) % 151936 for t in p] for p in prompts], SamplingParams(n=8, max_tokens=16, seed=1)
         )
         eng.generate(prompts[:1], SamplingParams(n=1, max_tokens=16, seed=1))  # batch 1's graphs
-        result = {}
+        result = {"steps_as_in_training": as_in_training(eng, prompts[:16], args.response)}
         for label, batch, n in (("many", prompts, 8), ("batch1", prompts[:1], 1)):
             params = SamplingParams(n=n, temperature=1.0, max_tokens=args.response, seed=0)
             torch.cuda.synchronize()
@@ -255,6 +287,10 @@ def engine(args) -> dict:
         torch.cuda.empty_cache()
         out[name] = result
         print(name, json.dumps(result), flush=True)
+    out["as_in_training_exact_over_ordinary"] = (
+        out["ordinary"]["steps_as_in_training"]["seconds_after_the_first"]
+        / out["exact"]["steps_as_in_training"]["seconds_after_the_first"]
+    )
     for label in ("many", "batch1"):
         out[f"{label}_exact_over_ordinary"] = (
             out["exact"][label]["tokens_per_s"] / out["ordinary"][label]["tokens_per_s"]

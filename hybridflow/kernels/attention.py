@@ -5,9 +5,11 @@ or a decode step.
 The keys 0..p of a query at position p are read in blocks of BLOCK_N from position 0, grouped into
 chunks of KEY_CHUNK keys; each chunk's softmax state (max, sum, weighted values) starts afresh, and
 the chunks merge in order. A tile holds every query head of one KV head for a few consecutive
-positions of one sequence (one position in a decode step); its shape is the same in every call, so
-the row sums run the same way. Blocks past a query's position are masked whole and leave its state
-unchanged, so a tile's longest query sets the loop without touching the others.
+positions of one sequence (one position in a decode step: a tile of 16 rows there, 64 elsewhere).
+Every sum over keys is a matmul (the weighted values, and the row sums as the weights times ones),
+whose order does not follow the tile's rows as a reduction's would, so a row's bits do not depend on
+the tile it sits in. Blocks past a query's position are masked whole and leave its state unchanged,
+so a tile's longest query sets the loop without touching the others.
 
 Two forms of the same sums: one program per tile loops over the chunks (prefill, training); or, for
 few queries (decode), one program per chunk writes its state and a second kernel merges them in
@@ -65,6 +67,7 @@ def _chunk_state(q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    ones = tl.full([BLOCK_N, 16], 1.0, k_ptr.dtype.element_ty)  # (16: a matmul's narrowest tile)
     end = tl.minimum(chunk_start + KEY_CHUNK, last + 1)
     for start in range(chunk_start, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
@@ -81,8 +84,12 @@ def _chunk_state(q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, tl.zeros([BLOCK_M, HEAD_PAD], tl.float32),
+        weights = p.to(v.dtype)  # [BLOCK_M, BLOCK_N]
+        # the row sums of the weights that multiply the values, as a matmul: a fixed order (every
+        # column the same sum; tl.sum's order would follow the tile's layout)
+        sums = dot(weights, ones, tl.zeros([BLOCK_M, 16], tl.float32), PRECISION, UPCAST)
+        denom = denom * alpha + tl.max(sums, 1)
+        acc = acc * alpha[:, None] + dot(weights, v, tl.zeros([BLOCK_M, HEAD_PAD], tl.float32),
                                          PRECISION, UPCAST)  # fmt: skip
         m = m_new
     return m, denom, acc
@@ -307,18 +314,20 @@ class Tiles:
     first: torch.Tensor
     row: torch.Tensor
     count: torch.Tensor
+    positions: int  # the most a tile holds (its rows: these times the group's heads, padded)
 
     @staticmethod
     def of_runs(firsts, rows, counts, group: int, device) -> Tiles:
         """Tiles over runs of queries: run i is counts[i] positions from firsts[i] (rows from rows[i])."""
-        return Tiles(*_split_runs(firsts, rows, counts, BLOCK_M // _pad(group)[0], device))
+        positions = max(1, BLOCK_M // _group_pad(group))
+        return Tiles(*_split_runs(firsts, rows, counts, positions, device), positions)
 
     @staticmethod
     def of_decode(context_lens: torch.Tensor) -> Tiles:
         """One tile per sequence of a decode step: its query at position context - 1 (none where the
         context is 0: a padded row). Device ops only (inside a decode graph)."""
         rows = torch.arange(context_lens.shape[0], dtype=torch.int32, device=context_lens.device)
-        return Tiles(rows, context_lens.int() - 1, rows, (context_lens > 0).int())
+        return Tiles(rows, context_lens.int() - 1, rows, (context_lens > 0).int(), 1)
 
 
 def _split_runs(firsts, rows, counts, size: int, device) -> list[torch.Tensor]:
@@ -334,10 +343,14 @@ def _split_runs(firsts, rows, counts, size: int, device) -> list[torch.Tensor]:
     return [torch.from_numpy(p.astype(np.int32)).to(device, non_blocking=True) for p in parts]
 
 
-def _pad(group: int) -> tuple[int, int]:
-    """(heads of a group padded to a power of two, tile rows)."""
-    group_pad = triton.next_power_of_2(group)
-    return group_pad, max(BLOCK_M, group_pad)
+def _group_pad(group: int) -> int:
+    """The heads of a group padded to a power of two (a tile's rows hold whole groups)."""
+    return triton.next_power_of_2(group)
+
+
+def _tile_rows(group: int, positions: int) -> int:
+    """A tile's rows: its positions' padded groups, at least 16 (a matmul's narrowest tile)."""
+    return max(16, _group_pad(group) * positions)
 
 
 def paged_attention(
@@ -358,7 +371,7 @@ def paged_attention(
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    group_pad, block_m = _pad(group)
+    group_pad, block_m = _group_pad(group), _tile_rows(group, tiles.positions)
     head_pad = max(16, triton.next_power_of_2(dim))
     out = torch.empty_like(q)
     tile_count = tiles.seq.shape[0]

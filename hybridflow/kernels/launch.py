@@ -30,7 +30,8 @@ OPTIONS = {} if interpreted() else {"enable_fp_fusion": False}
 # and, through the BLAS, may round a row by its place in the tile (seen with OpenBLAS 0.3.31 on an
 # AMD EPYC: a row 6 rows into a tile got other bits than the same row at its top). So there the
 # product is written out: the values upcast (exact in float32 for 16-bit inputs), multiplied, and
-# each output summed over k in order, the same for every row wherever it lies
+# each output summed over k in order, the same for every row wherever it lies. (A running sum: numpy's
+# np.sum picks its order by the operands' memory layout, which differs for a transposed tile)
 UPCAST = tl.constexpr(interpreted())  # a constexpr: a jit function reads no other global
 
 
@@ -38,7 +39,10 @@ UPCAST = tl.constexpr(interpreted())  # a constexpr: a jit function reads no oth
 def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b (float32), as tl.dot; in the interpreter summed in k order, row by row."""
     if UPCAST:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        products = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, K, N]
+        running = tl.cumsum(products, 1)  # k in order, whatever the layout
+        last = (tl.arange(0, a.shape[1]) == a.shape[1] - 1)[None, :, None]
+        return acc + tl.sum(tl.where(last, running, 0.0), 1)  # (the one nonzero term: exact)
     if PRECISION == "ieee":  # float32 operands in full precision
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
