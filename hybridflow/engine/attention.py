@@ -15,7 +15,16 @@ from hybridflow.models.native.model import PackedLayout, packed_causal_attention
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """k_cache/v_cache [S, Hkv, D] (one layer), slots [N] int64, k/v [N, Hkv, D]."""
+    """k_cache/v_cache [S, Hkv, D] (one layer), slots [N] int64, k/v [N, Hkv, D]. On CUDA one Triton
+    launch (deterministic whatever torch's settings), elsewhere index_copy_."""
+    if k_cache.is_cuda:
+        from hybridflow.engine.triton_layer import store_kv as store_kv_triton
+
+        whole_rows = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        store_kv_triton(
+            k_cache, v_cache, slots, *((k, v) if whole_rows else (k.contiguous(), v.contiguous()))
+        )
+        return
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 

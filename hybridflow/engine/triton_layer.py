@@ -4,6 +4,7 @@ numbers (up to the order of a sum).
 
 - `rms_norm`: the embedding lookup or the residual add, then RMSNorm, cast for the next matmul.
 - `rope_store`: (Qwen3's per-head norm,) rotary on q and k, k and v into their cache slots.
+- `store_kv`: k and v into their cache slots (the model's own layers: exact, prefill).
 - `silu_mul`: SwiGLU's gate.
 - `prepare_step`: a decode step's cache slots, context lengths and noise keys, from device state.
 
@@ -189,6 +190,37 @@ def rope_store(
         q.stride(0), k.stride(0), v.stride(0), q_heads, kv_heads, eps,
         QK_NORM=qk_norm, X_BF16=cos.dtype == torch.bfloat16, K_OUT=k_out is not None, HALF=head_dim // 2,
         num_warps=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k, stride_v, width,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """Program (n, 0) copies row n of k ([Hkv * D] from k_ptr + n * stride_k) to its slot's row of
+    k_cache, (n, 1) the same for v, cast to the cache's dtype."""
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n)
+    i = tl.arange(0, BLOCK)
+    inside = i < width
+    if tl.program_id(1) == 0:
+        row = tl.load(k_ptr + n * stride_k + i, mask=inside).to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + slot * width + i, row, mask=inside)
+    else:
+        row = tl.load(v_ptr + n * stride_v + i, mask=inside).to(v_cache_ptr.dtype.element_ty)
+        tl.store(v_cache_ptr + slot * width + i, row, mask=inside)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+):
+    """k/v [N, Hkv, D] (each row's Hkv x D contiguous) -> k/v_cache [S, Hkv, D] rows `slots` [N] int64,
+    in one launch (torch's index_copy_ is two, and under deterministic algorithms a sort each)."""
+    n, kv_heads, dim = k.shape
+    if n == 0:
+        return
+    _store_kv_kernel[(n, 2)](
+        k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), kv_heads * dim,
+        BLOCK=triton.next_power_of_2(kv_heads * dim), num_warps=1,
     )  # fmt: skip
 
 

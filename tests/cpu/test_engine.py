@@ -364,6 +364,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     assert "record and advance as expected True" in stdout
     assert stdout.count("log-prob head") == 2  # the training LM head's softmax kernels
     assert "every element in place True" in stdout  # the weight update's multi-tensor copy
+    assert stdout.count("nothing else written True") == 2  # the K/V store, two families
 
 
 def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():

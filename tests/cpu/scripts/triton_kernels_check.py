@@ -129,6 +129,15 @@ for family in ("qwen2", "qwen3"):  # biased projections; per-head q/k norms
               (v_cache[slots] - v).abs().max().item())  # fmt: skip
     print(f"fused rotary + K/V store {family}: max abs err {err:.2e}")
     failed |= err > 1e-5
+    # the plain K/V store (the model's own layers): v a strided view of the fused output
+    k_store, v_store = torch.zeros(12, hkv, d), torch.zeros(12, hkv, d)
+    v_view = v_in.view(5, hkv, d)
+    triton_layer.store_kv(k_store, v_store, slots, k, v_view)
+    same = torch.equal(k_store[slots], k) and torch.equal(v_store[slots], v_view)
+    untouched = [i for i in range(12) if i not in slots.tolist()]
+    same &= not k_store[untouched].any() and not v_store[untouched].any()
+    print(f"K/V store {family}: every row in its slot, nothing else written {same}")
+    failed |= not same
     mlp: MLP = layer.mlp
     gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=1)
     act = torch.empty(5, config.intermediate_size)
