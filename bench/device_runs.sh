@@ -47,6 +47,7 @@ step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
+step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b
 step decode_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4
 step decode_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --exact
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
@@ -54,6 +55,9 @@ if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for 
     --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
 fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json ${REPEAT_ARGS:---steps 10 --exact --baseline}
+# the deterministic settings alone (ordinary kernels): their share of the exact run's step
+step repeat_deterministic python3 bench/repeatable_runs.py --out /tmp/res/repeat_deterministic.json --steps 6 \
+  --deterministic --runs 1 --modes synchronous
 if [ -n "${BASE:-}" ]; then  # (a tree from before decode_profile.py --exact fails these two)
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step engine_exact_base python3 bench/exact_logprobs.py \
     --out /tmp/res/engine_exact_base.json --sections engine)

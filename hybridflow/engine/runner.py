@@ -95,6 +95,7 @@ class Runner:
         self.fused = FusedDecode(model, cache, self.cos, self.sin, compute_dtype) if fused_decode else None
         self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode, exact temperature) -> graph
         self.capture_seconds = 0.0  # spent capturing graphs (warm-ups included), since made
+        self.warmed_up: set[tuple] = set()  # graph keys whose kernels ran once before a capture
         # on CPU in fp32: the same layers with their matmuls through oneDNN on packed weights
         self.cpu_layers = (
             OneDNNLayers(model)
@@ -412,18 +413,21 @@ class Runner:
 
     @torch.no_grad()
     def _capture_step(self, key: tuple, state: dict[str, torch.Tensor]) -> None:
-        """Capture one whole decode step (warm-up first: kernels compiled outside the capture). The
-        warm-up runs on the state as set for the coming run: it writes only to the scratch page 0
-        (its limit check) and the record, which the run rewrites; its position advance is undone."""
+        """Capture one whole decode step (warm-up first, the first time a key is captured: kernels
+        compiled outside the capture; a capture again after a wake needs none). The warm-up runs on
+        the state as set for the coming run: it writes only to the scratch page 0 (its limit check)
+        and the record, which the run rewrites; its position advance is undone."""
         rows, mode, temperature = key
         start = time.perf_counter()
         if self.fused is not None:
             self.fused.forget_weights()
         saved = {k: state[k].clone() for k in ("ids", "pos", "step")}
         limit = state["limit"].clone()
-        state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
-        self._step(state, mode, temperature)
-        torch.cuda.synchronize()
+        if ("step", key) not in self.warmed_up:
+            state["limit"].zero_()  # the warm-up's rows have no step to take: slot 0, positions stay
+            self._step(state, mode, temperature)
+            torch.cuda.synchronize()
+            self.warmed_up.add(("step", key))
         graph = torch.cuda.CUDAGraph()
         # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
@@ -456,8 +460,13 @@ class Runner:
         for name in names:  # the warm-up below writes to the scratch page 0 only, never to a page
             self.static[name].zero_()  # that a live sequence owns
         args = [self.static[k][:bucket] for k in names]
-        eager = self._decode_step(*args)  # warm-up: kernels compiled and autotuned outside capture
-        torch.cuda.synchronize()
+        # warm-up: kernels compiled and autotuned outside the capture, the first time a bucket is
+        # captured (a capture again after a wake needs none), and always for the TP check's comparison
+        eager = None
+        if self.check_capture is not None or ("forward", bucket) not in self.warmed_up:
+            eager = self._decode_step(*args)
+            torch.cuda.synchronize()
+            self.warmed_up.add(("forward", bucket))
         graph = torch.cuda.CUDAGraph()
         # thread_local: in an asynchronous run the trainer's thread uses the GPU during a capture
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
