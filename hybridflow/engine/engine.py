@@ -146,6 +146,11 @@ class Engine:
         self.paused = False
         self.weight_version = 0  # +1 at each update_weights; every output says which it was sampled with
         self.recomputed_tokens = 0  # tokens of generated sequences prefilled again, K/V recomputed
+        # where generation's time goes: prefill and decode runs, the decode steps they took, and the
+        # milliseconds of each (each run ends in its one sync, so these are the device's time too)
+        self.runs = dict.fromkeys(
+            ("prefill_runs", "prefill_ms", "decode_runs", "decode_steps", "decode_ms"), 0
+        )
         self.stats: dict[str, float] = {}
         self.scheduler = self._new_scheduler()
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
@@ -378,12 +383,19 @@ class Engine:
         ]
 
     def counters(self) -> dict[str, int]:
-        """Since the engine was made: tokens prefilled again (recomputed_tokens) and, speculating, its
-        steps, tokens drafted, drafts accepted and tokens those steps produced (speculative_*)."""
+        """Since the engine was made: tokens prefilled again (recomputed_tokens); its prefill and decode
+        runs, decode steps and their milliseconds, graph captures' milliseconds (among them); and,
+        speculating, its steps, tokens drafted, drafts accepted and tokens those steps produced
+        (speculative_*)."""
         counts = self.speculation.counts if self.speculation is not None else {}
-        return {"recomputed_tokens": self.recomputed_tokens} | {
-            f"speculative_{k}": v for k, v in counts.items()
-        }
+        return (
+            {
+                "recomputed_tokens": self.recomputed_tokens,
+                "graph_capture_ms": round(1e3 * self.runner.capture_seconds),
+            }
+            | self.runs
+            | {f"speculative_{k}": v for k, v in counts.items()}
+        )
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Since the engine was made: tokens admitted to prefill, those found cached, and the ratio."""
@@ -425,6 +437,7 @@ class Engine:
 
     def _prefill(self, jobs: list[PrefillJob]) -> list[Sequence]:
         """Prefill the jobs' prompts and sample every sequence's next token."""
+        started = time.perf_counter()
         batch = [s for job in jobs for s in job.seqs]
         if self.tp is not None:
             self.tp.check_same_step("prefill", batch, prompts=[job.tokens for job in jobs])
@@ -441,6 +454,8 @@ class Engine:
         )
         sampled.draw(logits, 0)
         self._record(batch, sampled.fetch(), [1] * len(batch))
+        self.runs["prefill_runs"] += 1
+        self.runs["prefill_ms"] += round(1e3 * (time.perf_counter() - started))
         for job in jobs:  # the prompt's full pages, for requests that arrive while these run
             live = next((s for s in job.seqs if not s.finished), None)
             if live is not None:
@@ -468,7 +483,7 @@ class Engine:
 
     def _plain_run(self, k: int) -> list[Sequence]:
         """Up to k decode steps of every running sequence, recorded at the run's end."""
-        ps, scheduler = self.cache.page_size, self.scheduler
+        ps, scheduler, started = self.cache.page_size, self.scheduler, time.perf_counter()
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
             return min(k, s.end - len(s.tokens))
@@ -484,6 +499,9 @@ class Engine:
         )
         self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
         self._record(batch, sampled.fetch(), limits)
+        self.runs["decode_runs"] += 1
+        self.runs["decode_steps"] += max(limits)
+        self.runs["decode_ms"] += round(1e3 * (time.perf_counter() - started))
         return batch
 
     def _speculate(self) -> list[Sequence] | None:

@@ -179,6 +179,20 @@ class WholeBatches:
         pass
 
 
+def engine_metrics(counts: dict[str, int]) -> dict[str, float]:
+    """rollout/engine_*: the engines' prefill and decode runs since the last batch, the decode steps
+    those took, and the seconds of each (graph captures' seconds among them)."""
+    get = counts.get
+    return {
+        "rollout/engine_prefill_runs": float(get("prefill_runs", 0)),
+        "rollout/engine_decode_runs": float(get("decode_runs", 0)),
+        "rollout/engine_decode_steps": float(get("decode_steps", 0)),
+        "rollout/engine_prefill_s": get("prefill_ms", 0) / 1e3,
+        "rollout/engine_decode_s": get("decode_ms", 0) / 1e3,
+        "rollout/engine_graph_capture_s": get("graph_capture_ms", 0) / 1e3,
+    }
+
+
 def speculative_metrics(counts: dict[str, int]) -> dict[str, float]:
     """rollout/speculative_*: the engines' speculative steps since the last batch, the tokens they
     drafted and accepted, the share accepted, and the tokens a sequence got per speculative step
@@ -289,6 +303,7 @@ class StreamedBatches:
             self.config, step, (rollouts, scored), self.stream.generate_now, self._score, self.sampler.next
         )
         counts = self.stream.take_engine_counts()
+        metrics |= engine_metrics(counts)
         if self.config.trainer.async_mode != "off":  # how the batch was made beside training
             metrics |= self._async_metrics(rollouts, step, waited, counts)
         if self.config.rollout.speculative.num_speculative_tokens:

@@ -62,6 +62,13 @@ def test_metrics_use_verls_names_and_errors_are_counted(setup, tmp_path):
     assert sum(m["reward/errors"] for m in metrics) > 0
     # same model code and fp32 in rollout and trainer: probabilities agree to float error
     assert metrics[0]["training/rollout_probs_diff_max"] < 1e-4
+    # where each step's generation went: the engine's runs since the last batch, and their seconds
+    for m in metrics:
+        assert m["rollout/engine_prefill_runs"] >= 1 and m["rollout/engine_decode_runs"] >= 1
+        # a run of up to decode_steps steps; every response here is longer than one token
+        assert m["rollout/engine_decode_runs"] <= m["rollout/engine_decode_steps"] <= m["response_length/max"]
+        assert m["rollout/engine_prefill_s"] > 0 and m["rollout/engine_decode_s"] > 0
+        assert m["rollout/engine_graph_capture_s"] == 0  # (CPU: no graphs)
 
 
 def _weights(model):
