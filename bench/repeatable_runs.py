@@ -43,11 +43,9 @@ MODES = {
 }
 
 
-def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool, extra=(),
-         host_profile: bool = False):  # fmt: skip
+def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool, extra=()):
     run_dir = root / name
-    profiler = ["-m", "cProfile", "-o", str(root / f"{name}.prof")] if host_profile else []
-    command = [sys.executable, *profiler, "-m", "hybridflow.cli", "train",
+    command = [sys.executable, "-m", "hybridflow.cli", "train",
                f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
                "data.prompts_per_step=16", "data.max_response_tokens=256", "rollout.samples_per_prompt=8",
                "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
@@ -78,15 +76,6 @@ def _phase_seconds(run_dir: Path) -> dict[str, float]:
     return {k: round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4) for k in keys}
 
 
-def _host_functions(run_dir: Path, top: int = 40) -> dict[str, float]:
-    """The run's main thread under cProfile: the functions with the most cumulative seconds."""
-    import pstats
-
-    stats = pstats.Stats(str(run_dir) + ".prof").stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
-    return {f"{f[0].split('/')[-1]}:{f[1]}({f[2]})": round(v[3], 3) for f, v in rows}
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(CLOCKS) and not k.endswith("_s")} for r in rows]
@@ -105,9 +94,6 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="and one run without it (or --deterministic)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--runs", type=int, choices=(1, 2), default=2)
-    parser.add_argument(
-        "--host-profile", action="store_true", help="each run's main thread under cProfile: its top functions"
-    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="repeatable-"))
     tok = byte_tokenizer()
@@ -129,8 +115,8 @@ def main() -> None:
     report["exact_logprobs"] = args.exact
     extra = ["rollout.exact_logprobs=true"] if args.exact else []
     for mode in args.modes.split(","):
-        runs = [_run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic, extra,
-                     args.host_profile) for x in "ab"[: args.runs]]  # fmt: skip
+        runs = [_run(root, f"{mode}-{x}", args.steps, MODES[mode], args.device, args.deterministic, extra)
+                for x in "ab"[: args.runs]]  # fmt: skip
         a, seconds_a, warned = runs[0]
         ma = _metrics(a)
         report["modes"][mode] = {
@@ -142,8 +128,6 @@ def main() -> None:
             "phase_seconds_after_the_first": _phase_seconds(a),
             "nondeterministic_ops_named": warned,
         }
-        if args.host_profile:
-            report["modes"][mode]["host_functions_s"] = _host_functions(a)
         if args.runs == 2:
             b = runs[1][0]
             mb = _metrics(b)
@@ -168,9 +152,7 @@ def main() -> None:
             }
         Path(args.out).write_text(json.dumps(report, indent=1))  # (before the baseline's run)
         if args.baseline:
-            base, seconds, _ = _run(
-                root, f"{mode}-ordinary", args.steps, MODES[mode], args.device, False, (), args.host_profile
-            )
+            base, seconds, _ = _run(root, f"{mode}-ordinary", args.steps, MODES[mode], args.device, False)
             rows = _metrics(base)
             report["modes"][mode]["ordinary_run"] = {
                 "seconds": round(seconds, 1),
@@ -179,8 +161,6 @@ def main() -> None:
                 "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in rows],
                 "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in rows],
             }
-            if args.host_profile:
-                report["modes"][mode]["ordinary_run"]["host_functions_s"] = _host_functions(base)
         print(mode, json.dumps(report["modes"][mode]), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
 
