@@ -68,11 +68,11 @@ def _step_seconds(run_dir: Path) -> float:
 
 
 def _phase_seconds(run_dir: Path) -> dict[str, float]:
-    """Each phase's mean seconds after the first step (where the step's time goes), and the engine's
-    runs, decode steps and seconds in generation (rollout/engine_*)."""
+    """Each phase's mean seconds after the first step (where the step's time goes: timing_s/gen_* are
+    parts of timing_s/gen), and the engine's runs and decode steps in generation (perf/gen_*)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing_s/step" in r][1:]
-    keys = sorted({k for r in rows for k in r if k.startswith(("timing_s/", "rollout/engine_"))})
+    keys = sorted({k for r in rows for k in r if k.startswith(("timing_s/", "perf/gen_"))})
     return {k: round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4) for k in keys}
 
 

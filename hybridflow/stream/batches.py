@@ -180,16 +180,18 @@ class WholeBatches:
 
 
 def engine_metrics(counts: dict[str, int]) -> dict[str, float]:
-    """rollout/engine_*: the engines' prefill and decode runs since the last batch, the decode steps
-    those took, and the seconds of each (graph captures' seconds among them)."""
+    """Where generation's time went since the last batch, under verl's families for figures of the
+    machine and the clock: the engines' prefill and decode runs and the decode steps those took
+    (perf/gen_*), and the seconds of each, graph captures' among them (timing_s/gen_*, parts of
+    timing_s/gen where the batch is generated in the step)."""
     get = counts.get
     return {
-        "rollout/engine_prefill_runs": float(get("prefill_runs", 0)),
-        "rollout/engine_decode_runs": float(get("decode_runs", 0)),
-        "rollout/engine_decode_steps": float(get("decode_steps", 0)),
-        "rollout/engine_prefill_s": get("prefill_ms", 0) / 1e3,
-        "rollout/engine_decode_s": get("decode_ms", 0) / 1e3,
-        "rollout/engine_graph_capture_s": get("graph_capture_ms", 0) / 1e3,
+        "perf/gen_prefill_runs": float(get("prefill_runs", 0)),
+        "perf/gen_decode_runs": float(get("decode_runs", 0)),
+        "perf/gen_decode_steps": float(get("decode_steps", 0)),
+        "timing_s/gen_prefill": get("prefill_ms", 0) / 1e3,
+        "timing_s/gen_decode": get("decode_ms", 0) / 1e3,
+        "timing_s/gen_graph_capture": get("graph_capture_ms", 0) / 1e3,
     }
 
 

@@ -64,11 +64,11 @@ def test_metrics_use_verls_names_and_errors_are_counted(setup, tmp_path):
     assert metrics[0]["training/rollout_probs_diff_max"] < 1e-4
     # where each step's generation went: the engine's runs since the last batch, and their seconds
     for m in metrics:
-        assert m["rollout/engine_prefill_runs"] >= 1 and m["rollout/engine_decode_runs"] >= 1
+        assert m["perf/gen_prefill_runs"] >= 1 and m["perf/gen_decode_runs"] >= 1
         # a run of up to decode_steps steps; every response here is longer than one token
-        assert m["rollout/engine_decode_runs"] <= m["rollout/engine_decode_steps"] <= m["response_length/max"]
-        assert m["rollout/engine_prefill_s"] > 0 and m["rollout/engine_decode_s"] > 0
-        assert m["rollout/engine_graph_capture_s"] == 0  # (CPU: no graphs)
+        assert m["perf/gen_decode_runs"] <= m["perf/gen_decode_steps"] <= m["response_length/max"]
+        assert m["timing_s/gen_prefill"] > 0 and m["timing_s/gen_decode"] > 0
+        assert m["timing_s/gen_graph_capture"] == 0  # (CPU: no graphs)
 
 
 def _weights(model):
