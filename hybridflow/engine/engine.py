@@ -17,17 +17,16 @@ from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache, pool_pages
-from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
+from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request, request_samples
 from hybridflow.engine.runner import Runner
-from hybridflow.engine.sampled import SampledRun, params_key
-from hybridflow.engine.sampler import step_keys
+from hybridflow.engine.sampled import SampledRun
 from hybridflow.engine.scheduler import Scheduler
-from hybridflow.engine.sequence import PrefillJob, Sequence
+from hybridflow.engine.sequence import PrefillJob, Sequence, record_run
 from hybridflow.engine.speculation import Speculation
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
 from hybridflow.models.native.model import NativeCausalLM
-from hybridflow.rollout.sampling import Generation, NonFiniteLogits, SamplingParams
+from hybridflow.rollout.sampling import Generation, SamplingParams
 from hybridflow.tracking.progress import bar
 
 STOP_SETS_KEPT = 64  # stop-id tensors kept for reuse (each distinct set of stop ids has one)
@@ -227,33 +226,10 @@ class Engine:
         check_request(
             request_id, prompt_token_ids, params, c.max_context_tokens, self.model.config.vocab_size
         )
-        resume = resume if resume is not None else [None] * params.n
-        if len(resume) != params.n or all(r is not None and r.finish_reason for r in resume):
-            raise ValueError(
-                f"request {request_id!r}: resume needs one entry per sample and one to go on with"
-            )
         base = params.seed if params.seed is not None else self._random_seed()
-        first = params.first_sequence
-        seeds = step_keys(
-            torch.full((params.n,), base, dtype=torch.int64), torch.arange(first, first + params.n)
-        )
-        sampling_group = params_key(params)
-        end = min(len(prompt_token_ids) + params.max_tokens, c.max_context_tokens)
-        group = []
-        for j, (seed, so_far) in enumerate(zip(seeds.tolist(), resume)):
-            s = Sequence(self._next_seq_id, 0, list(prompt_token_ids), len(prompt_token_ids), seed,
-                         request_id=request_id, sample=j, params=params, sampling_group=sampling_group, end=end)  # fmt: skip
-            if so_far is not None:
-                if not so_far.finish_reason and len(s.tokens) + len(so_far.token_ids) >= end:
-                    raise ValueError(f"request {request_id!r}: sample {j} has no room left to go on")
-                s.tokens += so_far.token_ids
-                s.logprobs, s.unscaled_logprobs = (
-                    list(so_far.logprobs),
-                    list(so_far.logprobs),
-                )  # never reported
-                s.reported, s.finish_reason = len(so_far.token_ids), so_far.finish_reason
-            group.append(s)
-            self._next_seq_id += 1
+        group = request_samples(request_id, prompt_token_ids, params, resume, first_seq_id=self._next_seq_id,
+                                seed=base, max_context=c.max_context_tokens)  # fmt: skip
+        self._next_seq_id += len(group)
         self._requests[request_id] = group
         fresh = [s for s in group if not s.num_generated and not s.finished]
         for k in range(0, len(fresh), c.max_batch_sequences):  # a job never outgrows the batch
@@ -532,35 +508,8 @@ class Engine:
         return batch
 
     def _record(self, batch, run: np.ndarray, limits: list[int]) -> None:
-        """Append each sequence's tokens of the run (run [steps, 4, B]: token, log-prob, unscaled
-        log-prob, stop flag) up to its limit, its stop or its length; retire the finished sequences."""
-        steps = run.shape[0]
-        limit = np.array(limits)[:, None]  # [B, 1]
-        k = np.arange(steps)[None, :]  # [1, steps]
-        before = np.array([len(s.tokens) - s.end for s in batch])[:, None]  # [B, 1]: <= -1 while running
-        length = before + k + 1 >= 0  # [B, steps]: the token of step k reaches max_tokens or the context
-        stop = run[:, 3].T > 0  # [B, steps]
-        ends = (stop | length) & (k < limit)
-        ended = ends.any(1)  # [B]
-        taken = np.where(ended, ends.argmax(1) + 1, limits)  # [B] tokens kept
-        kept = (k < taken[:, None]).T  # [steps, B]
-        if not (np.isfinite(run[:, 1]) & np.isfinite(run[:, 2]))[kept].all():
-            raise NonFiniteLogits("the model produced NaN or inf logits during generation")
-        # to Python lists once: per-sequence numpy slicing costs more than the rest of the loop
-        tokens, logp = run[:, 0].T.astype(np.int64).tolist(), run[:, 1].T.tolist()  # [B][steps]
-        unscaled, stopped = run[:, 2].T.tolist(), stop.tolist()
-        finished = []
-        for s, n, end, tok, lp, un, st in zip(
-            batch, taken.tolist(), ended.tolist(), tokens, logp, unscaled, stopped
-        ):
-            s.tokens += tok[:n]
-            s.logprobs += lp[:n]
-            s.unscaled_logprobs += un[:n]
-            if end:
-                s.finish_reason = "stop" if st[n - 1] else "length"
-                finished.append(s)
-            else:
-                s.cached = len(s.tokens) - 1  # every token but the last is cached
+        """Append each sequence's tokens of the run (sequence.record_run); retire the finished ones."""
+        finished = record_run(batch, run, limits)
         if finished and self.cache.routes is not None:  # read before the pages go
             kept = self.cache.read_routes([(s.pages, len(s.tokens) - 1) for s in finished])
             for s, routes in zip(finished, kept):

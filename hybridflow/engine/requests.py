@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.engine.sampled import params_key
+from hybridflow.engine.sampler import step_keys
+from hybridflow.engine.sequence import Sequence
 from hybridflow.errors import UserError
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -64,3 +67,36 @@ def check_request(
             )
     if params.n < 1 or params.max_tokens < 1:
         raise UserError(f"request {name}: n={params.n} and max_tokens={params.max_tokens} must be at least 1")
+
+
+def request_samples(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    resume: list[SampleSoFar | None] | None,
+    *,
+    first_seq_id: int,
+    seed: int,
+    max_context: int,
+) -> list[Sequence]:
+    """The `params.n` sequences of one request, ids from `first_seq_id`: sample j draws from the stream
+    (seed, params.first_sequence + j), and with `resume[j]` starts from that sample's tokens so far
+    (finished: kept as it is; its tokens then count as reported, its log-probs are never reported)."""
+    resume = resume if resume is not None else [None] * params.n
+    if len(resume) != params.n or all(r is not None and r.finish_reason for r in resume):
+        raise ValueError(f"request {request_id!r}: resume needs one entry per sample and one to go on with")
+    first = params.first_sequence
+    seeds = step_keys(torch.full((params.n,), seed, dtype=torch.int64), torch.arange(first, first + params.n))
+    group, end = params_key(params), min(len(prompt_token_ids) + params.max_tokens, max_context)
+    samples = []
+    for j, (key, so_far) in enumerate(zip(seeds.tolist(), resume)):
+        s = Sequence(first_seq_id + j, 0, list(prompt_token_ids), len(prompt_token_ids), key,
+                     request_id=request_id, sample=j, params=params, sampling_group=group, end=end)  # fmt: skip
+        if so_far is not None:
+            if not so_far.finish_reason and len(s.tokens) + len(so_far.token_ids) >= end:
+                raise ValueError(f"request {request_id!r}: sample {j} has no room left to go on")
+            s.tokens += so_far.token_ids
+            s.logprobs, s.unscaled_logprobs = list(so_far.logprobs), list(so_far.logprobs)
+            s.reported, s.finish_reason = len(so_far.token_ids), so_far.finish_reason
+        samples.append(s)
+    return samples

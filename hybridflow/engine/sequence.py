@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.sampling import NonFiniteLogits, SamplingParams
 
 
 @dataclass(eq=False)
@@ -58,3 +59,37 @@ class PrefillJob:
     @property
     def tokens(self) -> list[int]:
         return self.seqs[0].tokens
+
+
+def record_run(batch: list[Sequence], run: np.ndarray, limits: list[int]) -> list[Sequence]:
+    """Append each sequence's tokens of a run (run [steps, 4, B]: token, log-prob, unscaled log-prob,
+    stop flag) up to its limit, its first stop or its length (prompt + max_tokens, the context), and
+    set the finish reason of those that ended there; returns them (still holding their pages)."""
+    steps = run.shape[0]
+    limit = np.array(limits)[:, None]  # [B, 1]
+    k = np.arange(steps)[None, :]  # [1, steps]
+    before = np.array([len(s.tokens) - s.end for s in batch])[:, None]  # [B, 1]: <= -1 while running
+    length = before + k + 1 >= 0  # [B, steps]: the token of step k reaches max_tokens or the context
+    stop = run[:, 3].T > 0  # [B, steps]
+    ends = (stop | length) & (k < limit)
+    ended = ends.any(1)  # [B]
+    taken = np.where(ended, ends.argmax(1) + 1, limits)  # [B] tokens kept
+    kept = (k < taken[:, None]).T  # [steps, B]
+    if not (np.isfinite(run[:, 1]) & np.isfinite(run[:, 2]))[kept].all():
+        raise NonFiniteLogits("the model produced NaN or inf logits during generation")
+    # to Python lists once: per-sequence numpy slicing costs more than the rest of the loop
+    tokens, logp = run[:, 0].T.astype(np.int64).tolist(), run[:, 1].T.tolist()  # [B][steps]
+    unscaled, stopped = run[:, 2].T.tolist(), stop.tolist()
+    finished = []
+    for s, n, end, tok, lp, un, st in zip(
+        batch, taken.tolist(), ended.tolist(), tokens, logp, unscaled, stopped
+    ):
+        s.tokens += tok[:n]
+        s.logprobs += lp[:n]
+        s.unscaled_logprobs += un[:n]
+        if end:
+            s.finish_reason = "stop" if st[n - 1] else "length"
+            finished.append(s)
+        else:
+            s.cached = len(s.tokens) - 1  # every token but the last is cached
+    return finished
