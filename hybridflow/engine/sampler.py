@@ -14,7 +14,11 @@ from hybridflow.rollout.sampling import SamplingParams, warp_logits
 
 M31 = 0x7FFFFFFF
 MIX = 0x45D9F3B  # small enough that (31-bit value) * MIX stays inside int64
-GUMBEL_SPAN = 20.2  # > max - min of the Gumbel noise from 24-bit uniforms (17.33 + 2.86)
+# The noise's uniforms are (bits + 0.5) / 2^23 for 23 hash bits: all strictly inside (0, 1) in float32.
+# (With 24 bits the largest, 1 - 2^-25, rounds to 1.0: its noise was +inf and its entry won whatever its
+# logit, once in 2^24 entries: ~0.9% of all draws over a 152k vocabulary were uniform over the vocabulary.)
+NOISE_BITS = 23
+GUMBEL_SPAN = 20.2  # > max - min of the noise: 16.64 - (-2.81)
 
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +46,8 @@ def sample(
 
 def gumbel_noise(keys: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The Gumbel noise of vocabulary entries `cols` under row keys `keys` (int64, broadcastable:
-    [B, 1] with [V], or [K] with [K]) -> float32 of their broadcast shape: -log(-log(u)), u from 24
-    bits of mix31(key ^ col). Computed in int32: the low 31 bits of an int32 product that wraps are
+    [B, 1] with [V], or [K] with [K]) -> float32 of their broadcast shape: -log(-log(u)), u from the
+    top NOISE_BITS bits of mix31(key ^ col). Computed in int32: the low 31 bits of an int32 product that wraps are
     those of the int64 product, so the bits are mix31's, at 1/10 of the time on a CPU without a
     vector 64-bit multiply (AVX2)."""
     x = torch.bitwise_xor(keys.to(torch.int32), cols.to(torch.int32))  # 31-bit values
@@ -51,8 +55,13 @@ def gumbel_noise(keys: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     for _ in range(2):
         x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted)).mul_(MIX).bitwise_and_(M31)
     x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
-    bits = torch.bitwise_right_shift(x, 7, out=shifted)  # 24 bits
-    return bits.float().add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_().log_().neg_()
+    return gumbel_of_bits(torch.bitwise_right_shift(x, 31 - NOISE_BITS, out=shifted))
+
+
+def gumbel_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """NOISE_BITS-bit integers -> their Gumbel noise -log(-log(u)), u = (bits + 0.5) / 2^NOISE_BITS
+    (float32, in place of a scratch copy): finite for every value, in [-2.81, 16.64]."""
+    return bits.float().add_(0.5).mul_(1.0 / (1 << NOISE_BITS)).log_().neg_().log_().neg_()
 
 
 def sample_reference(
@@ -75,7 +84,7 @@ def sample_reference(
         cols = torch.arange(warped.shape[-1], device=warped.device)
         token = (warped + gumbel_noise(keys[:, None], cols)).argmax(dim=-1)
     else:
-        # Gumbel-max: a draw from softmax(warped). The noise lies in [-2.86, 17.33] (24-bit uniforms),
+        # Gumbel-max: a draw from softmax(warped). The noise lies in [-2.81, 16.64] (gumbel_of_bits),
         # so an entry more than GUMBEL_SPAN below its row's best cannot win: noise for the others only
         rows, cols = (warped >= warped.max(dim=-1, keepdim=True).values - GUMBEL_SPAN).nonzero(as_tuple=True)
         scores = torch.full_like(warped, float("-inf"))

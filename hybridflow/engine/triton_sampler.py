@@ -69,8 +69,8 @@ def _sample_slice_kernel(
         if GREEDY:
             score = raw
         else:
-            bits = _mix31(key ^ j.to(tl.uint32)) >> 7
-            u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            bits = _mix31(key ^ j.to(tl.uint32)) >> 8  # sampler.NOISE_BITS: u inside (0, 1), noise finite
+            u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             score = tl.where(valid, w - tl.log(-tl.log(u)), float("-inf"))
         # running log-sum-exp of both distributions
         m_new = tl.maximum(m_r, tl.max(raw, 0))

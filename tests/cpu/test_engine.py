@@ -202,8 +202,8 @@ def test_sampler_noise_in_int32_is_the_int64_hash_and_both_draws_agree():
 
     keys = torch.tensor([0, 1, 12345, 2**30 + 7, 2**31 - 2, 2**31 - 1])[:, None]  # [6, 1]
     cols = torch.arange(1003)
-    bits = mix31(keys ^ cols) >> 7
-    assert torch.equal(gumbel_noise(keys, cols), -torch.log(-torch.log((bits.float() + 0.5) / (1 << 24))))
+    bits = mix31(keys ^ cols) >> 8
+    assert torch.equal(gumbel_noise(keys, cols), -torch.log(-torch.log((bits.float() + 0.5) / (1 << 23))))
     torch.manual_seed(0)
     for scale, temperature in ((0.5, 1.0), (4.0, 1.0), (4.0, 0.7)):
         logits = torch.randn(16, 1003) * scale
@@ -216,6 +216,24 @@ def test_sampler_noise_in_int32_is_the_int64_hash_and_both_draws_agree():
         scores[rows, hit] = warped[rows, hit] + gumbel_noise(step_keys(seeds, steps)[rows], hit)
         assert torch.equal(tokens, scores.argmax(-1))
         assert_close(logp, warped.gather(-1, tokens[:, None])[:, 0], atol=1e-6, rtol=0)
+
+
+def test_the_noise_is_finite_for_every_hash_value_so_no_entry_wins_whatever_its_logit():
+    """Every uniform lies strictly inside (0, 1): the noise of all 2^23 values is finite, in
+    [-2.82, 16.64]. (With 24 bits the largest uniform rounded to 1.0 and its noise was +inf: that entry
+    won whatever its logit, ~0.9% of the draws over a 152k vocabulary.) Seed 34445's first step hashes
+    entry 37 to all ones (in 24 bits too): at a logit 30 below the rest it is never drawn."""
+    from hybridflow.engine.sampler import NOISE_BITS, gumbel_of_bits, mix31, step_keys
+
+    noise = gumbel_of_bits(torch.arange(1 << NOISE_BITS, dtype=torch.int32))
+    assert torch.isfinite(noise).all() and noise.min() > -2.82 and noise.max() < 16.64
+    seeds, steps = torch.tensor([34445]), torch.tensor([0])
+    assert (mix31(step_keys(seeds, steps) ^ 37) >> (31 - NOISE_BITS)).item() == (1 << NOISE_BITS) - 1
+    logits = torch.zeros(1, 300)
+    logits[0, 37] = -30.0
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=299)):
+        token, _, _ = sample_reference(logits, params, seeds, steps)
+        assert token.item() != 37
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
@@ -362,6 +380,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     # the fused step's norm, rotary + store and SwiGLU for two families, its on-device draw
     assert stdout.count("max abs err") == 18
     assert "record and advance as expected True" in stdout
+    assert "the far less likely entry drawn False" in stdout  # the largest noise is finite
     assert stdout.count("log-prob head") == 2  # the training LM head's softmax kernels
     assert "every element in place True" in stdout  # the weight update's multi-tensor copy
     assert stdout.count("nothing else written True") == 2  # the K/V store, two families

@@ -53,6 +53,14 @@ for (block, target), t in [((1024, 1), t) for t in (0.0, 0.7, 1.0)] + [
     print(f"sampler temperature={t} block={block} programs={target}: same tokens {same}, "
           f"log-prob max abs err {err:.2e}")  # fmt: skip
     failed |= not same or err > 1e-5
+# seed 34445's first step hashes entry 37 to the largest noise (test_engine's noise test): at a logit
+# 30 below the rest it must not win (24-bit uniforms gave it +inf)
+unlikely = torch.zeros(2, 300)
+unlikely[:, 37] = -30.0
+keys = step_keys(torch.tensor([34445, 1]), torch.tensor([0, 0]))
+drawn = sample_triton(unlikely, 1.0, keys, block=64, programs_target=8)[0]
+print(f"sampler: the far less likely entry drawn {37 in drawn.tolist()} ({drawn.tolist()})")
+failed |= 37 in drawn.tolist()
 # the LM head's softmax work: stats in one sweep (a vocabulary of 2.5 blocks), gradient in place
 from hybridflow.models.native import triton_logprobs  # noqa: E402
 from hybridflow.models.native.logprobs import _chunk_grad, _chunk_stats  # noqa: E402
