@@ -50,6 +50,9 @@ step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
 step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b
 step decode_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4
 step decode_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --exact
+# the host's work per decode run at 1,024 sequences, by function (what the GPU waits on between runs)
+step host_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile
+step host_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile --exact
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")

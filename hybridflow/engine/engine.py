@@ -7,7 +7,7 @@ import collections
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +21,7 @@ from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request
 from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampled import SampledRun
 from hybridflow.engine.scheduler import Scheduler
-from hybridflow.engine.sequence import PrefillJob, Sequence, record_run
+from hybridflow.engine.sequence import PrefillJob, Sequence, limits_after, record_run
 from hybridflow.engine.speculation import Speculation
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
@@ -30,6 +30,18 @@ from hybridflow.rollout.sampling import Generation, SamplingParams
 from hybridflow.tracking.progress import bar
 
 STOP_SETS_KEPT = 64  # stop-id tensors kept for reuse (each distinct set of stop ids has one)
+
+
+@dataclass
+class DecodeRun:
+    """A launched run of decode steps: its sequences, the steps each may take, its draws (read with
+    `sampled.fetch()`), and whether its steps ran whole on the device (a next run may follow it)."""
+
+    batch: list[Sequence]
+    limits: list[int]
+    sampled: SampledRun
+    on_device: bool
+
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -148,10 +160,11 @@ class Engine:
         # where generation's time goes: prefill and decode runs, the decode steps they took, and the
         # milliseconds of each (each run ends in its one sync, so these are the device's time too)
         self.runs = dict.fromkeys(
-            ("prefill_runs", "prefill_ms", "decode_runs", "decode_steps", "decode_ms"), 0
+            ("prefill_runs", "prefill_ms", "decode_runs", "decode_runs_ahead", "decode_steps", "decode_ms"), 0
         )
         self.stats: dict[str, float] = {}
         self.scheduler = self._new_scheduler()
+        self._ahead: DecodeRun | None = None  # a decode run launched before the last one was read
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
         self._next_seq_id = 0
         # stop-id tensors of recent parameter sets, bounded: every distinct set a client sends would
@@ -291,7 +304,7 @@ class Engine:
             and self._stamp() != self._weights_stamp
         ):
             self._weights_changed()  # the trainer stepped the module we run without an update_weights
-        jobs = self.scheduler.schedule_prefill()
+        jobs = self.scheduler.schedule_prefill() if self._ahead is None else []  # a run ahead is read first
         batch = self._prefill(jobs) if jobs else self._decode()
         for s in batch:
             group = self._requests.get(s.request_id) if s.finished else None
@@ -458,8 +471,27 @@ class Engine:
         return batch
 
     def _plain_run(self, k: int) -> list[Sequence]:
-        """Up to k decode steps of every running sequence, recorded at the run's end."""
-        ps, scheduler, started = self.cache.page_size, self.scheduler, time.perf_counter()
+        """Up to k decode steps of every running sequence, recorded at the run's end. A run whose steps
+        ran whole on the device is followed at once by the next run of its sequences, launched before
+        its draws are read: the host's reading, recording and scheduling then overlap the device's
+        next run instead of leaving it idle (`_launch_after`). Returns the sequences recorded."""
+        started = time.perf_counter()
+        run, self._ahead = self._ahead or self._launch(k), None
+        if run.on_device and self.speculation is None and self.tp is None and not self.scheduler.waiting:
+            self._ahead = self._launch_after(run, k)
+        # a sequence that ended before this run was read (a stop in the run before, an abort) is not its
+        live = [i for i, s in enumerate(run.batch) if not s.finished]
+        batch, drawn = [run.batch[i] for i in live], run.sampled.fetch()[:, :, live]
+        self._record(batch, drawn, [run.limits[i] for i in live])
+        self.runs["decode_runs"] += 1
+        self.runs["decode_steps"] += max(run.limits)
+        self.runs["decode_ms"] += round(1e3 * (time.perf_counter() - started))
+        return batch
+
+    def _launch(self, k: int) -> DecodeRun:
+        """Slots for up to k tokens of every running sequence (preempting when pages run short), and
+        their run launched."""
+        ps, scheduler = self.cache.page_size, self.scheduler
 
         def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
             return min(k, s.end - len(s.tokens))
@@ -473,12 +505,37 @@ class Engine:
         sampled = SampledRun(
             batch, self._stops_for, steps=max(limits), device=self.device, exact=self.config.exact_logprobs
         )
-        self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
-        self._record(batch, sampled.fetch(), limits)
-        self.runs["decode_runs"] += 1
-        self.runs["decode_steps"] += max(limits)
-        self.runs["decode_ms"] += round(1e3 * (time.perf_counter() - started))
-        return batch
+        on_device = self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
+        sampled.to_host()
+        return DecodeRun(batch, limits, sampled, on_device)
+
+    def _launch_after(self, run: DecodeRun, k: int) -> DecodeRun | None:
+        """The next run of `run`'s sequences, launched from the device state `run` leaves (its last
+        draws are the inputs): the tokens and noise of each step are those the run would have after
+        `run` was read, so nothing drawn changes. None where it cannot follow (sequence.limits_after),
+        or the pool has no free page for it (no preemption ahead of the schedule)."""
+        limits = limits_after(run.batch, run.limits, k)
+        if limits is None:
+            return None
+        for s, taken, more in zip(run.batch, run.limits, limits):  # K/V of all but the last token
+            if more and not self.scheduler.reserve(s, s.cached + taken + more):
+                return None
+        sampled = SampledRun(
+            run.batch, self._stops_for, steps=max(limits), device=self.device,
+            exact=self.config.exact_logprobs, ahead=run.limits,
+        )  # fmt: skip
+        table = self.scheduler.table[[s.row for s in run.batch]]
+        self.runner.decode(run.batch, table, limits, sampled, continued=True)
+        sampled.to_host()
+        self.runs["decode_runs_ahead"] += 1
+        return DecodeRun(run.batch, limits, sampled, True)
+
+    def _drop_ahead(self) -> None:
+        """Wait for a run launched ahead and forget it (its draws never reach the sequences, which draw
+        the same tokens again when next scheduled): before the weights, the pool or the schedule change."""
+        if self._ahead is not None:
+            self._ahead.sampled.fetch()
+            self._ahead = None
 
     def _speculate(self) -> list[Sequence] | None:
         """One decode step whose rows feed each running sequence its last token and its draft (the
@@ -529,6 +586,7 @@ class Engine:
     def set_aside(self) -> None:
         """Requests in flight leave the schedule until `bring_back()` (tokens kept, K/V recomputed):
         a batch added meanwhile runs alone, as on an idle engine."""
+        self._drop_ahead()
         self.scheduler.set_aside()
 
     def bring_back(self) -> None:
@@ -540,11 +598,13 @@ class Engine:
         flight keep their tokens but lose their cached K/V (computed with the old weights): they are
         prefilled again, prompt and tokens so far, at their next step, and sample on with the new
         weights (`weight_version` says which); with `keep_kv_on_weight_update` they keep their K/V."""
+        self._drop_ahead()  # (it reads the weights written here)
         written = self._update(named_tensors)
         self._weights_changed()
         return written
 
     def _weights_changed(self) -> None:
+        self._drop_ahead()
         self.weight_version += 1
         self.scheduler.weights_changed(keep_kv=self.config.keep_kv_on_weight_update)
         self.cache.pool.forget_prefixes()  # every cached K/V was computed with the old weights
@@ -567,6 +627,7 @@ class Engine:
     def sleep(self) -> None:
         """Free the KV pool and the captured graphs so that training gets the memory; requests in flight
         keep their tokens and are prefilled again after `wake()` (as after a weight update)."""
+        self._drop_ahead()
         self.scheduler.preempt_all()
         self.runner.drop_graphs()
         self.cache.release()

@@ -96,6 +96,7 @@ class Runner:
         self.step_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, mode, exact temperature) -> graph
         self.capture_seconds = 0.0  # spent capturing graphs (warm-ups included), since made
         self.warmed_up: set[tuple] = set()  # graph keys whose kernels ran once before a capture
+        self._eager_state: dict[str, torch.Tensor] = {}  # the last whole-step run's without graphs
         # on CPU in fp32: the same layers with their matmuls through oneDNN on packed weights
         self.cpu_layers = (
             OneDNNLayers(model)
@@ -287,8 +288,9 @@ class Runner:
 
     @torch.no_grad()
     def decode(
-        self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun, feed=None
-    ) -> None:
+        self, seqs: list[Sequence], table: np.ndarray, limits: list[int], sampled: SampledRun, feed=None,
+        *, continued: bool = False,
+    ) -> bool:  # fmt: skip
         """Up to max(limits) decode steps with no host sync between them. Step k feeds each sequence's
         last token, caches its K/V and draws the next (`sampled` records the draws on the device).
         feed: (tokens, positions), a row each, instead of each sequence's last token at `cached`: a
@@ -298,6 +300,10 @@ class Runner:
         Sequence i takes limits[i] steps (the cache slots reserved for it); after that its row still
         computes, but writes to the scratch page 0 and stays in place, and its results are to be
         ignored. table [B, max_pages]: the sequences' page-table rows.
+        Returns whether the run's steps ran whole on the device (one graph a step, the draw recorded
+        and fed back there): a next run of the same sequences may then go on from the device's state
+        (`continued`: their input tokens and positions are those the last run left, not the host's),
+        launched before this one's record is read.
 
         With the fused step or the exact kernels, and a sampler that runs on the device (one sampling
         group, no top-k / top-p), a step is prepare, forward, draw and record in one graph (`_step`): the
@@ -313,7 +319,10 @@ class Runner:
         whole_steps = (self.fused is not None or self.exact) and steps <= self.decode_steps
         device_draw = sampled.device_draw() if whole_steps else None
         if device_draw is not None:
-            return self._decode_on_device(b, rows, steps, host, sampled, device_draw, graphs)
+            self._decode_on_device(b, rows, steps, host, sampled, device_draw, graphs, continued)
+            return True
+        if continued:
+            raise RuntimeError("a decode run goes on from the device's state only after a whole-step run")
         if graphs:
             if rows not in self.graphs:
                 self._capture(rows)
@@ -339,14 +348,21 @@ class Runner:
                 logits = self._decode_step(ids, pos, slots, ctx, table_d)
             ids[:b] = sampled.draw(logits[:b], k)
             pos += valid
+        return False
 
-    def _decode_on_device(self, b, rows, steps, host, sampled: SampledRun, device_draw, graphs) -> None:
+    def _decode_on_device(
+        self, b, rows, steps, host, sampled: SampledRun, device_draw, graphs, continued
+    ) -> None:
         mode, temperature, stops = device_draw
         # the exact record's log-probs come from the trainer's kernel at a scale fixed in the graph
         key = (rows, mode, temperature if self.exact else None)
         capacity = max(1024, 1 << (stops.numel() - 1).bit_length())  # stop ids the buffer holds
-        state = self._step_state(rows, capacity) if graphs else self._new_step_state(rows, capacity)
-        for name in ("ids", "pos", "limit", "table"):
+        if graphs:
+            state = self._step_state(rows, capacity)
+        else:  # (kept for a run that goes on from it)
+            state = self._eager_state if continued else self._new_step_state(rows, capacity)
+            self._eager_state = state
+        for name in ("limit", "table") if continued else ("ids", "pos", "limit", "table"):
             state[name].copy_(host[name], non_blocking=True)
         for name, source in (("seeds", sampled.seeds), ("generated", sampled.generated)):
             state[name][:b].copy_(source)

@@ -51,6 +51,8 @@ class SampledRun:
             for r in rows.values()
         ]  # fmt: skip
         self.out = torch.empty(steps, 4, len(batch), dtype=torch.float64, device=device)
+        self._host: torch.Tensor | None = None  # the record on the host (to_host)
+        self._copied: torch.cuda.Event | None = None
 
     def device_draw(self) -> tuple[str, float, torch.Tensor] | None:
         """(mode, temperature, stop ids [S]) when the whole batch draws with one set of parameters
@@ -86,6 +88,19 @@ class SampledRun:
             self.out[k][:, rows] = drawn
         return tokens
 
+    def to_host(self) -> None:
+        """The record copied to the host behind the run, on its stream (CUDA: into pinned memory, with
+        an event to wait on): a run launched next may then reuse the device buffer it is in."""
+        if self.out.is_cuda:
+            self._host = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+            self._host.copy_(self.out, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = self.out.clone()
+
     def fetch(self) -> np.ndarray:
-        """[steps, 4, B] on the host (the run's one sync)."""
-        return self.out.cpu().numpy()
+        """[steps, 4, B] on the host (the run's one wait: from any thread, on the run's own stream)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return (self._host if self._host is not None else self.out.cpu()).numpy()

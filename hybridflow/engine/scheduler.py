@@ -141,6 +141,17 @@ class Scheduler:
             return ready
         return [s for s in ready if s.seq_id in self.running]
 
+    def reserve(self, seq: Sequence, slots: int) -> bool:
+        """Fresh pages until the sequence's pages hold `slots` tokens' K/V (its last page is its own: a
+        decode run gave it that); False, with what it got kept, when the pool runs out first. No
+        preemption: a run launched ahead takes only pages that are free."""
+        while len(seq.pages) * self.page_size < slots:
+            if not self.pool.num_free:
+                return False
+            seq.pages.append(self.pool.allocate())
+            self.table[seq.row, len(seq.pages) - 1] = seq.pages[-1]
+        return True
+
     def _make_room(self, seq: Sequence, wanted: int) -> bool:
         """Slots for up to `wanted` more tokens, at least one (False: not even one page is free)."""
         ps = self.page_size

@@ -93,3 +93,21 @@ def record_run(batch: list[Sequence], run: np.ndarray, limits: list[int]) -> lis
         else:
             s.cached = len(s.tokens) - 1  # every token but the last is cached
     return finished
+
+
+def limits_after(batch: list[Sequence], limits: list[int], k: int) -> list[int] | None:
+    """The steps each sequence may take in a run of up to k launched right after one of `limits`
+    steps whose draws are not read yet (its tokens assumed all kept: a row that stops in it is
+    dropped when that run is read): 0 for a sequence already finished or ending by length in it.
+    None when a run cannot follow: a live row took fewer steps than the run (its device state went on
+    past its tokens), or no row has a step left."""
+    steps, after = max(limits), []
+    for s, taken in zip(batch, limits):
+        left = s.end - len(s.tokens) - taken
+        if s.finished or left <= 0:
+            after.append(0)
+        elif taken < steps:
+            return None
+        else:
+            after.append(min(k, left))
+    return after if any(after) else None

@@ -62,10 +62,10 @@ def test_python_tool_concurrency_is_its_pools_size():
 
     results = _run(four())
     spans = sorted(tuple(map(float, r.content.split())) for r in results)
-    # at any moment at most two programs sleep: each span overlaps at most one other
-    for a in spans:
-        overlapping = sum(1 for b in spans if b is not a and b[0] < a[1] and a[0] < b[1])
-        assert overlapping <= 1, spans
+    # at any moment at most two programs sleep: at each start, at most two spans hold it (a span may
+    # overlap two others one after the other: a slow sandbox start staggers them)
+    for start, _ in spans:
+        assert sum(1 for a, b in spans if a <= start < b) <= 2, spans
     assert all(r.ok for r in results)
 
 

@@ -396,6 +396,15 @@ def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
     assert "same tokens as a fresh engine True" in stdout
 
 
+def test_decode_runs_launched_ahead_change_no_requests_output_in_the_interpreter():
+    """A run launched before the last is read (the host's work beside the device's) gives each request
+    the tokens of an engine that never runs ahead, while requests are added, aborted, paused and
+    given new weights between steps (scripts/run_ahead_check.py)."""
+    stdout = in_triton_interpreter("run_ahead_check.py")
+    assert "request outputs equal True over 9 samples (['abort', 'length', 'stop'])" in stdout
+    assert "none without fused steps True" in stdout and "every page back in the pool True" in stdout
+
+
 def test_engine_copy_fuses_projections_and_updates_land_in_them():
     from hybridflow.engine.fused_decode import layer_weights
 

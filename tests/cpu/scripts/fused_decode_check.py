@@ -44,9 +44,11 @@ for family, own_copy in (("qwen2", True), ("qwen3", False)):  # fused projection
         err = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs + x.unscaled_logprobs,
                                                                   y.logprobs + y.unscaled_logprobs))  # fmt: skip
         stopped = sum(x.finish_reason == "stop" for x in a)
+        # runs launched before the last was read (the fused steps run whole on the device)
+        ahead = fused_engine.counters()["decode_runs_ahead"]
         print(f"fused decode {family} {name}: same tokens and stops {same} ({stopped} stopped), "
-              f"log-prob max abs err {err:.2e}")  # fmt: skip
-        failed |= not same or err > 1e-5 or ("stops" in name and not stopped)
+              f"log-prob max abs err {err:.2e}, runs ahead {ahead}")  # fmt: skip
+        failed |= not same or err > 1e-5 or ("stops" in name and not stopped) or not ahead
     # the same prompts again: prefilled from the prefix cache's pages (the fused layers store only
     # the new tokens' K/V, attention reads the whole context back)
     before = fused_engine.prefix_cache_stats()["cached_tokens"]
