@@ -181,14 +181,16 @@ class WholeBatches:
 
 def engine_metrics(counts: dict[str, int]) -> dict[str, float]:
     """Where generation's time went since the last batch, under verl's families for figures of the
-    machine and the clock: the engines' prefill and decode runs and the decode steps those took
-    (perf/gen_*), and the seconds of each, graph captures' among them (timing_s/gen_*, parts of
-    timing_s/gen where the batch is generated in the step)."""
+    machine and the clock: the engines' prefill and decode runs, the decode steps those took and
+    the runs launched before the last was read (perf/gen_*), and the seconds of each, graph
+    captures' among them (timing_s/gen_*, parts of timing_s/gen where the batch is generated in the
+    step)."""
     get = counts.get
     return {
         "perf/gen_prefill_runs": float(get("prefill_runs", 0)),
         "perf/gen_decode_runs": float(get("decode_runs", 0)),
         "perf/gen_decode_steps": float(get("decode_steps", 0)),
+        "perf/gen_decode_runs_ahead": float(get("decode_runs_ahead", 0)),
         "timing_s/gen_prefill": get("prefill_ms", 0) / 1e3,
         "timing_s/gen_decode": get("decode_ms", 0) / 1e3,
         "timing_s/gen_graph_capture": get("graph_capture_ms", 0) / 1e3,
