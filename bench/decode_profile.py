@@ -61,9 +61,8 @@ def measure(
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(runs):
-        engine.step()
-    torch.cuda.synchronize()
-    bare_ms = 1e3 * (time.perf_counter() - t0) / steps
+        engine.step()  # (ends reading its run: a run launched ahead of the next is still in flight,
+    bare_ms = 1e3 * (time.perf_counter() - t0) / steps  # as one was at t0; no sync, or it counts twice)
     host_top = None
     if host_profile:  # the host's own work per run, by function (cProfile: the GPU keeps running)
         import cProfile
