@@ -58,11 +58,12 @@ def measure(
     steps = runs * EngineConfig.decode_steps
     engine = decode_engine(model, batch, 2 * steps + 16, device, fused, exact)
     engine.step()  # a first decode run
-    torch.cuda.synchronize()
+    # steady state at both ends of the timing: each step ends reading its run, with the next one
+    # launched ahead in flight (no sync: it would count a run outside the steps timed, or twice)
     t0 = time.perf_counter()
     for _ in range(runs):
-        engine.step()  # (ends reading its run: a run launched ahead of the next is still in flight,
-    bare_ms = 1e3 * (time.perf_counter() - t0) / steps  # as one was at t0; no sync, or it counts twice)
+        engine.step()
+    bare_ms = 1e3 * (time.perf_counter() - t0) / steps
     host_top = None
     if host_profile:  # the host's own work per run, by function (cProfile: the GPU keeps running)
         import cProfile
