@@ -48,13 +48,16 @@ step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sec
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
 step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b
-if [ -n "${BASE:-}" ]; then  # another commit's tree at 1,024 sequences first (the host's share of a step)
+# (with BASE, another commit's tree just before each: the host's share of a step, before / after)
+if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_1024_base python3 bench/decode_profile.py \
     --shape 0.5b --batch 1024 --runs 4)
+fi
+step decode_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4
+if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_exact_1024_base python3 bench/decode_profile.py \
     --shape 0.5b --batch 1024 --runs 4 --exact)
 fi
-step decode_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4
 step decode_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --exact
 # the host's work per decode run at 1,024 sequences, by function (what the GPU waits on between runs)
 step host_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile
