@@ -86,3 +86,18 @@ def test_a_resume_that_cannot_go_on_is_refused():
     full = SampleSoFar([2, 3, 4, 5], [-1.0] * 4)  # prompt 1 + 4 = its end: no room left
     with pytest.raises(ValueError, match="sample 0 has no room left"):
         request_samples("r", [1], params, [full, None], first_seq_id=0, seed=1, max_context=64)
+
+
+def test_the_run_after_an_unread_one_takes_each_rows_steps_left_or_none():
+    from hybridflow.engine.sequence import limits_after
+
+    going = running(3, 1, end=100)  # 4 tokens; 4 more in the unread run, 92 left after: k
+    near_end = running(3, 1, end=10)  # 4 + 4 = 8 of 10: 2 left
+    by_length = running(3, 1, end=6)  # took 2 (its limit): ends by length in the unread run
+    done = running(3, 1, end=100)
+    done.finish_reason = "stop"  # ended in a run read before
+    assert limits_after([going, near_end, by_length, done], [4, 4, 2, 4], k=4) == [4, 2, 0, 0]
+    # a live row that took fewer steps than its run (pages short): its device state went past it
+    assert limits_after([going, running(3, 1, end=100)], [4, 2], k=4) is None
+    # nothing left to run
+    assert limits_after([by_length, done], [2, 4], k=4) is None
