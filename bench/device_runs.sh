@@ -21,7 +21,7 @@
 # BASE, a folder with another commit's hybridflow/ and bench/ (`git archive 652f617 hybridflow bench |
 # tar -x -C .base`, carried), runs that tree's decode step, exact pair and exact engine first
 # (decode_base, repeat_base, engine_exact_base, decode_exact_base): a before / after in one lease
-# (BASE_RUNS=1: one run a mode there, its step time only).
+# (BASE_RUNS=1: one run a mode there, its step time only; BASE_REPEAT_ARGS replaces its settings).
 set -u
 mkdir -p /tmp/res
 DATA=${DATA:-/tmp/.gsm8k}
@@ -64,7 +64,7 @@ step host_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 
 step host_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile --exact
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
-    --out /tmp/res/repeat_base.json --steps 10 --exact --runs "${BASE_RUNS:-2}")
+    --out /tmp/res/repeat_base.json ${BASE_REPEAT_ARGS:---steps 10 --exact --runs "${BASE_RUNS:-2}"})
 fi
 step repeat python3 bench/repeatable_runs.py --out /tmp/res/repeat.json ${REPEAT_ARGS:---steps 10 --exact --baseline}
 # the deterministic settings alone (ordinary kernels): their share of the exact run's step

@@ -431,6 +431,9 @@ class PackedPages:
         run, first, _, count = _split_runs(zeros, starts, lengths, BLOCK_M, device)
         return keys, [_on(starts, run), first, count]
 
+    def backward(self, q, k, v, out, lse, grad_out):
+        return packed_attention_backward(q, k, v, out, lse, grad_out, self)
+
 
 def _on(values: np.ndarray, index: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.int32)).to(index.device)[index.long()]
@@ -474,7 +477,8 @@ def packed_attention_backward(q, k, v, out, lse, grad_out, pages: PackedPages):
 
 
 class _PackedAttention(torch.autograd.Function):
-    """The batch-invariant forward and a fixed-order backward."""
+    """The batch-invariant forward and a fixed-order backward. `pages`: PackedPages, or a shared-prefix
+    packing's kernels.shared_attention.SharedPages (a table, tiles and a backward each)."""
 
     @staticmethod
     def forward(ctx, q, k, v, pages):
@@ -487,10 +491,11 @@ class _PackedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (*packed_attention_backward(*ctx.saved_tensors, grad, ctx.pages), None)
+        return (*ctx.pages.backward(*ctx.saved_tensors, grad), None)
 
 
-def exact_packed_attention(q, k, v, pages: PackedPages) -> torch.Tensor:
-    """Causal attention within each packed sequence, batch-invariant and equal to the engine's for the
-    same tokens; differentiable, its backward repeating to the bit."""
+def exact_packed_attention(q, k, v, pages) -> torch.Tensor:
+    """Causal attention within each packed sequence (`pages`: PackedPages; or SharedPages, whose
+    responses also see their prompt), batch-invariant and equal to the engine's for the same tokens;
+    differentiable, its backward repeating to the bit."""
     return _PackedAttention.apply(q, k, v, pages)

@@ -79,11 +79,8 @@ def response_logprobs(
 
 def shares_prompts(model) -> bool:
     """Whether the model's log-prob forward packs a prompt once for all its responses (the native
-    model, unless sequence parallelism splits the packing or the exact kernels run: their attention
-    is per whole sequence)."""
-    return (
-        hasattr(model, "hidden_states") and model.model.sequence_parallel is None and not model.exact_kernels
-    )
+    model, unless sequence parallelism splits the packing)."""
+    return hasattr(model, "hidden_states") and model.model.sequence_parallel is None
 
 
 def microbatches(

@@ -25,8 +25,10 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     and a prefix-cache hit too, and speculative decoding's verified positions too; with a vocabulary
     wider than the device sampler's slices (whose own log-softmax then rounds otherwise: the decode
     step's record must carry the trainer's kernel's values, which fails without it);
-    gradients through the exact kernels equal the ordinary model's to float32 rounding, and the packed
-    attention's own backward in bfloat16 is as close to float64 as PyTorch's bfloat16 attention."""
+    gradients through the exact kernels equal the ordinary model's to float32 rounding, each prompt
+    packed once for its responses too (whose attention gives the separate sequences' bits, and a
+    backward that repeats); the packed attention's own backward in bfloat16 is as close to float64 as
+    PyTorch's bfloat16 attention."""
     stdout = in_triton_interpreter("exact_logprobs_check.py", timeout=600)
     assert stdout.count("engine and trainer log-probs: ok") == 3
     assert stdout.count("max gap 0.0e+00") == 3
@@ -34,7 +36,9 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert stdout.count("alone as in the batch: ok") == 1
     assert stdout.count("from the prefix cache: ok (hit True)") == 1
     assert stdout.count("speculative, the plain engine's bits: ok") == 1
-    assert "gradients through the exact kernels: ok" in stdout
+    assert "gradients through the exact kernels, separate: ok" in stdout
+    assert "gradients through the exact kernels, shared prompts: ok" in stdout
+    assert "shared-prefix exact attention: ok" in stdout
     assert "packed attention backward, bfloat16: ok" in stdout
     assert "residual add + norm: ok" in stdout and "residual add + norm, gradients: ok" in stdout
     assert "SwiGLU torch.float32: ok" in stdout and "SwiGLU torch.bfloat16: ok" in stdout

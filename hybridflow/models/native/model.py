@@ -100,7 +100,8 @@ class PackedLayout:
     max_len: int
     sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
     shared: object = None  # shared_prefix.SharedPrefix: prompts packed once for their responses
-    pages: object = None  # kernels.attention.PackedPages: the exact kernels' view of the packed rows
+    pages: object = None  # the exact kernels' view of the packed rows (kernels.attention.PackedPages, or
+    # kernels.shared_attention.SharedPages for a shared-prefix packing)
 
 
 @lru_cache(maxsize=1)
@@ -117,14 +118,14 @@ def packed_causal_attention(
 
     CUDA: PyTorch's built-in varlen flash attention. Elsewhere: SDPA per sequence (exact, no padding).
     A shared-prefix packing (`layout.shared`): responses also see their group's prompt."""
-    if layout.shared is not None:
-        from hybridflow.models.native.shared_prefix import shared_prefix_attention
-
-        return shared_prefix_attention(q, k, v, layout)
     if layout.pages is not None:  # batch-invariant: a token's bits as the engine computes them
         from hybridflow.kernels.attention import exact_packed_attention
 
         return exact_packed_attention(q, k, v, layout.pages)
+    if layout.shared is not None:
+        from hybridflow.models.native.shared_prefix import shared_prefix_attention
+
+        return shared_prefix_attention(q, k, v, layout)
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -326,9 +327,14 @@ class Backbone(nn.Module):
         )
         if self.exact_kernels:
             from hybridflow.kernels.attention import packed_pages
+            from hybridflow.kernels.shared_attention import shared_pages
 
-            c = self.config
-            layout.pages = packed_pages(bounds, c.num_attention_heads // c.num_key_value_heads, x.device)
+            group = self.config.num_attention_heads // self.config.num_key_value_heads
+            layout.pages = (
+                packed_pages(bounds, group, x.device)
+                if shared is None
+                else shared_pages(bounds, shared.groups, group, x.device)
+            )
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)  # [N, D] each
         sparse = 0
         for layer in self.layers:

@@ -110,28 +110,70 @@ ok, gap = same_bits(
 )
 check("qwen2 float32, 5,000-entry vocabulary: engine and trainer log-probs", ok, f"(max gap {gap:.1e})")
 
-# the update's forward: the exact kernels' gradients are the ordinary model's (float32: to rounding)
+# the update's forward: the exact kernels' gradients are the ordinary model's (float32: to rounding),
+# with each prompt packed once for its responses (kernels.shared_attention) and as separate sequences
 hf = tiny_model("qwen2", seed=7)
-exact, plain = from_hf_model(hf), from_hf_model(hf)
-exact.use_exact_kernels()
-responses = [[7, 8, 9, 10], list(range(40, 61)), [3, 4]]
-for m in (exact, plain):
-    logp, _ = packed_response_logprobs(
-        m, PROMPTS, responses, device=torch.device("cpu"), compute_dtype="float32"
+for label, prompts, responses in (
+    ("separate", PROMPTS, [[7, 8, 9, 10], list(range(40, 61)), [3, 4]]),
+    ("shared prompts", [PROMPTS[1]] * 3 + [PROMPTS[0]] * 2, [[7, 8], list(range(40, 61)), [], [3], [9] * 19]),
+):
+    exact, plain = from_hf_model(hf), from_hf_model(hf)
+    exact.use_exact_kernels()
+    for m in (exact, plain):
+        logp, _ = packed_response_logprobs(
+            m, prompts, responses, device=torch.device("cpu"), compute_dtype="float32"
+        )
+        logp.sum().backward()
+    worst = max(
+        ((a.grad - b.grad).norm() / b.grad.norm()).item()
+        for (name, a), b in zip(exact.named_parameters(), plain.parameters())
     )
-    logp.sum().backward()
-worst = max(
-    ((a.grad - b.grad).norm() / b.grad.norm()).item()
-    for (name, a), b in zip(exact.named_parameters(), plain.parameters())
-)
+    check(
+        f"gradients through the exact kernels, {label}",
+        worst < 1e-5,
+        f"(worst relative error over parameters {worst:.1e})",
+    )
+
+# the shared-prefix packing's exact attention (prompts packed once, kernels.shared_attention) against
+# the same rows as separate sequences: the forward's bits, gradients to float32 rounding (the copies'
+# dK / dV summed in another order), and a backward that repeats to the bit
+from hybridflow.kernels.attention import exact_packed_attention, packed_pages  # noqa: E402
+from hybridflow.kernels.shared_attention import shared_pages  # noqa: E402
+from hybridflow.models.native.shared_prefix import pack_shared_prompts  # noqa: E402
+
+torch.manual_seed(2)
+prompts = [list(range(20))] * 3 + [[5] * 37] * 2 + [[9, 8], [1] * 3]
+responses = [[1] * 5, [2] * 40, [3] * 17, [4] * 2, [], [6] * 30, []]
+packing = pack_shared_prompts(prompts, responses, torch.device("cpu"))
+bounds = packing.cu_seqlens.tolist()
+separate_rows, separate_bounds = [], [0]
+for prompt, members in packing.shared.groups:
+    prompt_rows = list(range(bounds[prompt], bounds[prompt + 1]))
+    for rows in [prompt_rows + list(range(bounds[r], bounds[r + 1])) for r in members] or [prompt_rows]:
+        separate_rows += rows
+        separate_bounds.append(len(separate_rows))
+first_copy = torch.tensor([separate_rows.index(row) for row in range(bounds[-1])])
+q, k, v, g = (torch.randn(bounds[-1], h, 16) for h in (4, 2, 2, 4))
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+pages = shared_pages(bounds, packing.shared.groups, 2, "cpu")
+shared_out = exact_packed_attention(*leaves, pages)
+ours = torch.autograd.grad(shared_out, leaves, g)
+again = torch.autograd.grad(exact_packed_attention(*leaves, pages), leaves, g)
+index = torch.tensor(separate_rows)
+separate_out = exact_packed_attention(*(t[index] for t in leaves), packed_pages(separate_bounds, 2, "cpu"))
+theirs = torch.autograd.grad(separate_out[first_copy], leaves, g)
+errors = [((a - b).norm() / b.norm()).item() for a, b in zip(ours, theirs)]
 check(
-    "gradients through the exact kernels", worst < 1e-5, f"(worst relative error over parameters {worst:.1e})"
+    "shared-prefix exact attention",
+    torch.equal(shared_out, separate_out[first_copy])
+    and all(e < 1e-5 for e in errors)
+    and all(torch.equal(a, b) for a, b in zip(ours, again)),
+    f"(forward bits equal; dq/dk/dv relative error {', '.join(f'{e:.1e}' for e in errors)})",
 )
 
 
 # the packed attention's own backward in bfloat16, uneven sequences and 2 query heads a KV head:
 # its error against float64 is of the order of PyTorch's bfloat16 attention's
-from hybridflow.kernels.attention import exact_packed_attention, packed_pages  # noqa: E402
 
 torch.manual_seed(0)
 bounds = [0, 5, 40, 41, 90]
