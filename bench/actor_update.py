@@ -3,10 +3,12 @@ response tokens by default): seconds per update under several micro-batch budget
 compiled layers, and optionally the top CUDA kernels of one update (and their total time).
 
     PYTHONPATH=. python bench/actor_update.py --shape 0.5b --variants 8192 29184 29184:compile --profile
+    PYTHONPATH=. python bench/actor_update.py --exact --variants 29184    # the batch-invariant kernels
 
 A variant is TOKENS[:compile]: the micro-batch token budget, and whether the layers are compiled
 (compilation is one-way: compiled variants run after the eager ones). Random-weight Qwen2.5-shaped
-model, fp32 master weights, bf16 autocast, fused AdamW, token-mean loss, on-policy (no old log-probs)."""
+model, fp32 master weights, bf16 autocast, fused AdamW, token-mean loss, on-policy (no old log-probs).
+--exact: the model on the batch-invariant kernels (rollout.exact_logprobs' trainer; no compiled variants)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="top kernels of each variant's update")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--exact", action="store_true", help="the batch-invariant kernels (use_exact_kernels)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     p.add_argument("--parity-tokens", type=int, default=4096, help="tokens of the log-prob parity check")
     args = p.parse_args()
@@ -105,6 +108,10 @@ def main() -> None:
     model = random_model(args.shape, args.device, torch.float32)  # fp32 master weights
     batch = random_batch(args.sequences, args.prompt, args.response, model.config.vocab_size, args.group)
     tokens = args.sequences * (args.prompt + args.response)
+    if args.exact:
+        if any(v.endswith(":compile") for v in args.variants):
+            raise SystemExit("--exact: the exact kernels' layers are not compiled; name eager variants only")
+        model.use_exact_kernels()
     print(json.dumps({"chunked_logprobs_vs_naive": logprob_parity(model, args.parity_tokens)}), flush=True)
     compiled = False
     for variant in sorted(args.variants, key=lambda v: v.endswith(":compile")):
@@ -118,7 +125,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         seconds = timed_updates(actor, batch, args.repeats)
         print(json.dumps({
-            "variant": variant, "update_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
+            "variant": variant, "exact": args.exact, "update_s": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if args.device == "cuda" else None,
         }), flush=True)  # fmt: skip
         if args.profile:
