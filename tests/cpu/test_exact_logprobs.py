@@ -39,6 +39,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert "gradients through the exact kernels, separate: ok" in stdout
     assert "gradients through the exact kernels, shared prompts: ok" in stdout
     assert "shared-prefix exact attention: ok" in stdout
+    assert "the exact trainer packs a prompt once for its responses: ok" in stdout
     assert "packed attention backward, bfloat16: ok" in stdout
     assert "residual add + norm: ok" in stdout and "residual add + norm, gradients: ok" in stdout
     assert "SwiGLU torch.float32: ok" in stdout and "SwiGLU torch.bfloat16: ok" in stdout

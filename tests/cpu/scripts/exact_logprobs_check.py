@@ -16,7 +16,7 @@ from hybridflow.engine import Engine, EngineConfig  # noqa: E402
 from hybridflow.engine.drafter import SpeculativeConfig  # noqa: E402
 from hybridflow.models import tiny_model  # noqa: E402
 from hybridflow.models.native import from_hf_model  # noqa: E402
-from hybridflow.roles.forward import packed_response_logprobs  # noqa: E402
+from hybridflow.roles.forward import packed_response_logprobs, shares_prompts  # noqa: E402
 from hybridflow.rollout.sampling import SamplingParams  # noqa: E402
 
 # lengths that straddle the interpreter's tiles (16 rows, key blocks of 16, key chunks of 32)
@@ -119,6 +119,8 @@ for label, prompts, responses in (
 ):
     exact, plain = from_hf_model(hf), from_hf_model(hf)
     exact.use_exact_kernels()
+    if label == "shared prompts":  # (the exact trainer packs each prompt once, as the ordinary one does)
+        check("the exact trainer packs a prompt once for its responses", shares_prompts(exact))
     for m in (exact, plain):
         logp, _ = packed_response_logprobs(
             m, prompts, responses, device=torch.device("cpu"), compute_dtype="float32"
