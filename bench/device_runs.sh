@@ -3,7 +3,8 @@
 # back and detached on one GPU, so that a lease's calls can carry the real model's pieces meanwhile. In
 # order: the batch-invariant kernels' smoke check; the fused engine's tokens against the trainer's
 # modules, the decode step's time (profiled); exact training
-# forward+backward against the ordinary kernels, and under the profiler; two exact GRPO runs per mode
+# forward+backward against the ordinary kernels, and under the profiler; the actor's update alone on
+# bench/vs_trl's workload, exact (BASE's tree first) and ordinary; two exact GRPO runs per mode
 # compared to the bit (0.5B shape); the exact engine's tokens/s and decode step; speculative decoding
 # on a random 0.5B shape (greedy: the verifying step's check; temperature 1: text with nothing to
 # reuse); then, once bench/real_model.py has written /tmp/qwen and touched /tmp/qwen.ready,
