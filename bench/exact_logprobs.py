@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from rollout import SHAPES, _fp32_master, random_model  # bench/ is the script's own directory
 
 from hybridflow.engine import Engine, EngineConfig
-from hybridflow.kernels.attention import Tiles, exact_packed_attention, packed_pages, paged_attention
+from hybridflow.kernels.attention import Tiles, paged_attention
 from hybridflow.kernels.linear import linear
+from hybridflow.kernels.packed_attention import exact_packed_attention, packed_pages
 from hybridflow.rollout.sampling import SamplingParams
 
 

@@ -10,7 +10,11 @@ rounds the same way in any of them.
                 order (one program, or one program per chunk plus an ordered reduction: same bits)
   rms_norm.py   one row per program, the row's whole width in one block
   rope.py       rotary on q and k in one launch (elementwise: the PyTorch form's bits)
-  attention.py  causal attention over paged (or packed) K/V: key blocks from position 0 in order,
-                the same tile shape for a decode step's one query as for a prompt's thousands;
-                the packed form's backward sums each gradient in one fixed order (runs repeat)
+  attention.py  causal attention over paged K/V: key blocks from position 0 in order, the same
+                tile shape for a decode step's one query as for a prompt's thousands
+  packed_attention.py
+                the trainer's packed rows read as pages of one token, and a backward that sums
+                each gradient in one fixed order (runs repeat)
+  shared_attention.py
+                the same with each prompt packed once for its responses
 """

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridflow.kernels.attention import PackedPages, Tiles, packed_attention_backward, packed_pages
+from hybridflow.kernels.attention import Tiles
+from hybridflow.kernels.packed_attention import PackedPages, packed_attention_backward, packed_pages
 
 
 @dataclass

@@ -100,8 +100,9 @@ class PackedLayout:
     max_len: int
     sequence_parallel: object = None  # parallel.ulysses.SequenceParallel: attention over its group
     shared: object = None  # shared_prefix.SharedPrefix: prompts packed once for their responses
-    pages: object = None  # the exact kernels' view of the packed rows (kernels.attention.PackedPages, or
-    # kernels.shared_attention.SharedPages for a shared-prefix packing)
+    # the exact kernels' view of the packed rows: kernels.packed_attention.PackedPages, or
+    # kernels.shared_attention.SharedPages for a shared-prefix packing
+    pages: object = None
 
 
 @lru_cache(maxsize=1)
@@ -119,7 +120,7 @@ def packed_causal_attention(
     CUDA: PyTorch's built-in varlen flash attention. Elsewhere: SDPA per sequence (exact, no padding).
     A shared-prefix packing (`layout.shared`): responses also see their group's prompt."""
     if layout.pages is not None:  # batch-invariant: a token's bits as the engine computes them
-        from hybridflow.kernels.attention import exact_packed_attention
+        from hybridflow.kernels.packed_attention import exact_packed_attention
 
         return exact_packed_attention(q, k, v, layout.pages)
     if layout.shared is not None:
@@ -326,7 +327,7 @@ class Backbone(nn.Module):
             cu_seqlens, bounds, max(b - a for a, b in zip(bounds[:-1], bounds[1:])), sp, shared
         )
         if self.exact_kernels:
-            from hybridflow.kernels.attention import packed_pages
+            from hybridflow.kernels.packed_attention import packed_pages
             from hybridflow.kernels.shared_attention import shared_pages
 
             group = self.config.num_attention_heads // self.config.num_key_value_heads

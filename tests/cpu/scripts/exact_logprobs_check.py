@@ -139,7 +139,7 @@ for label, prompts, responses in (
 # the shared-prefix packing's exact attention (prompts packed once, kernels.shared_attention) against
 # the same rows as separate sequences: the forward's bits, gradients to float32 rounding (the copies'
 # dK / dV summed in another order), and a backward that repeats to the bit
-from hybridflow.kernels.attention import exact_packed_attention, packed_pages  # noqa: E402
+from hybridflow.kernels.packed_attention import exact_packed_attention, packed_pages  # noqa: E402
 from hybridflow.kernels.shared_attention import shared_pages  # noqa: E402
 from hybridflow.models.native.shared_prefix import pack_shared_prompts  # noqa: E402
 
