@@ -64,15 +64,16 @@ step decode_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024
 step host_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile
 step host_exact_1024 python3 bench/decode_profile.py --shape 0.5b --batch 1024 --runs 4 --host-profile --exact
 # the actor's update alone on bench/vs_trl's workload (512 sequences, 200-token prompts shared by 8,
-# 256-token responses): the exact kernels (with BASE, that tree's first, this script) and the ordinary
+# 256-token responses): the exact kernels (with BASE, that tree's first, this script) and the ordinary,
+# each then under the profiler (its top 30 kernels)
 ACTOR="--shape 0.5b --variants 29184 --repeats 3 --parity-tokens 256"
 if [ -n "${BASE:-}" ]; then
   here=$PWD
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step actor_exact_base python3 "$here/bench/actor_update.py" \
     $ACTOR --exact)
 fi
-step actor_exact python3 bench/actor_update.py $ACTOR --exact
-step actor_ordinary python3 bench/actor_update.py $ACTOR
+step actor_exact python3 bench/actor_update.py $ACTOR --exact --profile --rows 30
+step actor_ordinary python3 bench/actor_update.py $ACTOR --profile --rows 30
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json ${BASE_REPEAT_ARGS:---steps 10 --exact --runs "${BASE_RUNS:-2}"})
