@@ -1,7 +1,12 @@
 """RMSNorm with each row's sum of squares in one order whatever the row count: one program per row,
 the whole row in one block (torch's reduction picks its split by the tensor's shape). The math is
 the model's RMSNorm: y = w * (x * rsqrt(mean(x^2) + eps)), the normalized x rounded to x's dtype
-before the weight multiplies it, the result in the promoted dtype of the two."""
+before the weight multiplies it, the result in the promoted dtype of the two.
+
+The backward is one launch too (the PyTorch formulas' ~30 elementwise launches a layer were a fifth of
+the exact update's GPU time): a program takes ROWS rows in order, writes their input gradient and its
+own partial sum of the weight's gradient; the partials are summed by one torch reduction of a fixed
+shape. So a backward repeats to the bit; it need not match any other kernel's bits (the forward does)."""
 
 from __future__ import annotations
 
@@ -63,8 +68,77 @@ def rms_norm(
     return total.view(shape), y.view(shape)
 
 
+# rows a backward program takes (its partial weight gradient sums them in order)
+BACKWARD_ROWS = 16
+
+
+@triton.jit
+def _rms_norm_backward_kernel(x_ptr, add_ptr, w_ptr, grad_y_ptr, grad_sum_ptr, grad_x_ptr, grad_w_ptr, rows, width,
+                              stride_x, stride_add, stride_gy, stride_gs, stride_gx, eps,
+                              ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Rows ROWS * p .. ROWS * (p + 1) of program p: the gradient of the normed input (with ADD, of the
+    sum s = x + add, recomputed as the forward rounds it, plus the sum's own gradient) in grad_x's
+    dtype, and the program's partial weight gradient [width] float32, rows added in order."""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    grad_w = tl.zeros([BLOCK], tl.float32)
+    for i in range(ROWS):
+        row = program.to(tl.int64) * ROWS + i
+        mask = inside & ((cols * 0 + row) < rows)  # (a vector: the interpreter masks with one)
+        x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if ADD:
+            added = tl.load(add_ptr + row * stride_add + cols, mask=mask, other=0.0).to(tl.float32)
+            x_raw = (x_raw.to(tl.float32) + added).to(grad_x_ptr.dtype.element_ty)
+        x = x_raw.to(tl.float32)
+        mean_square = tl.sum(x * x, 0) / width
+        inverse = 1.0 / tl.sqrt_rn(mean_square + eps)
+        normed = (x * inverse).to(x_raw.dtype).to(tl.float32)
+        grad_y = tl.load(grad_y_ptr + row * stride_gy + cols, mask=mask, other=0.0).to(tl.float32)
+        grad_w += grad_y * normed
+        grad_normed = grad_y * w
+        # x * r with r = (mean(x^2) + eps)^(-1/2): dx = r * dn - x * r^3 * sum(dn * x) / width
+        projection = tl.sum(grad_normed * x, 0) * (inverse * inverse * inverse) / width
+        grad_x = grad_normed * inverse - x * projection
+        if ADD:
+            grad_x += tl.load(grad_sum_ptr + row * stride_gs + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_x_ptr + row * stride_gx + cols, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_w_ptr + program.to(tl.int64) * width + cols, grad_w, mask=inside)
+
+
+def rms_norm_backward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    grad_y: torch.Tensor,
+    add: torch.Tensor | None = None,
+    grad_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of the normed input [..., H] in its dtype, grad of weight [H] in weight's dtype) of
+    rms_norm(x, weight, eps[, add]); with `add`, the normed input is the sum x + add (the gradient of
+    both x and add) and `grad_sum` [..., H] the sum's own gradient, added in."""
+    shape, width = x.shape, x.shape[-1]
+    rows, grad_rows = _rows(x), _rows(grad_y)
+    stream = torch.promote_types(x.dtype, add.dtype) if add is not None else x.dtype
+    added = _rows(add) if add is not None else rows
+    grad_sum_rows = _rows(grad_sum) if grad_sum is not None else grad_rows
+    grad_x = torch.empty(rows.shape, dtype=stream, device=x.device)
+    programs = triton.cdiv(rows.shape[0], BACKWARD_ROWS)
+    partials = torch.zeros(max(programs, 1), width, dtype=torch.float32, device=x.device)  # [P, H]
+    if rows.shape[0]:
+        block = triton.next_power_of_2(width)
+        _rms_norm_backward_kernel[(programs,)](
+            rows, added, weight.contiguous(), grad_rows, grad_sum_rows, grad_x, partials, rows.shape[0], width,
+            rows.stride(0), added.stride(0), grad_rows.stride(0), grad_sum_rows.stride(0), grad_x.stride(0), eps,
+            ADD=add is not None, ROWS=BACKWARD_ROWS, BLOCK=block, num_warps=4 if block <= 4096 else 8, **OPTIONS,
+        )  # fmt: skip
+    return grad_x.view(shape), partials.sum(0).to(weight.dtype)
+
+
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The same math in PyTorch ops (the model's RMSNorm): the backward differentiates this."""
+    """The same math in PyTorch ops (the model's RMSNorm): what the kernels' forward and backward
+    compute, for tests."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -81,10 +155,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            y = reference_rms_norm(x_, w_, ctx.eps)
-            gx, gw = torch.autograd.grad(y.to(grad.dtype), (x_, w_), grad)
+        gx, gw = rms_norm_backward(x, weight, ctx.eps, grad)
         return gx, gw, None, None
 
 
@@ -98,18 +169,14 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sum, grad_y):
         x, add, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, a_, w_ = (t.detach().requires_grad_() for t in (x, add, weight))
-            total = x_ + a_
-            y = reference_rms_norm(total, w_, ctx.eps).to(grad_y.dtype)
-            gx, ga, gw = torch.autograd.grad((total, y), (x_, a_, w_), (grad_sum, grad_y))
-        return gx, ga, gw, None, None
+        grad, gw = rms_norm_backward(x, weight, ctx.eps, grad_y, add=add, grad_sum=grad_sum)
+        return grad.to(x.dtype), grad.to(add.dtype), gw, None, None
 
 
 def exact_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Batch-invariant RMSNorm, differentiable (the backward is the PyTorch formula's); `dtype`: the
+    """Batch-invariant RMSNorm, differentiable (rms_norm_backward); `dtype`: the
     output's, when the next matmul takes another (its rounding, done here)."""
     return _RMSNorm.apply(x, weight, eps, dtype)
 
@@ -118,5 +185,5 @@ def exact_add_rms_norm(
     x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's `x + add` and its RMSNorm in one launch, batch-invariant: the norm's bits
-    are exact_rms_norm's of the sum. Differentiable in all three (the PyTorch formulas' backward)."""
+    are exact_rms_norm's of the sum. Differentiable in all three (rms_norm_backward)."""
     return _AddRMSNorm.apply(x, add, weight, eps, dtype)

@@ -1,7 +1,8 @@
 """Rotary position embedding for the exact path in one kernel (the PyTorch form is ~12 launches a
 layer): q and k of a token rotated by its position's cos / sin, out in the compute dtype. The math is
 the model's `x * cos + rotate_half(x) * sin` in float32 with each product and sum rounded on its own
-(no contraction), so it is the PyTorch form's result too, whatever the batch."""
+(no contraction), so it is the PyTorch form's result too, whatever the batch. The backward is the
+same kernel rotating the other way."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dty
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The model's PyTorch form (the backward differentiates it)."""
+    """The model's PyTorch form (what the kernel computes, for tests)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(dtype)
@@ -87,11 +88,14 @@ class _RopeQK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         q, k, cos, sin = ctx.saved_tensors
-        with torch.enable_grad():
-            q_, k_ = q.detach().requires_grad_(), k.detach().requires_grad_()
-            rotated = (reference_rope(q_, cos, sin, ctx.dtype), reference_rope(k_, cos, sin, ctx.dtype))
-            gq, gk = torch.autograd.grad(rotated, (q_, k_), (grad_q, grad_k))
-        return gq, gk, None, None, None
+        # the rotation's transpose is the rotation with sin' = -(sin's halves swapped): (g1 c1 + g2 s2,
+        # g2 c2 - g1 s1), the products and sums the PyTorch form's backward rounds
+        half = sin.shape[-1] // 2
+        sin_back = -torch.cat((sin[:, half:], sin[:, :half]), dim=-1)  # [N, D]
+        grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
+        grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+        gq, gk = rope_qk(grad_q, grad_k, cos, sin_back, q.dtype)
+        return gq, gk.to(k.dtype), None, None, None
 
 
 def exact_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):

@@ -42,6 +42,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert "the exact trainer packs a prompt once for its responses: ok" in stdout
     assert "packed attention backward, bfloat16: ok" in stdout
     assert "residual add + norm: ok" in stdout and "residual add + norm, gradients: ok" in stdout
+    assert "norm backward, bfloat16: ok" in stdout
     assert "SwiGLU torch.float32: ok" in stdout and "SwiGLU torch.bfloat16: ok" in stdout
     assert "rotary of q and k in one launch: ok" in stdout
 

@@ -208,8 +208,9 @@ check(
 
 # the exact layer's fused pieces against their PyTorch forms: the residual add + norm (the sum's bits,
 # and the norm's bits of that sum as the standalone kernel gives them, out in the matmul's dtype) and
-# SwiGLU; each row alone as in the batch; gradients the PyTorch forms'. (The interpreter's casts to
-# bfloat16 truncate where CUDA's and torch's round to nearest: 2 units in the last place allowed.)
+# SwiGLU; each row alone as in the batch; gradients (fused kernels of their own) against the PyTorch
+# forms' and float64. (The interpreter's casts to bfloat16 truncate where CUDA's and torch's round to
+# nearest: 2 units in the last place allowed.)
 from hybridflow.kernels.rms_norm import exact_add_rms_norm, exact_rms_norm, reference_rms_norm  # noqa: E402
 from hybridflow.kernels.swiglu import exact_silu_mul  # noqa: E402
 
@@ -233,28 +234,63 @@ theirs_total = leaves[0] + leaves[1]
 theirs = torch.autograd.grad(
     (theirs_total, reference_rms_norm(theirs_total, leaves[2], 1e-6).bfloat16()), leaves, (g_total, g_h)
 )
+again = torch.autograd.grad(exact_add_rms_norm(*leaves, 1e-6, torch.bfloat16), leaves, (g_total, g_h))
 check(
-    "residual add + norm, gradients",
-    all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, theirs)),
+    "residual add + norm, gradients",  # (one launch: the PyTorch formulas' to rounding, repeating)
+    all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, theirs))
+    and all(torch.equal(a, b) for a, b in zip(ours, again)),
+)
+
+
+def relative_error(a: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((a.double() - truth).norm() / truth.norm()).item()
+
+
+# a bfloat16 norm (130 rows: the backward's programs of 16 rows, the last one partial): gradients
+# against float64 truth, within 3x PyTorch's own bfloat16 backward's error (the interpreter truncates
+# each of the two bfloat16 roundings on the way, where PyTorch rounds to nearest: ~2-2.5x measured)
+x_norm = torch.randn(130, 96).bfloat16()
+w_norm, g_norm = torch.rand(96) + 0.5, torch.randn(130, 96).bfloat16()
+leaves = [x_norm.clone().requires_grad_(), w_norm.clone().requires_grad_()]
+ours = torch.autograd.grad(exact_rms_norm(*leaves, 1e-6, torch.bfloat16), leaves, g_norm)
+torch_bf16 = torch.autograd.grad(reference_rms_norm(*leaves, 1e-6).bfloat16(), leaves, g_norm)
+exact_leaves = [x_norm.double().requires_grad_(), w_norm.double().requires_grad_()]
+truth = torch.autograd.grad(reference_rms_norm(*exact_leaves, 1e-6), exact_leaves, g_norm.double())
+errors = [relative_error(a, t) for a, t in zip(ours, truth)]
+torch_errors = [relative_error(a, t) for a, t in zip(torch_bf16, truth)]
+check(
+    "norm backward, bfloat16",
+    [g.dtype for g in ours] == [torch.bfloat16, torch.float32]
+    and all(e < 3 * te + 1e-4 for e, te in zip(errors, torch_errors)),
+    f"(dx/dw relative error {errors[0]:.1e} / {errors[1]:.1e}; PyTorch's {torch_errors[0]:.1e} / {torch_errors[1]:.1e})",
 )
 for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2 * 2**-7)):
     gate, up = torch.randn(37, 3000).to(dtype), torch.randn(37, 3000).to(dtype)
     act = exact_silu_mul(gate, up)
     want = torch.nn.functional.silu(gate) * up
-    leaves = [gate.float().requires_grad_(), up.float().requires_grad_()]
-    grads = torch.autograd.grad(exact_silu_mul(*leaves), leaves, torch.ones(37, 3000))
-    want_grads = torch.autograd.grad(
-        torch.nn.functional.silu(leaves[0]) * leaves[1], leaves, torch.ones(37, 3000)
+    upstream = torch.randn(37, 3000).to(dtype)
+    leaves = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    grads = torch.autograd.grad(exact_silu_mul(*leaves), leaves, upstream)
+    torch_grads = torch.autograd.grad(torch.nn.functional.silu(leaves[0]) * leaves[1], leaves, upstream)
+    exact_leaves = [gate.double().requires_grad_(), up.double().requires_grad_()]
+    truth = torch.autograd.grad(
+        torch.nn.functional.silu(exact_leaves[0]) * exact_leaves[1], exact_leaves, upstream.double()
     )
+    errors = [relative_error(a, t) for a, t in zip(grads, truth)]
+    torch_errors = [relative_error(a, t) for a, t in zip(torch_grads, truth)]
     check(
         f"SwiGLU {dtype}",
         act.dtype == dtype
         and torch.equal(exact_silu_mul(gate[9:10], up[9:10]), act[9:10])
         and ((act.float() - want.float()).abs() / (want.float().abs() + 1e-3)).max().item() < tolerance
-        and all(torch.equal(a, b) for a, b in zip(grads, want_grads)),
+        and all(g.dtype == dtype for g in grads)
+        and all(e < 3 * te + 1e-6 for e, te in zip(errors, torch_errors)),  # (as the norm's)
+        f"(d gate / d up relative error {errors[0]:.1e} / {errors[1]:.1e}; "
+        f"PyTorch's {torch_errors[0]:.1e} / {torch_errors[1]:.1e})",
     )
 
-# rotary of q and k in one launch: each the bits of the one-tensor kernel, gradients the PyTorch form's
+# rotary of q and k in one launch: each the bits of the one-tensor kernel, gradients (the kernel rotating
+# back) the PyTorch form's bits
 from hybridflow.kernels.rope import exact_rope_qk, reference_rope, rope  # noqa: E402
 
 q, k = torch.randn(37, 4, 16), torch.randn(37, 2, 16)
