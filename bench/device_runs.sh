@@ -48,7 +48,7 @@ step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
-step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b
+step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b,1.5b
 # (with BASE, another commit's tree just before each: the host's share of a step, before / after)
 if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_1024_base python3 bench/decode_profile.py \

@@ -1,8 +1,9 @@
 """The batch-invariant matmul (hybridflow/kernels/linear.py) at the row counts where the exact engine
 and trainer spend their time: which tile shape comes nearest cuBLAS (past 64 rows the library loads
-its tiles through TMA descriptors). Every tile's output is checked against the default tile's to the
-bit (the tile shape must not enter a row's result; one that changes the bits is reported, never
-taken as the best).
+its tiles through TMA descriptors), and whether the K chunks run looped in one program or each in a
+program of its own (the library splits where the loop's grid is smaller than the processor count).
+Every variant's output is checked against the default's to the bit (neither the tile shape nor the
+split may enter a row's result; one that changes the bits is reported, never taken as the best).
 
     PYTHONPATH=. python bench/exact_matmul.py --out matmul.json       # H100 / H200
 
@@ -27,6 +28,7 @@ SHAPES = {  # (K, N) of each projection
 }
 TILES = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3),
          (128, 64, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3)]  # fmt: skip
+SMALL_TILES = [(32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4)]  # (tried up to 512 rows)
 
 
 def graph_us(fn, calls: int = 20, repeats: int = 5) -> float:
@@ -57,13 +59,16 @@ def measure(shape: str, rows: int, k: int, n: int) -> dict:
     entry = {"shape": shape, "rows": rows, "k": k, "n": n, "default_tiles": list(_tiles(rows, n, k)),
              "cublas_us": graph_us(lambda: F.linear(x, w)), "library_us": graph_us(lambda: linear(x, w)),
              "variants": {}}  # fmt: skip
-    for tiles in TILES:
-        try:
-            same = torch.equal(linear(x, w, tiles=tiles), want)
-            us = graph_us(lambda tiles=tiles: linear(x, w, tiles=tiles))
-            entry["variants"][str(tiles)] = {"us": round(us, 2), "same_bits": same}
-        except Exception as e:  # noqa: BLE001 (a tile that does not fit: recorded)
-            entry["variants"][str(tiles)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    splits = (None, True, False) if k > K_CHUNK else (None,)  # (one chunk: nothing to split)
+    for tiles in TILES + (SMALL_TILES if rows <= 512 else []):
+        for split in splits:  # None: the library's rule for these tiles
+            name = str(tiles) if split is None else f"{tiles} split {split}"
+            try:
+                same = torch.equal(linear(x, w, tiles=tiles, split=split), want)
+                us = graph_us(lambda tiles=tiles, split=split: linear(x, w, tiles=tiles, split=split))
+                entry["variants"][name] = {"us": round(us, 2), "same_bits": same}
+            except Exception as e:  # noqa: BLE001 (a tile that does not fit: recorded)
+                entry["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     us, name = min((v["us"], name) for name, v in entry["variants"].items() if v.get("same_bits"))
     entry["best"] = {"variant": name, "us": us, "over_cublas": round(us / entry["cublas_us"], 3)}
     entry["library_over_cublas"] = round(entry["library_us"] / entry["cublas_us"], 3)

@@ -2,16 +2,20 @@
 
 The K range is cut in chunks of K_CHUNK; a chunk's partial sum starts from zero and runs BLOCK_K at
 a time in order; the partials are added in chunk order, then the bias, then one rounding to the
-output dtype. Small batches (a decode step) compute each chunk in a program of its own and add the
-partials in a second kernel; large ones (prefill, training) loop over the chunks in one program.
-Both are the same sums in the same order, so both give the same bits, and the tile shape in M and N
-does not enter a row's result. cuBLAS gives neither: it splits K by the batch size.
+output dtype. Where looping over the chunks in one program would leave processors idle (a decode
+step's few rows, a narrow output such as the down projection's at a few hundred rows), each chunk runs
+in a program of its own and a second kernel adds the partials; else (prefill, training) one program
+loops over the chunks. Both are the same sums in the same order, so both give the same bits, and the
+tile shape in M and N does not enter a row's result. cuBLAS gives neither: it splits K by the batch
+size.
 
 Past a decode step's few rows the tiles come in through the TMA unit (a descriptor per operand)
 where the operands' alignment allows it, else through pointers: the same sums either way
 (`bench/exact_matmul.py` checks each tile shape and form to the bit and times them against cuBLAS)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -24,6 +28,7 @@ from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
 # chunk (one launch at any batch), the MLP's down projection a few (a decode step's parallelism); the
 # interpreter's are small for tiny models
 BLOCK_K, K_CHUNK = (64, 64) if interpreted() else (64, 1024)
+SPLIT_PARTIALS_BYTES = 16 << 20  # past a few hundred rows the loop's grid fills the processors anyway
 
 
 @triton.jit
@@ -70,20 +75,28 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 
 
 @triton.jit
+def _tma_chunk(x_desc, w_desc, m0, n0, K, k_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """_chunk's sum, the tiles loaded by the TMA unit (past the edges: zeros, as the masks)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # a chunk from zero
+    for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
+        a = x_desc.load([m0, k0])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
+        acc = dot(a, b.T, acc, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
 def _tma_kernel(x_desc, w_desc, bias_ptr, y_ptr, M, N, K, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """_linear_kernel's sums, the tiles loaded by the TMA unit (past the edges: zeros, as the masks)."""
+    """_linear_kernel's sums through TMA loads."""
     m0 = tl.program_id(0) * BLOCK_M
     n0 = tl.program_id(1) * BLOCK_N
     total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_start in range(0, K, K_CHUNK):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # a chunk from zero
-        for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
-            a = x_desc.load([m0, k0])  # [BLOCK_M, BLOCK_K]
-            b = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
-            acc = dot(a, b.T, acc, PRECISION, UPCAST)
-        total = total + acc
+        total = total + _tma_chunk(x_desc, w_desc, m0, n0, K, k_start,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
@@ -99,8 +112,29 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
     chunk = tl.program_id(2)
     acc = _chunk(x_ptr, w_ptr, rm, rn, M, N, K, chunk * K_CHUNK, stride_xm, stride_wn,
                  BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
+    _store_partial(part_ptr, acc, chunk, rm, rn, M, N)
+
+
+@triton.jit
+def _tma_partial_kernel(x_desc, w_desc, part_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """_partial_kernel's sum through TMA loads."""
+    m0 = tl.program_id(0) * BLOCK_M
+    n0 = tl.program_id(1) * BLOCK_N
+    chunk = tl.program_id(2)
+    acc = _tma_chunk(
+        x_desc, w_desc, m0, n0, K, chunk * K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
+    )
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    _store_partial(part_ptr, acc, chunk, rm, rn, M, N)
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, chunk, rm, rn, M, N):
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(part_ptr + chunk.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    at = (chunk.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]  # part [chunks, M, N]
+    tl.store(part_ptr + at, acc, mask=mask)
 
 
 @triton.jit
@@ -109,10 +143,11 @@ def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    at = rm[:, None] * N + rn[None, :]
+    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
     total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (as the looping kernel: from 0)
-    for chunk in range(0, chunks):
-        total = total + tl.load(part_ptr + chunk * M * N + at, mask=mask, other=0.0)  # (< 2^31: M <= 64)
+    for _ in range(0, chunks):
+        total = total + tl.load(part_ptr + at, mask=mask, other=0.0)
+        at += M * N  # the next chunk's (at is 64-bit: chunks x M x N may pass 2^31)
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
@@ -146,10 +181,12 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] (all one dtype, x and weight with unit stride in K) -> [M, N]
     in that dtype. float32 multiplies in full precision (no TF32). tiles: (BLOCK_M, BLOCK_N, warps,
-    stages) in place of the row count's own (bench/exact_matmul.py sweeps them: same bits)."""
+    stages) in place of the row count's own; split: the K chunks in programs of their own (True) or
+    looped in one (False) in place of the rule's choice (bench/exact_matmul.py sweeps both: same bits)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -161,31 +198,50 @@ def linear(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit inputs)
     chunks = -(-k // K_CHUNK)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if split is None:  # in waves of programs, one a processor: looped, each program runs all the
+        # chunks; split, the chunks fill the processors and the ordered sum costs about one more wave,
+        # while its partials stay small enough to come back from L2 (an estimate; the bench times both)
+        programs, processors = grid[0] * grid[1], _processors(x.device)
+        looped, split_waves = chunks * -(-programs // processors), -(-programs * chunks // processors) + 1
+        split = m <= 64 or (split_waves < looped and chunks * m * n * 4 <= SPLIT_PARTIALS_BYTES)
     has_bias = bias is not None
     bias_arg = bias if has_bias else y
-    if m <= 64 and chunks > 1:  # few rows: the chunks in parallel, their sums added in order after
+    # (at <= 64 rows the pointer form's tiles are the tuned ones)
+    through_tma = m > 64 and _tma_ready(x, weight)
+    if through_tma:
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K])
+    tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK, PRECISION=precision,
+                num_warps=warps, num_stages=stages, **OPTIONS)  # fmt: skip
+    if split and chunks > 1:  # the chunks in parallel, their sums added in order after
         part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
-        _partial_kernel[(*grid, chunks)](
-            x, weight, part, m, n, k, x.stride(0), weight.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK, PRECISION=precision,
-            num_warps=warps, num_stages=stages, **OPTIONS,
-        )  # fmt: skip
+        if through_tma:
+            _tma_partial_kernel[(*grid, chunks)](x_desc, w_desc, part, m, n, k, **tile)
+        else:
+            _partial_kernel[(*grid, chunks)](x, weight, part, m, n, k, x.stride(0), weight.stride(0), **tile)
         _sum_partials_kernel[grid](
             part, bias_arg, y, m, n, chunks, y.stride(0),
             HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **OPTIONS,
         )  # fmt: skip
-        return y
-    meta = dict(HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK,
-                PRECISION=precision, num_warps=warps, num_stages=stages, **OPTIONS)  # fmt: skip
-    if m > 64 and _tma_ready(x, weight):  # (at <= 64 rows the pointer form's tiles are the tuned ones)
-        x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
-        w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K])
-        _tma_kernel[grid](x_desc, w_desc, bias_arg, y, m, n, k, y.stride(0), **meta)
-        return y
-    _linear_kernel[grid](
-        x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), **meta
-    )  # fmt: skip
+    elif through_tma:
+        _tma_kernel[grid](x_desc, w_desc, bias_arg, y, m, n, k, y.stride(0), HAS_BIAS=has_bias, **tile)
+    else:
+        _linear_kernel[grid](
+            x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=has_bias, **tile
+        )  # fmt: skip
     return y
+
+
+@functools.cache
+def _device_processors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _processors(device: torch.device) -> int:
+    """Programs that run at once, at one a processor (the interpreter runs one at a time)."""
+    if device.type != "cuda":
+        return 1
+    return _device_processors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class _Linear(torch.autograd.Function):

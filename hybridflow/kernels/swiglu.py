@@ -61,8 +61,9 @@ def _silu_mul_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up
     up = tl.load(up_ptr + row * stride_up + cols, mask=inside, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + row * stride_grad + cols, mask=inside, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
-    sigmoid = 1.0 / (1.0 + tl.exp(-g))
-    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    denominator = 1.0 + tl.exp(-g)
+    sigmoid = 1.0 / denominator
+    activated = (g / denominator).to(gate.dtype).to(tl.float32)  # (the forward's rounded activation)
     tl.store(grad_up_ptr + row * stride_grad_up + cols, (grad * activated).to(grad_up_ptr.dtype.element_ty),
              mask=inside)  # fmt: skip
     slope = sigmoid * (1.0 + g * (1.0 - sigmoid))

@@ -28,7 +28,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     gradients through the exact kernels equal the ordinary model's to float32 rounding, each prompt
     packed once for its responses too (whose attention gives the separate sequences' bits, and a
     backward that repeats); the packed attention's own backward in bfloat16 is as close to float64 as
-    PyTorch's bfloat16 attention."""
+    PyTorch's bfloat16 attention; the matmul's looped and split-chunk forms give a row its bits alone."""
     # ~6 minutes alone on 2 cores; over 15 when another suite shared them (2026-12-07): a wide deadline
     stdout = in_triton_interpreter("exact_logprobs_check.py", timeout=1800)
     assert stdout.count("engine and trainer log-probs: ok") == 3
@@ -46,6 +46,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert "norm backward, bfloat16: ok" in stdout
     assert "SwiGLU torch.float32: ok" in stdout and "SwiGLU torch.bfloat16: ok" in stdout
     assert "rotary of q and k in one launch: ok" in stdout
+    assert "matmul forms, torch.float32: ok" in stdout and "matmul forms, torch.bfloat16: ok" in stdout
 
 
 def test_an_rl_run_with_exact_log_probs_skips_the_recompute_sees_no_gap_and_repeats(setup, tmp_path):
