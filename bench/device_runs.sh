@@ -49,6 +49,8 @@ step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sec
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
 step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b,1.5b
+# and in a step's tail, where the pointer form's narrow tiles split every chunk
+step matmul_tail python3 bench/exact_matmul.py --out /tmp/res/matmul_tail.json --rows 1 --rows 16 --rows 64 --shapes 0.5b,1.5b
 # (with BASE, another commit's tree just before each: the host's share of a step, before / after)
 if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_1024_base python3 bench/decode_profile.py \
