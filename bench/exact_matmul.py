@@ -32,6 +32,13 @@ TILES = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
 SMALL_TILES = [(32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 4), (16, 32, 4, 4)]
 
 
+def tiles_for(rows: int) -> list[tuple[int, int, int, int]]:
+    """The tiles tried at `rows` rows (each tile is a compile: the narrow ones where rows are few)."""
+    if rows <= 64:
+        return SMALL_TILES + [(64, 64, 4, 4), (64, 128, 4, 4)]
+    return TILES + (SMALL_TILES if rows <= 512 else [])
+
+
 def graph_us(fn, calls: int = 20, repeats: int = 5) -> float:
     """Microseconds a call, from replays of a CUDA graph of `calls` calls (median of `repeats`)."""
     fn()
@@ -61,7 +68,7 @@ def measure(shape: str, rows: int, k: int, n: int) -> dict:
              "cublas_us": graph_us(lambda: F.linear(x, w)), "library_us": graph_us(lambda: linear(x, w)),
              "variants": {}}  # fmt: skip
     splits = (None, True, False) if k > K_CHUNK else (None,)  # (one chunk: nothing to split)
-    for tiles in TILES + (SMALL_TILES if rows <= 512 else []):
+    for tiles in tiles_for(rows):
         for split in splits:  # None: the library's rule for these tiles
             name = str(tiles) if split is None else f"{tiles} split {split}"
             try:
