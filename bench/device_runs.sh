@@ -16,6 +16,8 @@
 # /tmp/res/done says when each started and ended. A poll begins `[ -f /tmp/res/done ] || exit 3` (a
 # machine lost between calls comes back bare) and brings /tmp/res back as one archive.
 #   PYTHONPATH=/tmp/site:$PWD:$PWD/bench setsid nohup bash bench/device_runs.sh > /tmp/res/driver.log 2>&1 &
+# (setsid for every job meant to outlive its call, the model's build too: the device tool kills the
+# call's session when the call ends)
 # RUNS picks the runs (default: all but gsm8k, in this order); REPEAT_ARGS replaces the exact pair's
 # settings; GSM8K_ARGS replaces the real run's
 # settings (default: the collapsing run of docs/benchmarks.md at lr 3e-6); DATA is the GSM8K folder;
