@@ -406,3 +406,42 @@ def test_a_hung_tool_or_environment_does_not_hold_the_process_at_exit(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "episodes 1 error" in done.stdout
+
+
+def test_speculation_in_agent_episodes_samples_what_a_plain_run_samples(tmp_path):
+    """`rollout.speculative` with `rollout.agent` (guess_number episodes: an earlier turn's text is in
+    the next turn's prompt, where drafts come from): two GRPO steps give the plain run's rewards,
+    turns and lengths, with drafts checked."""
+    import json
+
+    from agent_helpers import write_guess_game
+
+    from hybridflow.config import load_config
+    from hybridflow.controller.trainer import RLTrainer
+
+    write_guess_game(tmp_path)
+    base = [
+        f"model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'rows.jsonl'}]",
+        "data.max_response_tokens=48", "data.prompts_per_step=4", "rollout.samples_per_prompt=4",
+        "rollout.agent.max_turns=3", "rollout.agent.max_tokens_per_turn=8", "actor.compute_dtype=float32",
+        "reward.num_workers=0", "trainer.logger=[jsonl]", "trainer.total_training_steps=2",
+        "trainer.val_before_train=false", "rollout.agent.loop=environment",
+        "rollout.agent.environment=guess_number",
+    ]  # fmt: skip
+    speculative = [
+        "rollout.speculative.num_speculative_tokens=4",
+        "rollout.speculative.max_batch_sequences=128",
+        "rollout.speculative.adaptive=false",
+        "rollout.speculative.prompt_lookup_min=1",  # (a random model's text repeats few longer n-grams)
+    ]
+    runs = {}
+    for name, extra in (("plain", []), ("speculative", speculative)):
+        run_dir = tmp_path / name
+        RLTrainer(load_config(None, [*base, *extra, f"trainer.run_dir={run_dir}"])).fit()
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [m for m in metrics if "agent/episodes" in m]
+    assert len(runs["plain"]) == len(runs["speculative"]) == 2
+    for plain, spec in zip(runs["plain"], runs["speculative"]):
+        for key in ("critic/score/mean", "agent/turns_mean", "response_length/mean"):
+            assert spec[key] == plain[key], key
+    assert sum(m.get("rollout/speculative_drafted", 0) for m in runs["speculative"]) > 0

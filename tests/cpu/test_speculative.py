@@ -222,8 +222,12 @@ def test_the_sampled_distribution_is_the_models_with_drafts_right_or_wrong(peake
 
 @pytest.mark.parametrize(
     "mode",
-    [["trainer.async_mode=off"], ["trainer.async_mode=streaming", "rollout.max_staleness=1"]],
-    ids=["synchronous", "streaming"],
+    [
+        ["trainer.async_mode=off"],
+        ["trainer.async_mode=streaming", "rollout.max_staleness=1"],
+        ["trainer.async_mode=off", "model.lora_rank=4", "model.lora_alpha=8"],
+    ],
+    ids=["synchronous", "streaming", "lora"],
 )
 def test_a_training_run_with_speculation_samples_what_a_plain_run_samples(setup, tmp_path, mode):
     """`hybridflow train rollout.speculative.num_speculative_tokens=4` beside the same run without,
