@@ -47,13 +47,18 @@ if [ -n "${BASE:-}" ]; then
 fi
 step decode python3 bench/decode_profile.py $DECODE_ARGS
 step decode_7b python3 bench/decode_profile.py --shape 7b --batch 1
+if [ -n "${BASE:-}" ]; then
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_7b_exact_base python3 bench/decode_profile.py \
+    --shape 7b --batch 1 --exact)
+fi
 step decode_7b_exact python3 bench/decode_profile.py --shape 7b --batch 1 --exact
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
 step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json --rows 128 --rows 256 --shapes 0.5b,1.5b
 # and in a step's tail, where the pointer form's narrow tiles split every chunk
-step matmul_tail python3 bench/exact_matmul.py --out /tmp/res/matmul_tail.json --rows 1 --rows 16 --rows 64 --shapes 0.5b,1.5b
+step matmul_tail python3 bench/exact_matmul.py --out /tmp/res/matmul_tail.json --rows 1 --rows 16 --rows 64 \
+  --shapes 0.5b,1.5b,7b
 # (with BASE, another commit's tree just before each: the host's share of a step, before / after)
 if [ -n "${BASE:-}" ]; then
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step decode_1024_base python3 bench/decode_profile.py \
@@ -110,9 +115,9 @@ step decode_1.5b python3 bench/decode_profile.py --shape 1.5b --batch 16 --batch
 for shape in 0.5b 7b; do
   for exact in "" _exact; do
     step "rollout_$shape$exact" python3 bench/rollout.py --shape $shape --prompts 128 --n 8 --response 256 \
-      --hf-sequences 0 ${exact:+--exact}
+      --hf-sequences 0 ${exact:+--exact --master fp32}
     step "rollout_${shape}_b1$exact" python3 bench/rollout.py --shape $shape --prompts 1 --n 1 --response 256 \
-      --hf-sequences 0 ${exact:+--exact}
+      --hf-sequences 0 ${exact:+--exact --master fp32}
   done
 done
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"

@@ -7,7 +7,7 @@ split may enter a row's result; one that changes the bits is reported, never tak
 
     PYTHONPATH=. python bench/exact_matmul.py --out matmul.json       # H100 / H200
 
-Shapes: the 0.5B and 1.5B Qwen2.5 layers' projections (QKV, output, gate/up stacked, down, LM head),
+Shapes: the 0.5B, 1.5B and 7B Qwen2.5 layers' projections (QKV, output, gate/up stacked, down, LM head),
 bf16, at --rows rows (default 1024: a decode step of 1,024 sequences; 16384: a training or prefill
 pack). Times are CUDA-graph replays of 20 calls (no launch gaps), median of 5, in microseconds."""
 
@@ -25,6 +25,7 @@ from hybridflow.kernels.linear import BLOCK_K, K_CHUNK, _tiles, linear
 SHAPES = {  # (K, N) of each projection
     "0.5b": [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936)],
     "1.5b": [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)],
+    "7b": [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584), (3584, 151936)],
 }
 TILES = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3),
          (128, 64, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3)]  # fmt: skip
@@ -32,10 +33,14 @@ TILES = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
 SMALL_TILES = [(32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 4), (16, 32, 4, 4)]
 
 
+# (up to 64 rows, weight-read bound: deeper pipelines keep more of the weights in flight per program)
+TAIL_TILES = [(16, 32, 4, 6), (16, 64, 4, 6), (16, 32, 4, 8), (16, 16, 4, 6), (32, 32, 4, 6), (64, 64, 4, 6)]
+
+
 def tiles_for(rows: int) -> list[tuple[int, int, int, int]]:
     """The tiles tried at `rows` rows (each tile is a compile: the narrow ones where rows are few)."""
     if rows <= 64:
-        return SMALL_TILES + [(64, 64, 4, 4), (64, 128, 4, 4)]
+        return SMALL_TILES + TAIL_TILES + [(64, 64, 4, 4), (64, 128, 4, 4)]
     return TILES + (SMALL_TILES if rows <= 512 else [])
 
 

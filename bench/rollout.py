@@ -132,6 +132,10 @@ def main() -> None:
         "then measured with the trainer replaying them too",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.exact and args.master != "fp32":  # (a bf16 model would be shared, its residual stream bf16)
+        ap.error(
+            "--exact matches the trainer of an fp32 master (its residual stream in fp32): add --master fp32"
+        )
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -203,7 +207,8 @@ def main() -> None:
     from hybridflow.roles.forward import packed_response_logprobs
 
     sample = out[: min(64, len(out))]
-    master = engine.model if not cuda else _fp32_master(engine.model)
+    # (an fp32 model is the trainer's master itself; the engine ran its own bf16 copy)
+    master = model if args.master == "fp32" or not cuda else _fp32_master(engine.model)
     if args.exact and not master.exact_kernels:
         master.use_exact_kernels()
     replays = {"logprob_gap_vs_trainer": None}

@@ -138,16 +138,18 @@ def _store_partial(part_ptr, acc, chunk, rm, rn, M, N):
 
 
 @triton.jit
-def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, chunks, stride_ym,
+def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """y = 0 + part[0] + part[1] + ... in chunk order (+ bias). Unrolled: every chunk's load is issued
+    before the adds wait on the first (a loop would wait out one memory latency per chunk)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    ptrs = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
     total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (as the looping kernel: from 0)
-    for _ in range(0, chunks):
-        total = total + tl.load(part_ptr + at, mask=mask, other=0.0)
-        at += M * N  # the next chunk's (at is 64-bit: chunks x M x N may pass 2^31)
+    for _ in tl.static_range(CHUNKS):
+        total = total + tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M * N  # the next chunk's (64-bit pointers: chunks x M x N may pass 2^31)
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
@@ -220,7 +222,7 @@ def linear(
         else:
             _partial_kernel[(*grid, chunks)](x, weight, part, m, n, k, x.stride(0), weight.stride(0), **tile)
         _sum_partials_kernel[grid](
-            part, bias_arg, y, m, n, chunks, y.stride(0),
+            part, bias_arg, y, m, n, y.stride(0), CHUNKS=chunks,
             HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **OPTIONS,
         )  # fmt: skip
     elif through_tma:
