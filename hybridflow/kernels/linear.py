@@ -205,7 +205,12 @@ def linear(
         # while its partials stay small enough to come back from L2 (an estimate; the bench times both)
         programs, processors = grid[0] * grid[1], _processors(x.device)
         looped, split_waves = chunks * -(-programs // processors), -(-programs * chunks // processors) + 1
-        split = m <= 64 or (split_waves < looped and chunks * m * n * 4 <= SPLIT_PARTIALS_BYTES)
+        # (at <= 64 rows the programs are few and weight-read bound: split from three chunks on; two,
+        # e.g. K = 1,536 = 1,024 + 512, at most halve a program's reads for a second launch, and at
+        # 128 rows lost at every such projection: bench/exact_matmul.py, H100, 2026-12-07)
+        split = (m <= 64 and chunks > 2) or (
+            split_waves < looped and chunks * m * n * 4 <= SPLIT_PARTIALS_BYTES
+        )
     has_bias = bias is not None
     bias_arg = bias if has_bias else y
     # (at <= 64 rows the pointer form's tiles are the tuned ones)
