@@ -386,6 +386,22 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     assert stdout.count("nothing else written True") == 2  # the K/V store, two families
 
 
+@pytest.mark.slow
+def test_every_triton_kernel_compiles_for_an_h100_without_one():
+    """The interpreter runs kernels that a GPU's compiler refuses (a tl.dot over 4 keys did, while this
+    check was written): every kernel of hybridflow's Triton modules, as a small workload launches it
+    in the interpreter (the exact and fused engines, the exact trainer's forward and backward, the
+    matmul's forms, what runs only on a GPU), is compiled for sm_90 with each launch's argument types
+    and constants (triton.compile; ~1.5 minutes on 2 cores)."""
+    stdout = in_triton_interpreter("sm90_compile_check.py", timeout=1200)
+    assert "not launched" not in stdout and "FAILED" not in stdout
+    assert stdout.count("compiles for sm_90: ") >= 27
+    for kernel in ("kernels.linear._tma_partial_kernel", "kernels.linear._sum_partials_kernel",
+                   "kernels.rms_norm._rms_norm_backward_kernel", "kernels.packed_attention._backward_dq_kernel",
+                   "engine.triton_layer._rope_store_kernel", "engine.triton_decode._merge_splits_kernel"):  # fmt: skip
+        assert f"compiles for sm_90: hybridflow.{kernel} " in stdout
+
+
 def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
     """The engine's fused decode (engine/fused_decode.py) end to end on CPU tensors, in Triton's
     interpreter: the same tokens, stops and log-probs as the trainer's modules, with fused
