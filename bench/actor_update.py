@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt (they share the prompt)")
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--response", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=151936, help="259: bench/repeatable_runs.py's byte tokenizer")
     p.add_argument("--variants", nargs="+", default=["8192", "29184", "29184:compile"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="top kernels of each variant's update")
@@ -105,7 +106,7 @@ def main() -> None:
     p.add_argument("--parity-tokens", type=int, default=4096, help="tokens of the log-prob parity check")
     args = p.parse_args()
     torch.manual_seed(0)
-    model = random_model(args.shape, args.device, torch.float32)  # fp32 master weights
+    model = random_model(args.shape, args.device, torch.float32, args.vocab)  # fp32 master weights
     batch = random_batch(args.sequences, args.prompt, args.response, model.config.vocab_size, args.group)
     tokens = args.sequences * (args.prompt + args.response)
     if args.exact:

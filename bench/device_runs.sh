@@ -84,6 +84,12 @@ if [ -n "${BASE:-}" ]; then
 fi
 step actor_exact python3 bench/actor_update.py $ACTOR --exact --profile --rows 30
 step actor_ordinary python3 bench/actor_update.py $ACTOR --profile --rows 30
+# the same on the exact GRPO step's own workload (bench/repeatable_runs.py: 16 prompts x 8, ~16-token
+# prompts, 256-token responses, a 259-entry vocabulary), where the exact update measured 0.652 s against
+# 0.471 (2026-12-07) while the one above is the faster
+GRPO_ACTOR="--shape 0.5b --sequences 128 --prompt 16 --response 256 --vocab 259 --variants 8192 --repeats 3 --parity-tokens 256"
+step actor_grpo_exact python3 bench/actor_update.py $GRPO_ACTOR --exact --profile --rows 30
+step actor_grpo python3 bench/actor_update.py $GRPO_ACTOR --profile --rows 30
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json ${BASE_REPEAT_ARGS:---steps 10 --exact --runs "${BASE_RUNS:-2}"})

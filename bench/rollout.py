@@ -44,21 +44,21 @@ VOCAB = 151936
 PEAK_FLOPS, PEAK_BW = 790e12, 4.3e12  # H200 bf16 GEMM and copy bandwidth, measured on this machine
 
 
-def hf_config(shape: str):
+def hf_config(shape: str, vocab: int = VOCAB):
     from transformers import AutoConfig
 
     shape = dict(SHAPES[shape])
     return AutoConfig.for_model(
         shape.pop("model_type", "qwen2"),
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=32768,
         rope_theta=1e6,
         **shape,
     )
 
 
-def random_model(shape: str, device, dtype) -> NativeCausalLM:
-    config = from_hf(hf_config(shape))
+def random_model(shape: str, device, dtype, vocab: int = VOCAB) -> NativeCausalLM:
+    config = from_hf(hf_config(shape, vocab))
     with torch.device("meta"):
         model = NativeCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
