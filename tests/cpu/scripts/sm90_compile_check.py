@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -40,8 +41,9 @@ def kernels(module) -> dict:
     }
 
 
-def record() -> list:
-    """Every launch's (module, kernel, signature, constants) while the workload runs, distinct."""
+def record() -> tuple[list, list]:
+    """-> the kernels expected (module, name), and every launch's (module, kernel, signature,
+    constants) while the workload runs, distinct."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -154,12 +156,12 @@ if __name__ == "__main__":
     expected, launches = record()
     missing = sorted({f"{m}.{n}" for m, n in expected} - {f"{m}.{n}" for m, n, *_ in launches})
     print(f"recorded {len(launches)} launch forms of {len(expected) - len(missing)} kernels", flush=True)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sm90_launches_{os.getpid()}.json")
-    with open(path, "w") as f:
-        json.dump(launches, f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, path], env=env, timeout=1200)
-    os.remove(path)
+    with tempfile.TemporaryDirectory() as folder:  # (removed whatever the compile process does)
+        path = os.path.join(folder, "launches.json")
+        with open(path, "w") as f:
+            json.dump(launches, f)
+        done = subprocess.run([sys.executable, __file__, path], env=env, timeout=1200)
     if missing:
         print(f"not launched by the workload: {', '.join(missing)}")
     sys.exit(1 if done.returncode or missing else 0)
