@@ -126,6 +126,14 @@ for shape in 0.5b 7b; do
       --hf-sequences 0 ${exact:+--exact --master fp32}
   done
 done
+# #61's step bar as its issue words it: bench/vs_trl's hybridflow side (0.5B shape, 8 prompts x 8 x 256
+# tokens, letter_a), ordinary as the summary table's rows run it (model.compile=true), then exact (which
+# refuses compile: torch.compile rounds its own way), then ordinary without compile
+VS_TRL="--model 0.5b --reward letter_a --prompts 8 --samples 8 --response 256 --steps 6 --sides hybridflow"
+step vs_trl python3 bench/vs_trl/run.py /tmp/res/vs_trl $VS_TRL --hybridflow model.compile=true
+step vs_trl_exact python3 bench/vs_trl/run.py /tmp/res/vs_trl_exact $VS_TRL --hybridflow rollout.exact_logprobs=true
+step vs_trl_eager python3 bench/vs_trl/run.py /tmp/res/vs_trl_eager $VS_TRL
+rm -rf /tmp/res/vs_trl*/model-* /tmp/res/vs_trl*/hybridflow/run
 SHAPE_SPEC="--shape 0.5b --device cuda --prompts 32 --tokens 256 --repeats 3"
 step spec_greedy python3 bench/speculative.py $SHAPE_SPEC --temperature 0 \
   --workloads random_prompts,random_one_sequence --out /tmp/res/spec_greedy.json
