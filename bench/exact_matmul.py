@@ -65,7 +65,7 @@ def graph_us(fn, calls: int = 20, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure(shape: str, rows: int, k: int, n: int) -> dict:
+def measure(shape: str, rows: int, k: int, n: int, default_tiles_only: bool = False) -> dict:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     want = linear(x, w)
@@ -77,7 +77,7 @@ def measure(shape: str, rows: int, k: int, n: int) -> dict:
     forms = (
         (None, (True, False), (True, True), (False, False)) if k > K_CHUNK else (None,)
     )  # (one chunk: no split)
-    for tiles in tiles_for(rows):
+    for tiles in [_tiles(rows, n, k)] if default_tiles_only else tiles_for(rows):
         for form in forms:
             split, launch = form or (None, False)
             name = (
@@ -104,13 +104,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, action="append", help="repeatable (default 1024 and 16384)")
     ap.add_argument("--shapes", default="0.5b,1.5b")
+    ap.add_argument(
+        "--default-tiles",
+        action="store_true",
+        help="only the library's tiles for each shape: its forms compared",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "block_k": BLOCK_K, "k_chunk": K_CHUNK, "results": []}
     for rows in args.rows or [1024, 16384]:
         for shape in args.shapes.split(","):
             for k, n in SHAPES[shape]:
-                report["results"].append(measure(shape, rows, k, n))
+                report["results"].append(measure(shape, rows, k, n, args.default_tiles))
                 print(json.dumps(report["results"][-1]), flush=True)
                 with open(args.out, "w") as f:  # (whole so far: a run cut short keeps its rows)
                     json.dump(report, f, indent=1)
