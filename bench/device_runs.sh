@@ -59,8 +59,7 @@ step matmul_small python3 bench/exact_matmul.py --out /tmp/res/matmul_small.json
 # and in a step's tail, where the pointer form's narrow tiles split every chunk
 step matmul_tail python3 bench/exact_matmul.py --out /tmp/res/matmul_tail.json --rows 1 --rows 16 --rows 64 \
   --shapes 0.5b,1.5b,7b
-# the split's two sums on the library's own tiles, from one row to a GRPO step's 256: a launch of their
-# own against each tile's last program to finish
+# the library's own tiles from one row to a GRPO step's 256: its rule against split and looped
 step matmul_forms python3 bench/exact_matmul.py --out /tmp/res/matmul_forms.json --rows 1 --rows 16 --rows 64 \
   --rows 128 --rows 256 --shapes 0.5b,1.5b,7b --default-tiles
 # (with BASE, another commit's tree just before each: the host's share of a step, before / after)

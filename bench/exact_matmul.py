@@ -72,24 +72,13 @@ def measure(shape: str, rows: int, k: int, n: int, default_tiles_only: bool = Fa
     entry = {"shape": shape, "rows": rows, "k": k, "n": n, "default_tiles": list(_tiles(rows, n, k)),
              "cublas_us": graph_us(lambda: F.linear(x, w)), "library_us": graph_us(lambda: linear(x, w)),
              "variants": {}}  # fmt: skip
-    # None: the library's rule for these tiles; split, its partials added by each tile's last program
-    # (the library's) or by a launch of their own ("sum launch")
-    forms = (
-        (None, (True, False), (True, True), (False, False)) if k > K_CHUNK else (None,)
-    )  # (one chunk: no split)
+    splits = (None, True, False) if k > K_CHUNK else (None,)  # (one chunk: nothing to split)
     for tiles in [_tiles(rows, n, k)] if default_tiles_only else tiles_for(rows):
-        for form in forms:
-            split, launch = form or (None, False)
-            name = (
-                str(tiles) if form is None else f"{tiles} split {split}" + (" sum launch" if launch else "")
-            )
+        for split in splits:  # None: the library's rule for these tiles
+            name = str(tiles) if split is None else f"{tiles} split {split}"
             try:
-                same = torch.equal(linear(x, w, tiles=tiles, split=split, sum_launch=launch), want)
-                us = graph_us(
-                    lambda tiles=tiles, s=split, own=launch: linear(
-                        x, w, tiles=tiles, split=s, sum_launch=own
-                    )
-                )
+                same = torch.equal(linear(x, w, tiles=tiles, split=split), want)
+                us = graph_us(lambda tiles=tiles, split=split: linear(x, w, tiles=tiles, split=split))
                 entry["variants"][name] = {"us": round(us, 2), "same_bits": same}
             except Exception as e:  # noqa: BLE001 (a tile that does not fit: recorded)
                 entry["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}

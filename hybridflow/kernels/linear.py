@@ -138,73 +138,19 @@ def _store_partial(part_ptr, acc, chunk, rm, rn, M, N):
 
 
 @triton.jit
-def _add_partials(part_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, CHUNKS: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):  # fmt: skip
-    """y = 0 + part[0] + part[1] + ... in chunk order (+ bias). Unrolled: every chunk's load is issued
-    before the adds wait on the first (a loop would wait out one memory latency per chunk). The loads
-    go through L2 only (.cg): in the last arrival's program they read other programs' fresh stores."""
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    ptrs = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    total = tl.zeros((rm.shape[0], rn.shape[0]), tl.float32)  # (as the looping kernel: from 0)
-    for _ in tl.static_range(CHUNKS):
-        total = total + tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        ptrs += M * N  # the next chunk's (64-bit pointers: chunks x M x N may pass 2^31)
-    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
-
-
-@triton.jit
 def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The partials' ordered sum in a launch of its own, a program a tile."""
+    """y = 0 + part[0] + part[1] + ... in chunk order (+ bias). Unrolled: every chunk's load is issued
+    before the adds wait on the first (a loop would wait out one memory latency per chunk)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _add_partials(part_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, CHUNKS, HAS_BIAS)
-
-
-@triton.jit
-def _last_arrival_adds(part_ptr, arrivals_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym,
-                       CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    """After a chunk's partial is stored: the tile's last program to arrive adds all of them, in chunk
-    order whichever program that is (the same sum as _sum_partials_kernel's, without its launch).
-    The CTA barrier, then the counter's release, make every thread's stores visible to the last
-    arrival, whose acquire comes before its loads (CUTLASS's serial split-K semaphore, without a wait)."""
-    tl.debug_barrier()
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
-        _add_partials(part_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, CHUNKS, HAS_BIAS)
-
-
-@triton.jit
-def _partial_adds_kernel(x_ptr, w_ptr, part_ptr, arrivals_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_ym, CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-                         PRECISION: tl.constexpr):  # fmt: skip
-    """_partial_kernel, and the last arrival at a tile adds the tile's partials."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    chunk = tl.program_id(2)
-    acc = _chunk(x_ptr, w_ptr, rm, rn, M, N, K, chunk * K_CHUNK, stride_xm, stride_wn,
-                 BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
-    _store_partial(part_ptr, acc, chunk, rm, rn, M, N)
-    _last_arrival_adds(part_ptr, arrivals_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, CHUNKS, HAS_BIAS)
-
-
-@triton.jit
-def _tma_partial_adds_kernel(x_desc, w_desc, part_ptr, arrivals_ptr, bias_ptr, y_ptr, M, N, K, stride_ym,
-                             CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-                             PRECISION: tl.constexpr):  # fmt: skip
-    """_partial_adds_kernel through TMA loads."""
-    m0 = tl.program_id(0) * BLOCK_M
-    n0 = tl.program_id(1) * BLOCK_N
-    chunk = tl.program_id(2)
-    acc = _tma_chunk(
-        x_desc, w_desc, m0, n0, K, chunk * K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
-    )
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    _store_partial(part_ptr, acc, chunk, rm, rn, M, N)
-    _last_arrival_adds(part_ptr, arrivals_ptr, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, CHUNKS, HAS_BIAS)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    ptrs = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (as the looping kernel: from 0)
+    for _ in tl.static_range(CHUNKS):
+        total = total + tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M * N  # the next chunk's (64-bit pointers: chunks x M x N may pass 2^31)
+    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
@@ -238,14 +184,11 @@ def linear(
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     split: bool | None = None,
-    sum_launch: bool = False,
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] (all one dtype, x and weight with unit stride in K) -> [M, N]
     in that dtype. float32 multiplies in full precision (no TF32). tiles: (BLOCK_M, BLOCK_N, warps,
     stages) in place of the row count's own; split: the K chunks in programs of their own (True) or
-    looped in one (False) in place of the rule's choice; sum_launch: a split's partials added by a
-    launch of their own (True) or by each tile's last program to finish (bench/exact_matmul.py sweeps
-    them all: same bits)."""
+    looped in one (False) in place of the rule's choice (bench/exact_matmul.py sweeps both: same bits)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -262,10 +205,12 @@ def linear(
         # while its partials stay small enough to come back from L2 (an estimate; the bench times both)
         programs, processors = grid[0] * grid[1], _processors(x.device)
         looped, split_waves = chunks * -(-programs // processors), -(-programs * chunks // processors) + 1
-        # (at <= 64 rows the programs are few and weight-read bound: split from three chunks on; two,
-        # e.g. K = 1,536 = 1,024 + 512, at most halve a program's reads for a second launch, and at
-        # 128 rows lost at every such projection: bench/exact_matmul.py, H100, 2026-12-07)
-        split = (m <= 64 and chunks > 2) or (
+        # (at <= 64 rows, weight-read bound, split from three chunks on where the looped programs
+        # leave processors idle; two, e.g. K = 1,536 = 1,024 + 512, at most halve a program's reads for
+        # a second launch, and lost at 128 rows; a wide output (a 7B's gate/up, an LM head) fills the
+        # processors looped and its partials are as large as its weights: split 125 / 480 us against
+        # 99 / 371 looped at 64 rows. bench/exact_matmul.py, H100, 2026-12-07)
+        split = (m <= 64 and chunks > 2 and programs < processors) or (
             split_waves < looped and chunks * m * n * 4 <= SPLIT_PARTIALS_BYTES
         )
     has_bias = bias is not None
@@ -277,20 +222,7 @@ def linear(
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K])
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK, PRECISION=precision,
                 num_warps=warps, num_stages=stages, **OPTIONS)  # fmt: skip
-    if split and chunks > 1 and not sum_launch:  # the chunks in parallel, a tile's last one adds
-        part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
-        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)  # (a memset)
-        if through_tma:
-            _tma_partial_adds_kernel[(*grid, chunks)](
-                x_desc, w_desc, part, arrivals, bias_arg, y, m, n, k, y.stride(0), CHUNKS=chunks, HAS_BIAS=has_bias,
-                **tile,
-            )  # fmt: skip
-        else:
-            _partial_adds_kernel[(*grid, chunks)](
-                x, weight, part, arrivals, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                CHUNKS=chunks, HAS_BIAS=has_bias, **tile,
-            )  # fmt: skip
-    elif split and chunks > 1:  # the chunks in parallel, their sums added in order after
+    if split and chunks > 1:  # the chunks in parallel, their sums added in order after
         part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
         if through_tma:
             _tma_partial_kernel[(*grid, chunks)](x_desc, w_desc, part, m, n, k, **tile)

@@ -310,29 +310,22 @@ check(
 )
 
 # the batch-invariant matmul's forms: the chunks looped in one program or each in a program of its
-# own (partials added in order after, by a launch of their own or by each tile's last program), loads
-# through pointers (<= 64 rows) or TMA descriptors: every row the bits it has alone, whichever form
-# the rows' count picks; near float64's result
+# own (partials added in order after), loads through pointers (<= 64 rows) or TMA descriptors: every
+# row the bits it has alone, whichever form the rows' count picks; near float64's result
 from hybridflow.kernels.linear import K_CHUNK, linear  # noqa: E402
 
 for dtype in (torch.float32, torch.bfloat16):
     x, w, b = torch.randn(100, 3 * K_CHUNK + 8), torch.randn(40, 3 * K_CHUNK + 8) * 0.1, torch.randn(40)
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
-    forms = {f"{rows} rows, split {split}, sum launch {launch}": linear(x[:rows], w, b, split=split, sum_launch=launch)
-             for rows in (100, 7) for split in (True, False) for launch in (True, False)}  # fmt: skip
+    forms = {f"{rows} rows, split {split}": linear(x[:rows], w, b, split=split)
+             for rows in (100, 7) for split in (True, False)}  # fmt: skip
     alone = [linear(x[i : i + 1], w, b) for i in (0, 6, 99)]
     truth = x.double() @ w.double().T + b.double()
     check(
         f"matmul forms, {dtype}",
-        all(
-            torch.equal(y, forms["100 rows, split False, sum launch False"][: len(y)]) for y in forms.values()
-        )
-        and all(
-            torch.equal(y, forms["100 rows, split False, sum launch False"][i : i + 1])
-            for y, i in zip(alone, (0, 6, 99))
-        )
-        and relative_error(forms["100 rows, split True, sum launch False"], truth)
-        < (1e-6 if dtype == torch.float32 else 1e-2),
-        f"(relative error {relative_error(forms['100 rows, split True, sum launch False'], truth):.1e})",
+        all(torch.equal(y, forms["100 rows, split False"][: len(y)]) for y in forms.values())
+        and all(torch.equal(y, forms["100 rows, split False"][i : i + 1]) for y, i in zip(alone, (0, 6, 99)))
+        and relative_error(forms["100 rows, split True"], truth) < (1e-6 if dtype == torch.float32 else 1e-2),
+        f"(relative error {relative_error(forms['100 rows, split True'], truth):.1e})",
     )
 sys.exit(1 if failed else 0)
