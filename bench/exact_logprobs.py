@@ -251,11 +251,11 @@ def engine(args) -> dict:
             torch.use_deterministic_algorithms(False)
         for label, batch, n in (("many", prompts, 8), ("batch1", prompts[:1], 1)):
             params = SamplingParams(n=n, temperature=1.0, max_tokens=args.response, seed=0)
-            # the graphs the timed run replays, captured again since the sleeps above (other prompts of
-            # the same lengths, as in the warm-up): the figure is the engine's rate, not its one-off costs
-            eng.generate([[(t + 1) % 151936 for t in p] for p in batch], replace(params, max_tokens=16))
-            runs = []  # (each timed run a fresh engine state: the same prompts, their prefix-cache pages
-            # dropped by a sleep; one run moved by 0.85-1.0x between leases on the H100, 2026-12-07)
+            # each timed run starts as a training step does: the pool and graphs freed by a sleep (the
+            # prefix cache with them) and woken; the graphs it replays captured first on other prompts
+            # of the same lengths (the figure is the engine's rate, not its one-off costs). A median of
+            # --repeats: one run moved by 0.85-1.0x between two leases on the H100, 2026-12-07
+            runs = []
             for _ in range(args.repeats):
                 eng.sleep()
                 eng.wake()
