@@ -93,6 +93,9 @@ step actor_ordinary python3 bench/actor_update.py $ACTOR --profile --rows 30
 GRPO_ACTOR="--shape 0.5b --sequences 128 --prompt 16 --response 256 --vocab 259 --variants 8192 --repeats 3 --parity-tokens 256"
 step actor_grpo_exact python3 bench/actor_update.py $GRPO_ACTOR --exact --profile --rows 30
 step actor_grpo python3 bench/actor_update.py $GRPO_ACTOR --profile --rows 30
+# the host's microseconds a call of each exact op against its ordinary counterpart (what an update
+# that waits on the host spends them on)
+step host python3 bench/exact_host.py --out /tmp/res/host.json
 if [ -n "${BASE:-}" ]; then  # another commit's tree: its exact pair first, for a before / after in one lease
   (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step repeat_base python3 bench/repeatable_runs.py \
     --out /tmp/res/repeat_base.json ${BASE_REPEAT_ARGS:---steps 10 --exact --runs "${BASE_RUNS:-2}"})
@@ -137,6 +140,10 @@ done
 # refuses compile: torch.compile rounds its own way), then ordinary without compile
 VS_TRL="--model 0.5b --reward letter_a --prompts 8 --samples 8 --response 256 --steps 6 --sides hybridflow"
 step vs_trl python3 bench/vs_trl/run.py /tmp/res/vs_trl $VS_TRL --hybridflow model.compile=true
+if [ -n "${BASE:-}" ]; then
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step vs_trl_exact_base python3 bench/vs_trl/run.py \
+    /tmp/res/vs_trl_exact_base $VS_TRL --hybridflow rollout.exact_logprobs=true)
+fi
 step vs_trl_exact python3 bench/vs_trl/run.py /tmp/res/vs_trl_exact $VS_TRL --hybridflow rollout.exact_logprobs=true
 step vs_trl_eager python3 bench/vs_trl/run.py /tmp/res/vs_trl_eager $VS_TRL
 rm -rf /tmp/res/vs_trl*/model-* /tmp/res/vs_trl*/hybridflow/run

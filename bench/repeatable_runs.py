@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import compile_log
 import torch
 from safetensors.torch import load_file
 
@@ -45,7 +46,9 @@ MODES = {
 
 def _run(root: Path, name: str, steps: int, mode: list[str], device: str, deterministic: bool, extra=()):
     run_dir = root / name
-    command = [sys.executable, "-m", "hybridflow.cli", "train",
+    # (through bench/compile_log.py: each Triton compile logged with the step it fell in)
+    compiles = root / f"{name}.compiles.jsonl"
+    command = [sys.executable, str(Path(__file__).parent / "compile_log.py"), str(compiles), str(run_dir), "train",
                f"model.path={root / 'model'}", f"data.train_files=[{root / 'prompts.jsonl'}]",
                "data.prompts_per_step=16", "data.max_response_tokens=256", "rollout.samples_per_prompt=8",
                "actor.optim.lr=1e-5", f"reward.custom_function_path={root / 'reward.py'}", "reward.num_workers=0",
@@ -74,6 +77,20 @@ def _phase_seconds(run_dir: Path) -> dict[str, float]:
     rows = [r for r in rows if "timing_s/step" in r][1:]
     keys = sorted({k for r in rows for k in r if k.startswith(("timing_s/", "perf/gen_"))})
     return {k: round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4) for k in keys}
+
+
+def _per_step(run_dir: Path) -> dict[str, list[float]]:
+    """The step's, generation's, prefill's and update's seconds, step by step (a one-off, such as a
+    compile, shows in one step, where the mean hides it)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = (
+        "timing_s/step",
+        "timing_s/gen",
+        "timing_s/gen_prefill",
+        "timing_s/gen_graph_capture",
+        "timing_s/update_actor",
+    )
+    return {k: [round(r[k], 3) for r in rows if k in r] for k in keys}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -126,6 +143,8 @@ def main() -> None:
             "seconds": [round(run[1], 1) for run in runs],
             "step_seconds_after_the_first": [round(_step_seconds(run[0]), 3) for run in runs],
             "phase_seconds_after_the_first": _phase_seconds(a),
+            "per_step_seconds": _per_step(a),
+            "triton_compiles": compile_log.summary(root / f"{mode}-a.compiles.jsonl"),
             "nondeterministic_ops_named": warned,
         }
         if args.runs == 2:
@@ -158,6 +177,8 @@ def main() -> None:
                 "seconds": round(seconds, 1),
                 "step_seconds_after_the_first": round(_step_seconds(base), 3),
                 "phase_seconds_after_the_first": _phase_seconds(base),
+                "per_step_seconds": _per_step(base),
+                "triton_compiles": compile_log.summary(root / f"{mode}-ordinary.compiles.jsonl"),
                 "rollout_probs_diff_max": [r.get("training/rollout_probs_diff_max") for r in rows],
                 "rollout_probs_diff_mean": [r.get("training/rollout_probs_diff_mean") for r in rows],
             }

@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import compile_log  # noqa: E402
 from spec import Spec, peak_memory_gib, score, write_step  # noqa: E402
 
 from hybridflow.config import load_config  # noqa: E402
@@ -51,6 +53,8 @@ def main() -> None:
     def reward(data_source, solution_str, ground_truth, extra_info=None):  # the TRL side's scorer too
         return score(spec.reward, solution_str, ground_truth)
 
+    # each Triton compile logged with the step it fell in (steps.jsonl gets a line as a step ends)
+    compile_log.install(out / "triton_compiles.jsonl", out / "steps.jsonl")
     trainer = RLTrainer(load_config(None, overrides), overwrite=True, reward_function=reward)
     trainer.run_dir.mkdir(parents=True, exist_ok=True)  # fit() would; the steps are driven here
     for step in range(1, trainer.total_steps + 1):

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import compile_log  # noqa: E402
 from spec import Spec  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
@@ -92,6 +94,7 @@ def run_side(side: str, spec: Spec, python: str) -> float:
     spec_path = Path(spec.out) / "spec.json"
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     (Path(spec.out) / "steps.jsonl").unlink(missing_ok=True)
+    (Path(spec.out) / "triton_compiles.jsonl").unlink(missing_ok=True)
     spec.save(spec_path)
     env = {
         **os.environ,
@@ -124,6 +127,12 @@ def summarize(out: Path) -> dict:
         "tokens_per_s": sum(s["tokens"] for s in later) / sum(s["wall_s"] for s in later),
         "peak_memory_gib": max(s["peak_memory_gib"] for s in steps),
         "reward_curve": [round(s["reward_mean"], 4) for s in steps],
+        # (hybridflow's side: the Triton compiles inside the steps after the first, which the means carry)
+        **(
+            {"triton_compiles": compile_log.summary(out / "triton_compiles.jsonl")}
+            if (out / "triton_compiles.jsonl").exists()
+            else {}
+        ),
     }
 
 

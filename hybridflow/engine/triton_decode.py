@@ -21,7 +21,7 @@ NUM_STAGES = 3
 PROGRAMS_TARGET = 264  # ~2 programs per SM on an H100/H200: below this, contexts are split
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "splits", "tokens_per_split"])
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [S, Hkv, D]
@@ -93,7 +93,7 @@ def _paged_decode_kernel(
         tl.store(stat_ptr + tl.num_programs(0) * num_kv_heads * splits * G_PAD + base + rows, s_sum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(
     part_ptr,  # [B, Hkv, SPLITS, G_PAD, D] float32
     stat_ptr,  # [2, B, Hkv, SPLITS, G_PAD] float32

@@ -245,7 +245,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, *, block: 
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "stride_t"])
 def _prepare_step_kernel(
     step_ptr,  # [1] int64: the step of the run about to be computed; +1 here
     pos_ptr,  # [R] int64 position of each row's input token

@@ -25,7 +25,7 @@ def _mix31(x):
     return (x >> 16) ^ x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span"])
 def _sample_slice_kernel(
     logits_ptr,  # [B, V]
     keys_ptr,  # [B] int64 noise keys (31-bit values)
@@ -103,7 +103,7 @@ def _sample_slice_kernel(
     tl.store(part_idx_ptr + row * splits + split, best_idx.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "batch", "stride_run", "n_stops"])
 def _merge_kernel(
     part_ptr,  # [B, S, 7]
     part_idx_ptr,  # [B, S]

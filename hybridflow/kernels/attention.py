@@ -113,7 +113,7 @@ def _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh,
     tl.store(o_ptr + at, out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["page_size"])
+@triton.jit(do_not_specialize=["page_size", "stride_table"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, table_ptr, page_size,
                       tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh, stride_table, scale,
@@ -140,7 +140,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, table_ptr, page_size,
         tl.store(lse_ptr + rows * (tl.num_programs(1) * GROUP) + heads, m + tl.log2(denom), mask=valid)
 
 
-@triton.jit(do_not_specialize=["page_size"])
+@triton.jit(do_not_specialize=["page_size", "stride_table", "chunks"])
 def _chunk_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
                   tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
                   stride_qn, stride_qh, stride_kn, stride_kh, stride_table, scale, chunks,
@@ -166,7 +166,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
         tl.store(acc_ptr + at * BLOCK_M * HEAD_PAD + r[:, None] * HEAD_PAD + d[None, :], acc_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _merge_kernel(state_ptr, acc_ptr, o_ptr, tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
                   stride_on, stride_oh, chunks,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -21,6 +21,13 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" or interpreted()
 
 
+# An int argument that changes with the batch (a row count, a table's width, a count of key chunks or
+# of sampler slices) is named in its kernel's do_not_specialize: Triton compiles a variant of its own for
+# an int equal to 1 or divisible by 16, ~0.3-1 s on an H100, and a batch that first meets one inside a
+# timed step (a prefill whose packed prompts come to a multiple of 16 tokens) carries that compile.
+# The masks are all such a count feeds, so the variants' code gains nothing (bench/compile_log.py
+# lists the compiles a training run does, step by step)
+
 # No fused multiply-add contraction: a * b + c rounds twice in every kernel, so the merge of two
 # partial results is the same arithmetic in the kernel that loops and in the one that reduces
 OPTIONS = {} if interpreted() else {"enable_fp_fusion": False}

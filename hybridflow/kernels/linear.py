@@ -60,7 +60,7 @@ def _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.conste
     tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
@@ -86,7 +86,7 @@ def _tma_chunk(x_desc, w_desc, m0, n0, K, k_start, BLOCK_M: tl.constexpr, BLOCK_
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _tma_kernel(x_desc, w_desc, bias_ptr, y_ptr, M, N, K, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
@@ -102,7 +102,7 @@ def _tma_kernel(x_desc, w_desc, bias_ptr, y_ptr, M, N, K, stride_ym,
     _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
@@ -115,7 +115,7 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
     _store_partial(part_ptr, acc, chunk, rm, rn, M, N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _tma_partial_kernel(x_desc, w_desc, part_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """_partial_kernel's sum through TMA loads."""
@@ -137,7 +137,7 @@ def _store_partial(part_ptr, acc, chunk, rm, rn, M, N):
     tl.store(part_ptr + at, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """y = 0 + part[0] + part[1] + ... in chunk order (+ bias). Unrolled: every chunk's load is issued

@@ -72,7 +72,7 @@ def rms_norm(
 BACKWARD_ROWS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm_backward_kernel(x_ptr, add_ptr, w_ptr, grad_y_ptr, grad_sum_ptr, grad_x_ptr, grad_w_ptr, rows, width,
                               stride_x, stride_add, stride_gy, stride_gs, stride_gx, eps,
                               ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
