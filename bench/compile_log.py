@@ -6,11 +6,12 @@ one divisible by 16, gets a variant of its own) that should be do_not_specialize
 hybridflow/kernels/launch.py.
 
     python bench/compile_log.py LOG RUN_DIR train key=value ...   # hybridflow.cli, the log on
-    compile_log.install(LOG, steps_file)                           # in a process of one's own
+    compile_log.install(LOG, step_of(steps_file))                  # in a process of one's own
 
 LOG gets a JSON line per compile (or load from Triton's disk cache): the kernel, its specialization
-(Triton's repr of the key), the seconds it took, and the step it fell in (the lines `steps_file` holds
-so far + 1: RUN_DIR/metrics.jsonl, which gets a line as each step ends). `summary` reads it back."""
+(Triton's repr of the key), the seconds it took, and the step it fell in (`step_of`: the lines a
+steps file holds so far + 1, RUN_DIR/metrics.jsonl getting one as each step ends; or any callable
+giving a number, such as 1 for a bench's warm-up and 2 for its timed run). `summary` reads it back."""
 
 from __future__ import annotations
 
@@ -18,15 +19,22 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import triton
 
 
-def install(log: str | Path, steps_file: str | Path) -> None:
-    """Log this process's compiles to `log` (appending), each with its step by `steps_file`'s lines.
-    Hooks set before (another tool's) still run, after these."""
-    log, steps_file = Path(log), Path(steps_file)
+def step_of(steps_file: str | Path) -> Callable[[], int]:
+    """The step running now: the lines `steps_file` holds (one a finished step) + 1."""
+    steps_file = Path(steps_file)
+    return lambda: (len(steps_file.read_text().splitlines()) if steps_file.exists() else 0) + 1
+
+
+def install(log: str | Path, step: Callable[[], int]) -> None:
+    """Log this process's compiles to `log` (appending), each with `step()` at its end. Hooks set
+    before (another tool's) still run, after these."""
+    log = Path(log)
     runtime = triton.knobs.runtime
     earlier_before, earlier_after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
     started: dict[str, float] = {}
@@ -37,12 +45,12 @@ def install(log: str | Path, steps_file: str | Path) -> None:
 
     def after_compile(**hook):
         began = started.pop(str(hook["key"]), None)
-        done = len(steps_file.read_text().splitlines()) if steps_file.exists() else 0
         row = {
             "kernel": getattr(hook["fn"], "name", str(hook["fn"])),
-            "step": done + 1,
+            "step": step(),
             "seconds": None if began is None else round(time.perf_counter() - began, 3),
             "specialization": str(hook.get("repr")),
+            "key": str(hook["key"])[:600],  # (the argument types and attributes that made it a variant)
         }
         with log.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -74,7 +82,7 @@ def summary(log: str | Path, first_timed_step: int = 2) -> dict:
 
 def main() -> int:
     log, run_dir, *cli_args = sys.argv[1:]
-    install(log, Path(run_dir) / "metrics.jsonl")
+    install(log, step_of(Path(run_dir) / "metrics.jsonl"))
     from hybridflow.cli import main as cli_main
 
     return cli_main(cli_args)

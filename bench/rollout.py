@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
+import compile_log
 import torch
 
 from hybridflow.engine import Engine, EngineConfig
@@ -172,9 +175,19 @@ def main() -> None:
               "decode_steps": args.decode_steps, "compile": args.compile, "master": args.master,
               "fused_decode": engine.runner.fused is not None, "record_routes": args.record_routes, "exact": args.exact}  # fmt: skip
 
+    # The warm-up runs the timed workload's shapes (prompts of the same lengths, other tokens: no prefix
+    # cache hits; the same samples; 16 tokens): its prefill's tiles and decode batches compile and capture
+    # here, as a training run's first step does, not inside the timed run. Each compile is logged with
+    # the part it fell in (1: warm-up, 2: the timed run)
+    part, compiles = [1], Path(tempfile.mkdtemp()) / "compiles.jsonl"
+    if cuda:
+        compile_log.install(compiles, lambda: part[0])
+    warm_rng = random.Random(1)
+    warm = [[warm_rng.randrange(vocab) for _ in p] for p in prompts]
     start = time.perf_counter()
-    engine.generate(prompts[:8], SamplingParams(n=2, max_tokens=16, seed=1))  # warm-up, graph capture
+    engine.generate(warm, SamplingParams(n=args.n, temperature=1.0, max_tokens=16, seed=1))
     result["warmup_and_capture_s"] = time.perf_counter() - start
+    part[0] = 2
     start = time.perf_counter()
     out = engine.generate(prompts, params) if not args.timeline else _stepped(engine, prompts, params, result)
     seconds = time.perf_counter() - start
@@ -191,6 +204,8 @@ def main() -> None:
         "preemptions": engine.stats.get("preemptions"),
         "graph_capture_seconds": engine.stats.get("graph_capture_seconds"),
     }
+    if cuda:
+        result["native"]["triton_compiles"] = compile_log.summary(compiles)
     if cuda:
         result["native"]["roofline_tokens_per_s"] = roofline_tokens_per_s(engine.model, avg_context)
         result["native"]["roofline_fraction"] = (

@@ -54,7 +54,7 @@ def main() -> None:
         return score(spec.reward, solution_str, ground_truth)
 
     # each Triton compile logged with the step it fell in (steps.jsonl gets a line as a step ends)
-    compile_log.install(out / "triton_compiles.jsonl", out / "steps.jsonl")
+    compile_log.install(out / "triton_compiles.jsonl", compile_log.step_of(out / "steps.jsonl"))
     trainer = RLTrainer(load_config(None, overrides), overwrite=True, reward_function=reward)
     trainer.run_dir.mkdir(parents=True, exist_ok=True)  # fit() would; the steps are driven here
     for step in range(1, trainer.total_steps + 1):
