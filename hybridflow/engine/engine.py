@@ -1,5 +1,6 @@
 """The rollout engine. Requests: `add_request`, `step` (each sample's new tokens), `abort`;
-`generate` is a loop over them. And `update_weights`, `sleep`, `wake`."""
+`generate` is a loop over them. And `update_weights`, `sleep`, `wake`. A step is a prefill of the
+prompts admitted, else one run of decode steps (decode_runs.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import collections
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,13 +16,14 @@ import torch
 
 from hybridflow.devices import follow_free_cores
 from hybridflow.engine.config import EngineConfig, page_size_for
+from hybridflow.engine.decode_runs import DecodeRuns
 from hybridflow.engine.fused_decode import fuse_projections
 from hybridflow.engine.kv_cache import KVCache, pool_pages
 from hybridflow.engine.requests import RequestOutput, SampleSoFar, check_request, request_samples
 from hybridflow.engine.runner import Runner
 from hybridflow.engine.sampled import SampledRun
 from hybridflow.engine.scheduler import Scheduler
-from hybridflow.engine.sequence import PrefillJob, Sequence, limits_after, record_run
+from hybridflow.engine.sequence import PrefillJob, Sequence, record_run
 from hybridflow.engine.speculation import Speculation
 from hybridflow.engine.weights import WeightUpdater, engine_model, weight_targets
 from hybridflow.errors import UserError
@@ -30,17 +32,6 @@ from hybridflow.rollout.sampling import Generation, SamplingParams
 from hybridflow.tracking.progress import bar
 
 STOP_SETS_KEPT = 64  # stop-id tensors kept for reuse (each distinct set of stop ids has one)
-
-
-@dataclass
-class DecodeRun:
-    """A launched run of decode steps: its sequences, the steps each may take, its draws (read with
-    `sampled.fetch()`), and whether its steps ran whole on the device (a next run may follow it)."""
-
-    batch: list[Sequence]
-    limits: list[int]
-    sampled: SampledRun
-    on_device: bool
 
 
 if TYPE_CHECKING:
@@ -159,12 +150,14 @@ class Engine:
         self.recomputed_tokens = 0  # tokens of generated sequences prefilled again, K/V recomputed
         # where generation's time goes: prefill and decode runs, the decode steps they took, and the
         # milliseconds of each (each run ends in its one sync, so these are the device's time too)
-        self.runs = dict.fromkeys(
-            ("prefill_runs", "prefill_ms", "decode_runs", "decode_runs_ahead", "decode_steps", "decode_ms"), 0
-        )
+        self.runs = dict.fromkeys(("prefill_runs", "prefill_ms"), 0)
         self.stats: dict[str, float] = {}
         self.scheduler = self._new_scheduler()
-        self._ahead: DecodeRun | None = None  # a decode run launched before the last one was read
+        self.decoding = DecodeRuns(
+            self.runner, steps=c.decode_steps, exact=c.exact_logprobs, max_rows=c.max_batch_sequences,
+            device=self.device, stops_for=self._stops_for, record=self._record,
+            speculation=self.speculation, tensor_parallel=self.tp,
+        )  # fmt: skip
         self._requests: dict[str, list[Sequence]] = {}  # running requests' samples, by request id
         self._next_seq_id = 0
         # stop-id tensors of recent parameter sets, bounded: every distinct set a client sends would
@@ -304,8 +297,9 @@ class Engine:
             and self._stamp() != self._weights_stamp
         ):
             self._weights_changed()  # the trainer stepped the module we run without an update_weights
-        jobs = self.scheduler.schedule_prefill() if self._ahead is None else []  # a run ahead is read first
-        batch = self._prefill(jobs) if jobs else self._decode()
+        # (a run launched ahead is read first)
+        jobs = self.scheduler.schedule_prefill() if self.decoding.ahead is None else []
+        batch = self._prefill(jobs) if jobs else self.decoding.run(self.scheduler)
         for s in batch:
             group = self._requests.get(s.request_id) if s.finished else None
             if group is not None and all(x.finished for x in group):
@@ -383,6 +377,7 @@ class Engine:
                 "graph_capture_ms": round(1e3 * self.runner.capture_seconds),
             }
             | self.runs
+            | self.decoding.counts
             | {f"speculative_{k}": v for k, v in counts.items()}
         )
 
@@ -451,119 +446,6 @@ class Engine:
                 self.scheduler.register(live)
         return batch
 
-    def _decode(self) -> list[Sequence]:
-        """One run of up to `decode_steps` decode steps of every running sequence, recorded at its end;
-        while few run and speculation is on (and, adaptive, measures faster: SpeculationGate), one
-        speculative step, or with no draft now a run that ends when the first sequence may draft
-        again (a draft may match after the next token)."""
-        k, running, spec = self.config.decode_steps, list(self.scheduler.running.values()), self.speculation
-        speculate = spec.choose(len(running)) if spec is not None else None
-        if speculate is None:
-            return self._plain_run(k)
-        started, captured = time.perf_counter(), self.runner.capture_seconds
-        before = sum(len(s.tokens) for s in running)
-        batch = self._speculate() if speculate else None
-        if batch is None:
-            batch = self._plain_run(spec.plain_steps(running, k) if speculate else k)
-        # the run ended in a fetch: its seconds are the device's too
-        seconds = time.perf_counter() - started - (self.runner.capture_seconds - captured)
-        spec.observe(speculate, seconds, sum(len(s.tokens) for s in running) - before, len(running))
-        return batch
-
-    def _plain_run(self, k: int) -> list[Sequence]:
-        """Up to k decode steps of every running sequence, recorded at the run's end. A run whose steps
-        ran whole on the device is followed at once by the next run of its sequences, launched before
-        its draws are read: the host's reading, recording and scheduling then overlap the device's
-        next run instead of leaving it idle (`_launch_after`). Returns the sequences recorded."""
-        started = time.perf_counter()
-        run, self._ahead = self._ahead or self._launch(k), None
-        if run.on_device and self.speculation is None and self.tp is None and not self.scheduler.waiting:
-            self._ahead = self._launch_after(run, k)
-        # a sequence that ended before this run was read (a stop in the run before, an abort) is not its
-        live = [i for i, s in enumerate(run.batch) if not s.finished]
-        batch, drawn = [run.batch[i] for i in live], run.sampled.fetch()[:, :, live]
-        self._record(batch, drawn, [run.limits[i] for i in live])
-        self.runs["decode_runs"] += 1
-        self.runs["decode_steps"] += max(run.limits)
-        self.runs["decode_ms"] += round(1e3 * (time.perf_counter() - started))
-        return batch
-
-    def _launch(self, k: int) -> DecodeRun:
-        """Slots for up to k tokens of every running sequence (preempting when pages run short), and
-        their run launched."""
-        ps, scheduler = self.cache.page_size, self.scheduler
-
-        def wanted(s: Sequence) -> int:  # never past prompt + max_tokens or the context
-            return min(k, s.end - len(s.tokens))
-
-        batch = scheduler.schedule_decode(wanted)
-        if not batch:
-            raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-        if self.tp is not None:
-            self.tp.check_same_step("decode", batch)
-        limits = [min(wanted(s), len(s.pages) * ps - s.cached) for s in batch]
-        sampled = SampledRun(
-            batch, self._stops_for, steps=max(limits), device=self.device, exact=self.config.exact_logprobs
-        )
-        on_device = self.runner.decode(batch, scheduler.table[[s.row for s in batch]], limits, sampled)
-        sampled.to_host()
-        return DecodeRun(batch, limits, sampled, on_device)
-
-    def _launch_after(self, run: DecodeRun, k: int) -> DecodeRun | None:
-        """The next run of `run`'s sequences, launched from the device state `run` leaves (its last
-        draws are the inputs): the tokens and noise of each step are those the run would have after
-        `run` was read, so nothing drawn changes. None where it cannot follow (sequence.limits_after),
-        or the pool has no free page for it (no preemption ahead of the schedule)."""
-        limits = limits_after(run.batch, run.limits, k)
-        if limits is None:
-            return None
-        for s, taken, more in zip(run.batch, run.limits, limits):  # K/V of all but the last token
-            if more and not self.scheduler.reserve(s, s.cached + taken + more):
-                return None
-        sampled = SampledRun(
-            run.batch, self._stops_for, steps=max(limits), device=self.device,
-            exact=self.config.exact_logprobs, ahead=run.limits,
-        )  # fmt: skip
-        table = self.scheduler.table[[s.row for s in run.batch]]
-        self.runner.decode(run.batch, table, limits, sampled, continued=True)
-        sampled.to_host()
-        self.runs["decode_runs_ahead"] += 1
-        return DecodeRun(run.batch, limits, sampled, True)
-
-    def _drop_ahead(self) -> None:
-        """Wait for a run launched ahead and forget it (its draws never reach the sequences, which draw
-        the same tokens again when next scheduled): before the weights, the pool or the schedule change."""
-        if self._ahead is not None:
-            self._ahead.sampled.fetch()
-            self._ahead = None
-
-    def _speculate(self) -> list[Sequence] | None:
-        """One decode step whose rows feed each running sequence its last token and its draft (the
-        decode step's kernels and graphs: a row per fed token), drawing at every fed position with
-        the noise the plain engine would use there (SampledRun's `ahead`): a
-        sequence keeps its drafted tokens up to the first that differs from the draw, and the draw
-        after them. So its tokens and log-probs are those of plain decoding: the draft only decides
-        how many positions one forward checks. None: nothing drafted (a plain decode run instead)."""
-        scheduler, spec = self.scheduler, self.speculation
-        drafts = spec.drafts(list(scheduler.running.values()))
-        if not any(drafts.values()):
-            return None
-        batch = scheduler.schedule_decode(lambda s: len(drafts.get(s.seq_id, ())) + 1)
-        if not batch:
-            raise RuntimeError("the engine cannot schedule any sequence (KV cache too small)")
-        rows = spec.plan(batch, drafts, self.cache.page_size, self.config.max_batch_sequences)
-        if rows is None:  # no row to spare: a plain run (the pages taken are the next tokens')
-            return None
-        owners = [batch[i] for i in rows.owner]
-        sampled = SampledRun(
-            owners, self._stops_for, steps=1, device=self.device, exact=self.config.exact_logprobs,
-            ahead=rows.ahead,
-        )  # fmt: skip
-        table = scheduler.table[[s.row for s in owners]]
-        self.runner.decode(owners, table, [1] * len(owners), sampled, feed=(rows.tokens, rows.positions))
-        spec.settle(batch, rows, sampled.fetch()[0], self._record)
-        return batch
-
     def _record(self, batch, run: np.ndarray, limits: list[int]) -> None:
         """Append each sequence's tokens of the run (sequence.record_run); retire the finished ones."""
         finished = record_run(batch, run, limits)
@@ -586,7 +468,7 @@ class Engine:
     def set_aside(self) -> None:
         """Requests in flight leave the schedule until `bring_back()` (tokens kept, K/V recomputed):
         a batch added meanwhile runs alone, as on an idle engine."""
-        self._drop_ahead()
+        self.decoding.drop_ahead()
         self.scheduler.set_aside()
 
     def bring_back(self) -> None:
@@ -598,13 +480,13 @@ class Engine:
         flight keep their tokens but lose their cached K/V (computed with the old weights): they are
         prefilled again, prompt and tokens so far, at their next step, and sample on with the new
         weights (`weight_version` says which); with `keep_kv_on_weight_update` they keep their K/V."""
-        self._drop_ahead()  # (it reads the weights written here)
+        self.decoding.drop_ahead()  # (it reads the weights written here)
         written = self._update(named_tensors)
         self._weights_changed()
         return written
 
     def _weights_changed(self) -> None:
-        self._drop_ahead()
+        self.decoding.drop_ahead()
         self.weight_version += 1
         self.scheduler.weights_changed(keep_kv=self.config.keep_kv_on_weight_update)
         self.cache.pool.forget_prefixes()  # every cached K/V was computed with the old weights
@@ -627,7 +509,7 @@ class Engine:
     def sleep(self) -> None:
         """Free the KV pool and the captured graphs so that training gets the memory; requests in flight
         keep their tokens and are prefilled again after `wake()` (as after a weight update)."""
-        self._drop_ahead()
+        self.decoding.drop_ahead()
         self.scheduler.preempt_all()
         self.runner.drop_graphs()
         self.cache.release()

@@ -1,4 +1,4 @@
-"""Speculative decoding from the engine's own history (engine/drafter.py, Engine._speculate): drafts
+"""Speculative decoding from the engine's own history (engine/drafter.py, decode_runs.DecodeRuns._speculate): drafts
 from the prompt, the samples in flight and earlier responses; a verified step keeps what the plain
 engine would have drawn, so outputs are the plain engine's token for token, greedy or sampled, and the
 sampled distribution is the model's."""

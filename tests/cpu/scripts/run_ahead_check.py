@@ -1,4 +1,4 @@
-"""Decode runs launched before the last one is read (engine._launch_after), in Triton's interpreter (the
+"""Decode runs launched before the last one is read (decode_runs.DecodeRuns._launch_after), in Triton's interpreter (the
 fused steps run whole "on the device" there): the request API's outputs equal those of the engine
 without fused steps (no run ever launched ahead) while requests are added, aborted, paused and given
 new weights between steps, with a run ahead pending each time. Run by tests/cpu/test_engine.py."""
