@@ -52,6 +52,10 @@ if [ -n "${BASE:-}" ]; then
     --shape 7b --batch 1 --exact)
 fi
 step decode_7b_exact python3 bench/decode_profile.py --shape 7b --batch 1 --exact
+if [ -n "${BASE:-}" ]; then
+  (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step training_base python3 bench/exact_logprobs.py \
+    --out /tmp/res/training_base.json --sections training)
+fi
 step training python3 bench/exact_logprobs.py --out /tmp/res/training.json --sections training,profile
 # the exact engine at 1,024 sequences: its step against the ordinary one, and its matmul's tiles (#61)
 step matmul python3 bench/exact_matmul.py --out /tmp/res/matmul.json
@@ -129,10 +133,15 @@ step decode_1.5b python3 bench/decode_profile.py --shape 1.5b --batch 16 --batch
 for shape in 0.5b 7b; do
   for variant in "" _exact _fp32; do
     case $variant in _exact) extra="--exact --master fp32" ;; _fp32) extra="--master fp32" ;; *) extra="" ;; esac
-    step "rollout_$shape$variant" python3 bench/rollout.py --shape $shape --prompts 128 --n 8 --response 256 \
-      --hf-sequences 0 $extra
-    step "rollout_${shape}_b1$variant" python3 bench/rollout.py --shape $shape --prompts 1 --n 1 --response 256 \
-      --hf-sequences 0 $extra
+    for size in "" _b1; do  # (with BASE, that tree's run first: rollout_SHAPE[_b1][_exact]_base)
+      case $size in _b1) prompts="--prompts 1 --n 1" ;; *) prompts="--prompts 128 --n 8" ;; esac
+      if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE:$BASE/bench" step "rollout_$shape$size${variant}_base" \
+          python3 bench/rollout.py --shape $shape $prompts --response 256 --hf-sequences 0 $extra)
+      fi
+      step "rollout_$shape$size$variant" python3 bench/rollout.py --shape $shape $prompts --response 256 \
+        --hf-sequences 0 $extra
+    done
   done
 done
 # #61's step bar as its issue words it: bench/vs_trl's hybridflow side (0.5B shape, 8 prompts x 8 x 256

@@ -28,7 +28,9 @@ import triton.language as tl
 from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
 
 # Tile rows (query positions x heads of a group), key block and chunk: fixed for a run, the bits
-# follow them. The interpreter's are small for tiny models
+# follow them. (Chunks of 256 keys, for shorter programs in a decode step's split: the exact training
+# forward + backward 11.6% slower, a one-sequence rollout 3.9% faster; H100, 2026-12-07.) The
+# interpreter's are small for tiny models
 BLOCK_M, BLOCK_N, KEY_CHUNK = (16, 16, 32) if interpreted() else (64, 64, 512)
 WARPS = 1 if interpreted() else 4
 
