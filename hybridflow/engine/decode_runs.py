@@ -36,7 +36,8 @@ class DecodeRuns:
     retires the finished). A run whose steps ran whole on the device is followed at once by the next
     run of its sequences, launched before its draws are read: the host's reading, recording and
     scheduling overlap the device's next run instead of leaving it idle. With `speculation`, while few
-    sequences run (and, adaptive, where it measures faster), a run is one speculative step instead.
+    sequences run (and, adaptive, where it measures faster), a run is one speculative step instead
+    (the drafter needs the last run's tokens: no run is launched ahead of one that may speculate).
     `counts`: runs, runs launched ahead, steps and their milliseconds (each run ends in its one sync,
     so the device's time too)."""
 
@@ -70,14 +71,19 @@ class DecodeRuns:
         one speculative step, or with no draft now a run that ends when the first sequence may draft
         again (a draft may match after the next token)."""
         k, running, spec = self.steps, list(scheduler.running.values()), self.speculation
-        speculate = spec.choose(len(running)) if spec is not None else None
-        if speculate is None:
-            return self._plain_run(scheduler, k)
+        # too many run to speculate: plain runs, each next one launched ahead while none could
+        # speculate (a run ahead is read first; the next after it speculates where it may)
+        plain_only = spec is None or not spec.applies(len(running))
+        if plain_only or self.ahead is not None:
+            return self._plain_run(scheduler, k, launch_next=plain_only)
+        speculate = spec.choose(len(running))
         started, captured = time.perf_counter(), self.runner.capture_seconds
         before = sum(len(s.tokens) for s in running)
         batch = self._speculate(scheduler) if speculate else None
         if batch is None:
-            batch = self._plain_run(scheduler, spec.plain_steps(running, k) if speculate else k)
+            batch = self._plain_run(
+                scheduler, spec.plain_steps(running, k) if speculate else k, launch_next=False
+            )
         # the run ended in a fetch: its seconds are the device's too
         seconds = time.perf_counter() - started - (self.runner.capture_seconds - captured)
         spec.observe(speculate, seconds, sum(len(s.tokens) for s in running) - before, len(running))
@@ -90,12 +96,12 @@ class DecodeRuns:
             self.ahead.sampled.fetch()
             self.ahead = None
 
-    def _plain_run(self, scheduler: Scheduler, k: int) -> list[Sequence]:
+    def _plain_run(self, scheduler: Scheduler, k: int, launch_next: bool) -> list[Sequence]:
         """Up to k decode steps of every running sequence (or the run launched ahead), recorded at its
-        end; the next launched ahead where it can follow (`_launch_after`)."""
+        end; with `launch_next`, the next launched ahead where it can follow (`_launch_after`)."""
         started = time.perf_counter()
         run, self.ahead = self.ahead or self._launch(scheduler, k), None
-        if run.on_device and self.speculation is None and self.tp is None and not scheduler.waiting:
+        if launch_next and run.on_device and self.tp is None and not scheduler.waiting:
             self.ahead = self._launch_after(scheduler, run, k)
         # a sequence that ended before this run was read (a stop in the run before, an abort) is not its
         live = [i for i, s in enumerate(run.batch) if not s.finished]
@@ -155,6 +161,8 @@ class DecodeRuns:
         drafted tokens up to the first that differs from the draw, and the draw after them. So its
         tokens and log-probs are those of plain decoding: the draft only decides how many positions
         one forward checks. None: nothing drafted (a plain decode run instead)."""
+        if self.ahead is not None:  # (its draws would be lost, its cache slots written over)
+            raise RuntimeError("a speculative decode step while a run launched ahead is unread")
         spec = self.speculation
         drafts = spec.drafts(list(scheduler.running.values()))
         if not any(drafts.values()):

@@ -28,10 +28,14 @@ class Speculation:
         self.max_sequences = config.max_batch_sequences or speculative_batch_for(device)
         self.counts = dict.fromkeys(COUNTERS, 0)
 
+    def applies(self, running: int) -> bool:
+        """Whether a decode run over `running` sequences may speculate (few enough run)."""
+        return running <= self.max_sequences
+
     def choose(self, running: int) -> bool | None:
         """For a decode run over `running` sequences: None when too many run to speculate (a plain
         run, not timed); else whether it speculates (the gate's choice, or always without a gate)."""
-        if running > self.max_sequences:
+        if not self.applies(running):
             return None
         return self.gate.speculate() if self.gate is not None else True
 

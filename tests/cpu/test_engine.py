@@ -415,10 +415,15 @@ def test_fused_decode_step_equals_the_trainers_modules_in_the_interpreter():
 def test_decode_runs_launched_ahead_change_no_requests_output_in_the_interpreter():
     """A run launched before the last is read (the host's work beside the device's) gives each request
     the tokens of an engine that never runs ahead, while requests are added, aborted, paused and
-    given new weights between steps (scripts/run_ahead_check.py)."""
+    given new weights between steps; and with speculation on, while too many sequences run to
+    speculate, its run ahead read before a speculative step (scripts/run_ahead_check.py)."""
     stdout = in_triton_interpreter("run_ahead_check.py")
     assert "request outputs equal True over 9 samples (['abort', 'length', 'stop'])" in stdout
     assert "none without fused steps True" in stdout and "every page back in the pool True" in stdout
+    assert (
+        "with speculation: outputs equal True over 8 samples, a run ahead pending while few enough ran"
+        in stdout
+    )
 
 
 def test_engine_copy_fuses_projections_and_updates_land_in_them():
