@@ -4,7 +4,9 @@ A random Qwen2 of the 0.5B (or --shape 1.5b) shape (byte tokenizer), GRPO for --
 (async_mode=off) and streaming (the engine pausing for training, one update stale); each mode twice.
 With --deterministic both runs set trainer.deterministic; with --exact, rollout.exact_logprobs (and
 --baseline adds one ordinary run per mode: its step time and gaps beside them, in the same lease). Reports, per mode: metrics equal (clock figures aside), the first step and metric that differ, the
-largest weight difference after the last step, and the rollout/trainer log-prob gap of each step.
+largest weight difference after the last step, the rollout/trainer log-prob gap of each step, each
+step's seconds by phase, and the Triton compiles that fell inside the steps after the first
+(bench/compile_log.py: a compile there is a one-off the step's time carries).
 
     python bench/repeatable_runs.py --out results.json [--steps 10] [--shape 1.5b] [--runs 1]
 
