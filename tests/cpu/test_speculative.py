@@ -335,15 +335,16 @@ def test_an_adaptive_engine_measures_both_kinds_and_samples_what_the_plain_engin
 def test_the_gate_leaves_graph_captures_out_of_what_it_measures(model):
     """A bucket's first run captures its CUDA graph (seconds, once): the gate and the timing counters
     leave that out, or one capture would make speculating look slow for many runs after it. Here
-    every decode run first "captures" for 0.2 s (the runner's capture_seconds grows by it); the runs
-    themselves take milliseconds."""
+    every decode run first "captures" for 0.5 s (the runner's capture_seconds grows by it); the runs
+    themselves take milliseconds (~300 ms in all on a loaded 2-core machine, 2026-12-07: the bound is
+    the captures' time, which the counters would exceed had they taken any capture in)."""
     params = SamplingParams(temperature=0.8, max_tokens=40, n=3, seed=4)
     engine = _engine(model, 4, batch=16, adaptive=True)
     decode, runner = engine.runner.decode, engine.runner
 
     def decode_that_captures(*args, **kwargs):
         start = time.perf_counter()
-        time.sleep(0.2)
+        time.sleep(0.5)
         runner.capture_seconds += time.perf_counter() - start
         return decode(*args, **kwargs)
 
@@ -352,7 +353,7 @@ def test_the_gate_leaves_graph_captures_out_of_what_it_measures(model):
     counts = engine.counters()
     timed_ms = counts["speculative_speculating_ms"] + counts["speculative_plain_ms"]
     assert counts["speculative_speculating_tokens"] > 0 and counts["speculative_plain_tokens"] > 0
-    assert 0 < timed_ms < runner.capture_seconds * 1000 / 4  # (with the captures: more than all of them)
+    assert 0 < timed_ms < runner.capture_seconds * 1000  # (with the captures: more than all of them)
 
 
 def test_speculation_plans_a_verifying_step_settles_its_draws_and_counts():
