@@ -54,13 +54,8 @@ class DecodeRuns:
         speculation: Speculation | None = None,
         tensor_parallel=None,
     ) -> None:
-        self.runner, self.steps, self.exact, self.max_rows, self.device = (
-            runner,
-            steps,
-            exact,
-            max_rows,
-            device,
-        )
+        self.runner, self.steps, self.exact = runner, steps, exact
+        self.max_rows, self.device = max_rows, device
         self.stops_for, self.record = stops_for, record
         self.speculation, self.tp = speculation, tensor_parallel
         self.ahead: DecodeRun | None = None  # a run launched before the last one was read
