@@ -75,7 +75,7 @@ def main() -> None:
         if m > 64:  # the TMA launch alone, its descriptors made each call and made once
             y = torch.empty(m, n, device=cuda, dtype=torch.bfloat16)
             grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-            tile = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK,
+            tile = dict(HAS_BIAS=False, HAS_RES=False, ROUND="bfloat16", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_CHUNK=K_CHUNK,
                         PRECISION="tf32", num_warps=warps, num_stages=stages, **OPTIONS)  # fmt: skip
             made = (
                 TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]),
@@ -85,12 +85,12 @@ def main() -> None:
             def fresh(x=x, y=y, m=m, grid=grid, tile=tile, block_m=block_m, block_n=block_n):
                 xd = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K])
                 wd = TensorDescriptor.from_tensor(w16, [block_n, BLOCK_K])
-                _tma_kernel[grid](xd, wd, y, y, m, n, k, y.stride(0), **tile)
+                _tma_kernel[grid](xd, wd, y, y, y, m, n, k, y.stride(0), **tile)
 
             rows[f"{m} rows: TMA launch, descriptors made each call"] = host_us(fresh)
             rows[f"{m} rows: TMA launch, descriptors made once"] = host_us(
                 lambda y=y, m=m, grid=grid, tile=tile, made=made: _tma_kernel[grid](
-                    *made, y, y, m, n, k, y.stride(0), **tile
+                    *made, y, y, y, m, n, k, y.stride(0), **tile
                 )
             )
         xa = x.float().requires_grad_()

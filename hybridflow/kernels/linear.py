@@ -52,17 +52,33 @@ def _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
 
 
 @triton.jit
-def _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+def _rounded(x, ROUND: tl.constexpr):
+    """x (float32) rounded to the dtype named ROUND, kept in float32 (one return type)."""
+    if ROUND == "bfloat16":
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == "float16":
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _finish(total, bias_ptr, res_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+            HAS_RES: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
+    """y = the sum (+ bias) rounded to ROUND (the matmul's dtype, by name); with HAS_RES, + the
+    residual [M, N] (y's dtype and strides) in float32, rounded to y's dtype: torch's `residual + y`."""
     if HAS_BIAS:
         total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     at = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]  # (M x N may pass 2^31: an LM head's logits)
-    tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
+    out = _rounded(total, ROUND)
+    if HAS_RES:
+        out = out + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Every chunk in this program, added in order."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,7 +87,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     for k_start in range(0, K, K_CHUNK):
         total = total + _chunk(x_ptr, w_ptr, rm, rn, M, N, K, k_start, stride_xm, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
-    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    _finish(total, bias_ptr, res_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, HAS_RES, ROUND)
 
 
 @triton.jit
@@ -87,8 +103,8 @@ def _tma_chunk(x_desc, w_desc, m0, n0, K, k_start, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tma_kernel(x_desc, w_desc, bias_ptr, y_ptr, M, N, K, stride_ym,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _tma_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, stride_ym,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """_linear_kernel's sums through TMA loads."""
     m0 = tl.program_id(0) * BLOCK_M
@@ -99,7 +115,7 @@ def _tma_kernel(x_desc, w_desc, bias_ptr, y_ptr, M, N, K, stride_ym,
                                    BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
-    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    _finish(total, bias_ptr, res_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, HAS_RES, ROUND)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -138,8 +154,8 @@ def _store_partial(part_ptr, acc, chunk, rm, rn, M, N):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _sum_partials_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """y = 0 + part[0] + part[1] + ... in chunk order (+ bias). Unrolled: every chunk's load is issued
     before the adds wait on the first (a loop would wait out one memory latency per chunk)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,7 +166,7 @@ def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, CHUNKS: tl.
     for _ in tl.static_range(CHUNKS):
         total = total + tl.load(ptrs, mask=mask, other=0.0)
         ptrs += M * N  # the next chunk's (64-bit pointers: chunks x M x N may pass 2^31)
-    _finish(total, bias_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    _finish(total, bias_ptr, res_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, HAS_RES, ROUND)
 
 
 def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
@@ -184,16 +200,24 @@ def linear(
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     split: bool | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] (all one dtype, x and weight with unit stride in K) -> [M, N]
     in that dtype. float32 multiplies in full precision (no TF32). tiles: (BLOCK_M, BLOCK_N, warps,
     stages) in place of the row count's own; split: the K chunks in programs of their own (True) or
-    looped in one (False) in place of the rule's choice (bench/exact_matmul.py sweeps both: same bits)."""
+    looped in one (False) in place of the rule's choice (bench/exact_matmul.py sweeps both: same bits).
+    residual [M, N] (any float dtype): residual + the product, added in the epilogue as torch adds them
+    (the product rounded to x's dtype first), out in the residual's dtype: a block's residual add
+    without a launch of its own."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear: x and weight need unit stride along K")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} is not the output's ({m}, {n})")
+    has_res = residual is not None
+    residual = residual.contiguous() if has_res else None
+    y = torch.empty(m, n, dtype=residual.dtype if has_res else x.dtype, device=x.device)
     if m == 0:
         return y
     block_m, block_n, warps, stages = tiles or _tiles(m, n, k)
@@ -215,6 +239,8 @@ def linear(
         )
     has_bias = bias is not None
     bias_arg = bias if has_bias else y
+    epilogue = dict(HAS_BIAS=has_bias, HAS_RES=has_res, ROUND=str(x.dtype).removeprefix("torch."))
+    res_arg = residual if has_res else y
     # (at <= 64 rows the pointer form's tiles are the tuned ones)
     through_tma = m > 64 and _tma_ready(x, weight)
     if through_tma:
@@ -229,14 +255,15 @@ def linear(
         else:
             _partial_kernel[(*grid, chunks)](x, weight, part, m, n, k, x.stride(0), weight.stride(0), **tile)
         _sum_partials_kernel[grid](
-            part, bias_arg, y, m, n, y.stride(0), CHUNKS=chunks,
-            HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **OPTIONS,
+            part, bias_arg, res_arg, y, m, n, y.stride(0), CHUNKS=chunks,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **epilogue, **OPTIONS,
         )  # fmt: skip
     elif through_tma:
-        _tma_kernel[grid](x_desc, w_desc, bias_arg, y, m, n, k, y.stride(0), HAS_BIAS=has_bias, **tile)
+        _tma_kernel[grid](x_desc, w_desc, bias_arg, res_arg, y, m, n, k, y.stride(0), **epilogue, **tile)
     else:
         _linear_kernel[grid](
-            x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=has_bias, **tile
+            x, weight, bias_arg, res_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            **epilogue, **tile,
         )  # fmt: skip
     return y
 
@@ -258,29 +285,33 @@ class _Linear(torch.autograd.Function):
     need not match anything)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
+    def forward(ctx, x, weight, bias, dtype, residual):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype).contiguous()  # [M, K]
         w = weight.to(dtype).contiguous()  # [N, K]
         b = bias.to(dtype) if bias is not None else None
+        r = residual.reshape(-1, w.shape[0]) if residual is not None else None  # [M, N]
         ctx.save_for_backward(x2, w)
         ctx.shapes = (shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return linear(x2, w, b).view(*shape[:-1], w.shape[0])
+        return linear(x2, w, b, residual=r).view(*shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x2, w = ctx.saved_tensors
         shape, x_dtype, w_dtype, b_dtype = ctx.shapes
-        g = grad.reshape(-1, w.shape[0]).to(w.dtype)  # [M, N]
+        g = grad.reshape(-1, w.shape[0]).to(w.dtype)  # [M, N] (the add's gradient, cast as torch's)
         gx = (g @ w).view(shape).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = (g.T @ x2).to(w_dtype) if ctx.needs_input_grad[1] else None
         gb = g.float().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, grad if ctx.needs_input_grad[4] else None
 
 
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def exact_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """nn.Linear's math in the dtype it would run in (autocast's where on, else x's), batch-invariant;
-    differentiable."""
+    differentiable. residual [..., N]: `residual + linear(x)` (in the residual's dtype), the add in
+    the matmul's epilogue."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _Linear.apply(x, weight, bias, dtype)
+    return _Linear.apply(x, weight, bias, dtype, residual)

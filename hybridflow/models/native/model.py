@@ -86,6 +86,15 @@ def project(linear: nn.Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
     return linear(x)
 
 
+def project_onto(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, exact: bool) -> torch.Tensor:
+    """residual + linear(x); exact: the add in the batch-invariant matmul's epilogue (the same sum)."""
+    if exact:
+        from hybridflow.kernels.linear import exact_linear
+
+        return exact_linear(x, linear.weight, linear.bias, residual)
+    return residual + linear(x)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -196,13 +205,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> [N, H]; with `residual` [N, H], residual + that (the block's add)."""
         gate, up = project_group([self.gate_proj, self.up_proj], x, self.exact)
         if self.exact:  # one launch (the same math, rounded the same way)
             from hybridflow.kernels.swiglu import exact_silu_mul
 
-            return project(self.down_proj, exact_silu_mul(gate, up), True)
-        return project(self.down_proj, F.silu(gate) * up, self.exact)
+            act = exact_silu_mul(gate, up)
+        else:
+            act = F.silu(gate) * up
+        if residual is None:
+            return project(self.down_proj, act, self.exact)
+        return project_onto(self.down_proj, act, residual, self.exact)
 
 
 def matmul_input_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -246,6 +260,8 @@ class DecoderLayer(nn.Module):
             o = project(self.self_attn.o_proj, attn.flatten(1), True)
             norm = self.post_attention_layernorm
             x, h = exact_add_rms_norm(x, o, norm.weight, norm.eps, matmul_input_dtype(x))
+            if routes is None and not self.sparse:  # the MLP's add in its down projection's epilogue
+                return self.mlp(h, residual=x)
         else:
             x = x + project(self.self_attn.o_proj, attn.flatten(1), False)
             h = self.post_attention_layernorm(x)

@@ -328,4 +328,30 @@ for dtype in (torch.float32, torch.bfloat16):
         and relative_error(forms["100 rows, split True"], truth) < (1e-6 if dtype == torch.float32 else 1e-2),
         f"(relative error {relative_error(forms['100 rows, split True'], truth):.1e})",
     )
+
+# the residual add in the matmul's epilogue (the MLP's down projection): torch's `residual + matmul` to
+# the bit in every form, the product rounded to its own dtype first (a float32 residual stream over
+# bfloat16 matmuls, as autocast runs the master weights); its gradients those of the separate add.
+# (A bfloat16 residual is left to the GPU: the interpreter rounds float32 -> bfloat16 toward zero, torch
+# to nearest)
+from hybridflow.kernels.linear import exact_linear  # noqa: E402
+
+for dtype in (torch.float32, torch.bfloat16):
+    x, w, b = torch.randn(100, 3 * K_CHUNK + 8), torch.randn(40, 3 * K_CHUNK + 8) * 0.1, torch.randn(40)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    stream = torch.randn(100, 40)
+    same = all(
+        torch.equal(linear(x[:rows], w, b, split=split, residual=stream[:rows]), stream[:rows] + linear(x[:rows], w, b))
+        for rows in (100, 7) for split in (True, False)
+    )  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (x.float(), w.float(), stream)]
+    fused = exact_linear(leaves[0].to(dtype), leaves[1].to(dtype), None, leaves[2])
+    upstream = torch.randn_like(fused)
+    grads = torch.autograd.grad(fused, leaves, upstream)
+    separate = leaves[2] + exact_linear(leaves[0].to(dtype), leaves[1].to(dtype), None)
+    want = torch.autograd.grad(separate, leaves, upstream)
+    check(
+        f"matmul with the residual add in its epilogue, {dtype}",
+        same and torch.equal(fused, separate) and all(torch.equal(g, h) for g, h in zip(grads, want)),
+    )
 sys.exit(1 if failed else 0)

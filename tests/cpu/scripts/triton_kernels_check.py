@@ -61,23 +61,28 @@ keys = step_keys(torch.tensor([34445, 1]), torch.tensor([0, 0]))
 drawn = sample_triton(unlikely, 1.0, keys, block=64, programs_target=8)[0]
 print(f"sampler: the far less likely entry drawn {37 in drawn.tolist()} ({drawn.tolist()})")
 failed |= 37 in drawn.tolist()
-# the LM head's softmax work: stats in one sweep (a vocabulary of 2.5 blocks), gradient in place
+# the LM head's softmax work: stats over slices of 4 blocks (a vocabulary of 2.5 slices, its last
+# slice's last blocks past the end) merged in order, gradient in place
 from hybridflow.models.native import triton_logprobs  # noqa: E402
 from hybridflow.models.native.logprobs import _chunk_grad, _chunk_stats  # noqa: E402
 
 triton_logprobs.BLOCK = 64
-head_logits = (torch.randn(5, 160) * 4).bfloat16()
-head_targets = torch.tensor([0, 159, 63, 64, 7])
+head_logits = (torch.randn(5, 640) * 4).bfloat16()
+head_targets = torch.tensor([0, 639, 255, 256, 7])
 upstream = torch.randn(5)
 for scale in (1.0, 1 / 0.7):
     ref = _chunk_stats(head_logits, head_targets, scale)
     got = triton_logprobs.chunk_stats(head_logits, head_targets, scale)
     err = max((r - g).abs().max().item() for r, g in zip(ref, got))
+    alone = triton_logprobs.chunk_stats(head_logits[3:4], head_targets[3:4], scale)  # a row's bits: its own
+    same_alone = all(torch.equal(a[0], g[3]) for a, g in zip(alone, got))
     d_ref = _chunk_grad(head_logits, head_targets, upstream, ref[2], scale).float()
     d_got = triton_logprobs.chunk_grad_(head_logits.clone(), head_targets, upstream, got[2], scale).float()
     d_err = (d_ref - d_got).abs().max().item()
-    print(f"log-prob head scale={scale:.3f}: stats error {err:.2e}, gradient error {d_err:.2e}")
-    failed |= err > 5e-5 or d_err > 1e-2 * d_ref.abs().max().item()  # fp32 sums of ~20; bf16 out
+    print(
+        f"log-prob head scale={scale:.3f}: stats error {err:.2e}, gradient error {d_err:.2e}, alone {same_alone}"
+    )
+    failed |= err > 5e-5 or d_err > 1e-2 * d_ref.abs().max().item() or not same_alone  # fp32 sums; bf16 out
 # many tensors of mixed sizes (fp32 -> bf16 and fp32 -> fp32) copied by one launch per dtype pair
 sources = [torch.randn(n) for n in (1, 5, 1000, 37, 4096, 3)] + [torch.randn(7, 9)]
 targets = [
