@@ -205,8 +205,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H] -> [N, H]; with `residual` [N, H], residual + that (the block's add)."""
+    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> [N, H]; with `residual` [N, H], residual + that (the block's add: the exact
+        kernels add it in the down projection's epilogue)."""
         gate, up = project_group([self.gate_proj, self.up_proj], x, self.exact)
         if self.exact:  # one launch (the same math, rounded the same way)
             from hybridflow.kernels.swiglu import exact_silu_mul
@@ -260,12 +261,12 @@ class DecoderLayer(nn.Module):
             o = project(self.self_attn.o_proj, attn.flatten(1), True)
             norm = self.post_attention_layernorm
             x, h = exact_add_rms_norm(x, o, norm.weight, norm.eps, matmul_input_dtype(x))
-            if routes is None and not self.sparse:  # the MLP's add in its down projection's epilogue
-                return self.mlp(h, residual=x)
         else:
             x = x + project(self.self_attn.o_proj, attn.flatten(1), False)
             h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
+        if self.sparse:
+            return x + (self.mlp(h) if routes is None else self.mlp(h, routes))
+        return self.mlp(h, residual=x)  # the block's add (exact: in the down projection's epilogue)
 
     def after_attention_routed(
         self, x: torch.Tensor, attn: torch.Tensor
