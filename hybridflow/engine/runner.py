@@ -115,7 +115,9 @@ class Runner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend, slots: torch.Tensor
     ) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, H]; attend(layer, q, k, v) -> [N, Hq, D].
-        slots [N]: each token's cache slot, where an MoE layer's experts for it are kept (routes)."""
+        slots [N]: each token's cache slot, where an MoE layer's experts for it are kept (routes); the
+        exact kernels store each layer's K/V there in its rotary's launch (k is then None), the other
+        layers' attend stores them."""
         cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
         if self.cpu_layers is not None:
             return self.cpu_layers.hidden(input_ids, cos, sin, attend)
@@ -123,7 +125,10 @@ class Runner:
         x = backbone.embed_tokens(input_ids)  # [N, H]
         sparse = 0
         for i, (before_attention, after_attention) in enumerate(self.layer_parts):
-            q, k, v = before_attention(x, cos, sin)
+            if self.exact:
+                q, k, v = before_attention(x, cos, sin, (self.cache.k[i], self.cache.v[i], slots))
+            else:
+                q, k, v = before_attention(x, cos, sin)
             if kept is not None and backbone.layers[i].sparse:  # the router's choices, kept
                 x, chosen = backbone.layers[i].after_attention_routed(x, attend(i, q, k, v))
                 kept[sparse].index_copy_(0, slots, chosen.to(kept.dtype))
@@ -220,7 +225,8 @@ class Runner:
                 )
 
         def attend(i, q, k, v):
-            store_kv(cache.k[i], cache.v[i], new_t, k, v)
+            if not self.exact:  # (the exact layers stored them in their rotary's launch)
+                store_kv(cache.k[i], cache.v[i], new_t, k, v)
             return read_back(i, q)
 
         ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
@@ -278,9 +284,9 @@ class Runner:
             tiles, split = Tiles.of_decode(ctx), ctx.shape[0] * cache.k[0].shape[1] <= 128
 
         def attend(i, q, k, v):
-            store_kv(cache.k[i], cache.v[i], slots, k, v)
-            if self.exact:
+            if self.exact:  # (K/V stored in the layer's rotary launch)
                 return paged_attention(q, cache.k[i], cache.v[i], table, ps, tiles, split=split)
+            store_kv(cache.k[i], cache.v[i], slots, k, v)
             return paged_decode_attention(q, cache.k[i], cache.v[i], table, ctx, ps)
 
         with self._autocast():

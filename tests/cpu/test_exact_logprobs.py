@@ -46,6 +46,7 @@ def test_engine_and_trainer_log_probs_are_the_same_bits_in_the_interpreter():
     assert "norm backward, bfloat16: ok" in stdout
     assert "SwiGLU torch.float32: ok" in stdout and "SwiGLU torch.bfloat16: ok" in stdout
     assert "rotary of q and k in one launch: ok" in stdout
+    assert "K/V store, torch.float32: ok" in stdout and "K/V store, torch.bfloat16: ok" in stdout
     assert "matmul forms, torch.float32: ok" in stdout and "matmul forms, torch.bfloat16: ok" in stdout
     assert stdout.count("matmul with the residual add in its epilogue") == 2
     assert "epilogue, torch.float32: ok" in stdout and "epilogue, torch.bfloat16: ok" in stdout

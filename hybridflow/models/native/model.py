@@ -171,25 +171,36 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [N, H] -> q [N, Hq, D], k and v [N, Hkv, D], RoPE applied."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_store=None):
+        """x [N, H] -> q [N, Hq, D], k and v [N, Hkv, D], RoPE applied (kv_store: see position)."""
         n = x.shape[0]
         q, k, v = project_group([self.q_proj, self.k_proj, self.v_proj], x, self.exact)
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
-        return self.position(q, k, v, cos, sin)
+        return self.position(q, k, v, cos, sin, kv_store)
 
     def position(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_store=None,
     ):
-        """The projections q [N, Hq, D], k and v [N, Hkv, D] -> q and k normed (Qwen3) and rotated."""
+        """The projections q [N, Hq, D], k and v [N, Hkv, D] -> q and k normed (Qwen3) and rotated.
+        kv_store (the exact kernels): (k_cache, v_cache, slots [N]), an engine's cache layer: the rotated
+        k and v go to its rows `slots` in the rotary's launch, and k comes back None."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if kv_store is not None and not self.exact:
+            raise ValueError("Attention.position: kv_store is the exact kernels' (use_exact_kernels)")
         if self.exact:  # q and k in one launch (the same math, rounded the same way)
             from hybridflow.kernels.rope import exact_rope_qk
 
-            return *exact_rope_qk(q, k, cos, sin, v.dtype), v
+            store = None if kv_store is None else (*kv_store, v)
+            return *exact_rope_qk(q, k, cos, sin, v.dtype, store), v
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
@@ -240,15 +251,17 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(c.hidden_size, c.moe) if sparse else MLP(c)
         self.compiled: tuple | None = None  # (before_attention, after_attention) once compiled
 
-    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_store=None):
+        """x [N, H] -> q, k, v (Attention.qkv; kv_store: the exact kernels' K/V store, see
+        Attention.position)."""
         if self.self_attn.exact:  # the norm out in the QKV matmul's dtype (its cast, done in the norm)
             from hybridflow.kernels.rms_norm import exact_rms_norm
 
             norm = self.input_layernorm
             return self.self_attn.qkv(
-                exact_rms_norm(x, norm.weight, norm.eps, matmul_input_dtype(x)), cos, sin
+                exact_rms_norm(x, norm.weight, norm.eps, matmul_input_dtype(x)), cos, sin, kv_store
             )
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin, kv_store)
 
     def after_attention(
         self, x: torch.Tensor, attn: torch.Tensor, routes: torch.Tensor | None = None

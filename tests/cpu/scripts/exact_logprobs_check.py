@@ -308,6 +308,26 @@ check(
     and torch.equal(rope(q, cos, sin, torch.float32), reference_rope(q, cos, sin, torch.float32))
     and all(torch.equal(a, b) for a, b in zip(grads, want)),
 )
+# and with the engine's K/V store in the same launch: each token's rotated k and its v in its slot's
+# row of the cache layer (a v that is a column view of a wider projection, as the engine's), nothing
+# else of the cache written
+for dtype in (torch.float32, torch.bfloat16):
+    qkv = torch.randn(37, (4 + 2 + 2) * 16)
+    q, k, v = (t.view(37, -1, 16) for t in qkv.to(dtype).split([64, 32, 32], dim=1))
+    k_cache, v_cache = torch.full((50, 2, 16), 7.0, dtype=dtype), torch.full((50, 2, 16), 7.0, dtype=dtype)
+    slots = torch.randperm(50)[:37]
+    with torch.no_grad():
+        q_stored, nothing = exact_rope_qk(q, k, cos, sin, dtype, (k_cache, v_cache, slots, v))
+    others = torch.ones(50, dtype=torch.bool)
+    others[slots] = False
+    check(
+        f"rotary with the K/V store, {dtype}",
+        nothing is None
+        and torch.equal(q_stored, rope(q, cos, sin, dtype))
+        and torch.equal(k_cache[slots], rope(k, cos, sin, dtype))
+        and torch.equal(v_cache[slots], v)
+        and bool((k_cache[others] == 7).all() and (v_cache[others] == 7).all()),
+    )
 
 # the batch-invariant matmul's forms: the chunks looped in one program or each in a program of its
 # own (partials added in order after), loads through pointers (<= 64 rows) or TMA descriptors: every
