@@ -2,18 +2,17 @@
 other queries of its tile, the batch, or whether it runs in the trainer's packed forward, a prefill
 or a decode step.
 
-The keys 0..p of a query at position p are read in blocks of BLOCK_N from position 0, grouped into
-chunks of KEY_CHUNK keys; each chunk's softmax state (max, sum, weighted values) starts afresh, and
-the chunks merge in order. A tile holds every query head of one KV head for a few consecutive
+The keys 0..p of a query at position p are read in blocks of BLOCK_N from position 0; each block's
+softmax state (max, sum, weighted values) is its own, from scratch, and the blocks merge in order. A tile holds every query head of one KV head for a few consecutive
 positions of one sequence (one position in a decode step: a tile of 16 rows there, 64 elsewhere).
 Every sum over keys is a matmul (the weighted values, and the row sums as the weights times ones),
 whose order does not follow the tile's rows as a reduction's would, so a row's bits do not depend on
 the tile it sits in. Blocks past a query's position are masked whole and leave its state unchanged,
 so a tile's longest query sets the loop without touching the others.
 
-Two forms of the same sums: one program per tile loops over the chunks (prefill, training); or, for
-few queries (decode), one program per chunk writes its state and a second kernel merges them in
-order. K/V are read through a page table: the engine's pages, or the trainer's packed rows as pages
+Two forms of the same sums: one program per tile loops over the blocks (prefill, training); or, for
+few queries (decode), one program per block writes its state and a second kernel merges them in
+order: a decode step's query reads its keys in as many programs as it has blocks. K/V are read through a page table: the engine's pages, or the trainer's packed rows as pages
 of one token."""
 
 from __future__ import annotations
@@ -27,12 +26,14 @@ import triton.language as tl
 
 from hybridflow.kernels.launch import OPTIONS, UPCAST, dot, interpreted
 
-# Tile rows (query positions x heads of a group), key block and chunk: fixed for a run, the bits
-# follow them. (Chunks of 256 keys, for shorter programs in a decode step's split: the exact training
-# forward + backward 11.6% slower, a one-sequence rollout 3.9% faster; H100, 2026-12-07.) The
-# interpreter's are small for tiny models
-BLOCK_M, BLOCK_N, KEY_CHUNK = (16, 16, 32) if interpreted() else (64, 64, 512)
+# Tile rows (query positions x heads of a group) and key block: fixed for a run, the bits follow the
+# block. (Before, a state ran online over chunks of 512 keys, merged in order: a decode step's
+# one-sequence attention was then one program a KV head, 8 us a layer on an H100.) The interpreter's
+# are small for tiny models
+BLOCK_M, BLOCK_N = (16, 16) if interpreted() else (64, 64)
 WARPS = 1 if interpreted() else 4
+# A split's block states: a long table's many blocks past this are looped instead (the same bits)
+SPLIT_STATE_BYTES = 64 << 20
 
 
 @triton.jit
@@ -58,47 +59,37 @@ def _load_queries(q_ptr, tile, kv_head, tile_seq_ptr, tile_pos_ptr, tile_row_ptr
 
 
 @triton.jit
-def _chunk_state(q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_size, kv_head,
+def _block_state(q, positions, last, start, k_ptr, v_ptr, table_row, page_size, kv_head,
                  stride_kn, stride_kh, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
-    """Softmax state of keys [chunk_start, chunk_start + KEY_CHUNK) for each row, from scratch:
-    max m [BLOCK_M] (log2 units, -inf where every key is masked), sum denom, weighted values acc."""
+                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Softmax state of keys [start, start + BLOCK_N) for each row, from scratch: max m [BLOCK_M]
+    (log2 units, -inf where every key is masked), sum denom, weighted values acc [BLOCK_M, HEAD_PAD]."""
     d = tl.arange(0, HEAD_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    j = start + tl.arange(0, BLOCK_N)
+    present = j <= last
+    page = tl.load(table_row + j // page_size, mask=present, other=0).to(tl.int64)
+    slot = page * page_size + j % page_size
+    at = slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :]
+    kv_mask = present[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
+    v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
+    s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, UPCAST) * scale
+    s = tl.where(j[None, :] <= positions[:, None], s, float("-inf"))
+    m = tl.max(s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row that sees none of these keys: all weights 0
+    weights = tl.exp2(s - m_safe[:, None]).to(v.dtype)  # [BLOCK_M, BLOCK_N]
+    # the row sums of the weights that multiply the values, as a matmul: a fixed order (every
+    # column the same sum; tl.sum's order would follow the tile's layout)
     ones = tl.full([BLOCK_N, 16], 1.0, k_ptr.dtype.element_ty)  # (16: a matmul's narrowest tile)
-    end = tl.minimum(chunk_start + KEY_CHUNK, last + 1)
-    for start in range(chunk_start, end, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        present = j <= last
-        page = tl.load(table_row + j // page_size, mask=present, other=0).to(tl.int64)
-        slot = page * page_size + j % page_size
-        at = slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :]
-        kv_mask = present[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
-        s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, UPCAST) * scale
-        s = tl.where(j[None, :] <= positions[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-        weights = p.to(v.dtype)  # [BLOCK_M, BLOCK_N]
-        # the row sums of the weights that multiply the values, as a matmul: a fixed order (every
-        # column the same sum; tl.sum's order would follow the tile's layout)
-        sums = dot(weights, ones, tl.zeros([BLOCK_M, 16], tl.float32), PRECISION, UPCAST)
-        denom = denom * alpha + tl.max(sums, 1)
-        acc = acc * alpha[:, None] + dot(weights, v, tl.zeros([BLOCK_M, HEAD_PAD], tl.float32),
-                                         PRECISION, UPCAST)  # fmt: skip
-        m = m_new
+    denom = tl.max(dot(weights, ones, tl.zeros([BLOCK_M, 16], tl.float32), PRECISION, UPCAST), 1)
+    acc = dot(weights, v, tl.zeros([BLOCK_M, HEAD_PAD], tl.float32), PRECISION, UPCAST)
     return m, denom, acc
 
 
 @triton.jit
 def _merge(m, denom, acc, m_c, denom_c, acc_c):
-    """The running state and a later chunk's, merged (a chunk with nothing seen leaves it as is)."""
+    """The running state and a later block's, merged (a block a row sees nothing of leaves its state
+    as it is, to the bit: so a tile's longest query sets the loop without touching the others)."""
     m_new = tl.maximum(m, m_c)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m - m_safe)
@@ -120,9 +111,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, table_ptr, page_size,
                       tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh, stride_table, scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):  # fmt: skip
-    """One tile, every chunk in order; STORE_LSE: each row's log2-sum-exp2 into lse [N, Hq] too (the
+    """One tile, every block in order; STORE_LSE: each row's log2-sum-exp2 into lse [N, Hq] too (the
     backward's)."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     q, positions, valid, rows, heads, seq, last = _load_queries(
@@ -132,35 +123,35 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, table_ptr, page_size,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for chunk_start in range(0, last + 1, KEY_CHUNK):
-        m_c, denom_c, acc_c = _chunk_state(
-            q, positions, last, chunk_start, k_ptr, v_ptr, table_row, page_size, kv_head,
-            stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, KEY_CHUNK, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
+    for start in range(0, last + 1, BLOCK_N):
+        m_c, denom_c, acc_c = _block_state(
+            q, positions, last, start, k_ptr, v_ptr, table_row, page_size, kv_head,
+            stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
         m, denom, acc = _merge(m, denom, acc, m_c, denom_c, acc_c)
     _store(o_ptr, rows, heads, valid, denom, acc, stride_on, stride_oh, HEAD_DIM, HEAD_PAD)
     if STORE_LSE:
         tl.store(lse_ptr + rows * (tl.num_programs(1) * GROUP) + heads, m + tl.log2(denom), mask=valid)
 
 
-@triton.jit(do_not_specialize=["page_size", "stride_table", "chunks"])
-def _chunk_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
+@triton.jit(do_not_specialize=["page_size", "stride_table", "blocks"])
+def _block_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
                   tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
-                  stride_qn, stride_qh, stride_kn, stride_kh, stride_table, scale, chunks,
+                  stride_qn, stride_qh, stride_kn, stride_kh, stride_table, scale, blocks,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_PAD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """One tile's chunk program_id(2): its state into state [tiles, KV heads, chunks, 2, BLOCK_M] and
-    acc [tiles, KV heads, chunks, BLOCK_M, HEAD_PAD] (chunks past the tile's last query: nothing)."""
-    tile, kv_head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One tile's key block program_id(2): its state into state [tiles, KV heads, blocks, 2, BLOCK_M]
+    and acc [tiles, KV heads, blocks, BLOCK_M, HEAD_PAD] (blocks past the tile's last query: nothing)."""
+    tile, kv_head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q, positions, valid, rows, heads, seq, last = _load_queries(
         q_ptr, tile, kv_head, tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
         stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, HEAD_PAD)  # fmt: skip
-    if chunk * KEY_CHUNK <= last:
+    if block * BLOCK_N <= last:
         table_row = table_ptr + seq.to(tl.int64) * stride_table
-        m_c, denom_c, acc_c = _chunk_state(
-            q, positions, last, chunk * KEY_CHUNK, k_ptr, v_ptr, table_row, page_size, kv_head,
-            stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, KEY_CHUNK, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
-        at = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * chunks + chunk
+        m_c, denom_c, acc_c = _block_state(
+            q, positions, last, block * BLOCK_N, k_ptr, v_ptr, table_row, page_size, kv_head,
+            stride_kn, stride_kh, scale, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PRECISION)  # fmt: skip
+        at = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * blocks + block
         r = tl.arange(0, BLOCK_M)
         tl.store(state_ptr + at * 2 * BLOCK_M + r, m_c)
         tl.store(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r, denom_c)
@@ -168,12 +159,12 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, state_ptr, acc_ptr, table_ptr, page_size,
         tl.store(acc_ptr + at * BLOCK_M * HEAD_PAD + r[:, None] * HEAD_PAD + d[None, :], acc_c)
 
 
-@triton.jit(do_not_specialize=["chunks"])
+@triton.jit(do_not_specialize=["blocks"])
 def _merge_kernel(state_ptr, acc_ptr, o_ptr, tile_seq_ptr, tile_pos_ptr, tile_row_ptr, tile_count_ptr,
-                  stride_on, stride_oh, chunks,
+                  stride_on, stride_oh, blocks,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  KEY_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
-    """A tile's chunk states merged in order, as the looping kernel merges them."""
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
+    """A tile's block states merged in order, as the looping kernel merges them."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     first = tl.load(tile_pos_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
@@ -188,9 +179,9 @@ def _merge_kernel(state_ptr, acc_ptr, o_ptr, tile_seq_ptr, tile_pos_ptr, tile_ro
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    base = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * chunks
-    for chunk in range(0, tl.cdiv(last + 1, KEY_CHUNK)):
-        at = base + chunk
+    base = (tile.to(tl.int64) * tl.num_programs(1) + kv_head) * blocks
+    for block in range(0, tl.cdiv(last + 1, BLOCK_N)):
+        at = base + block
         m_c = tl.load(state_ptr + at * 2 * BLOCK_M + r)
         denom_c = tl.load(state_ptr + at * 2 * BLOCK_M + BLOCK_M + r)
         acc_c = tl.load(acc_ptr + at * BLOCK_M * HEAD_PAD + r[:, None] * HEAD_PAD + d[None, :])
@@ -259,7 +250,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [S, Hkv, D] (slot s of key position j of table row b: table[b, j // page_size]
     * page_size + j % page_size); table [B, P] int32 -> [N, Hq, D] in q's dtype (rows no tile covers
-    are left as they are). split: one program per key chunk and a merge (few tiles): the same bits.
+    are left as they are). split: one program per key block and a merge (few tiles): the same bits.
     lse: [N, Hq] float32, written with each row's log2-sum-exp2 of the scaled scores (not with split)."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -273,29 +264,30 @@ def paged_attention(
     scale = dim**-0.5 * 1.4426950408889634  # log2(e): the kernels exponentiate in base 2
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     table = table if table.stride(-1) == 1 else table.contiguous()
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, KEY_CHUNK=KEY_CHUNK, HEAD_DIM=dim,
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_DIM=dim,
                 HEAD_PAD=head_pad)  # fmt: skip
     tile_args = (tiles.seq, tiles.first, tiles.row, tiles.count)
+    blocks = -(-table.shape[1] * page_size // BLOCK_N)  # enough for the longest context the table holds
+    split = split and tile_count * kv_heads * blocks * block_m * (head_pad + 2) * 4 <= SPLIT_STATE_BYTES
     if not split:
         _attention_kernel[(tile_count, kv_heads)](
             q, k, v, out, out if lse is None else lse, table, page_size, *tile_args,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), table.stride(0),
-            scale, BLOCK_N=BLOCK_N, PRECISION=precision, STORE_LSE=lse is not None, num_warps=WARPS,
+            scale, PRECISION=precision, STORE_LSE=lse is not None, num_warps=WARPS,
             **meta, **OPTIONS,
         )  # fmt: skip
         return out
     if lse is not None:
         raise ValueError("paged_attention: lse is written by the looping form only (split=False)")
-    chunks = -(-table.shape[1] * page_size // KEY_CHUNK)  # enough for the longest context the table holds
-    state = torch.empty(tile_count, kv_heads, chunks, 2, block_m, dtype=torch.float32, device=q.device)
-    acc = torch.empty(tile_count, kv_heads, chunks, block_m, head_pad, dtype=torch.float32, device=q.device)
-    _chunk_kernel[(tile_count, kv_heads, chunks)](
+    state = torch.empty(tile_count, kv_heads, blocks, 2, block_m, dtype=torch.float32, device=q.device)
+    acc = torch.empty(tile_count, kv_heads, blocks, block_m, head_pad, dtype=torch.float32, device=q.device)
+    _block_kernel[(tile_count, kv_heads, blocks)](
         q, k, v, state, acc, table, page_size, *tile_args,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), scale, chunks,
-        BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=WARPS, **meta, **OPTIONS,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), scale, blocks,
+        PRECISION=precision, num_warps=WARPS, **meta, **OPTIONS,
     )  # fmt: skip
     _merge_kernel[(tile_count, kv_heads)](
-        state, acc, out, *tile_args, out.stride(0), out.stride(1), chunks,
+        state, acc, out, *tile_args, out.stride(0), out.stride(1), blocks,
         num_warps=WARPS, **meta, **OPTIONS,
     )  # fmt: skip
     return out
