@@ -182,7 +182,7 @@ class RolloutConfig:
     exact_logprobs: bool = False
     """Native engine and model, on CUDA: the engine and the trainer run every forward through the same
     batch-invariant kernels (hybridflow/kernels: matmuls with K in fixed chunks, RMSNorm a row per
-    program, attention over key blocks from position 0 in fixed chunks), so each sampled token's
+    program, attention over 64-key blocks from position 0 merged in order), so each sampled token's
     log-prob is the trainer's to the bit: pi_old is the engine's (no recompute pass), the rollout
     corrections are exactly 1, and every step checks training/rollout_probs_diff_max == 0 (fresh
     tokens of an asynchronous run), stopping with one line if a token differs. It also turns on
